@@ -1,0 +1,5 @@
+import sys
+
+from dlfsd.main import main
+
+sys.exit(main())

@@ -1,0 +1,150 @@
+"""The daemon's lifecycle: load datasets, mount, serve until unmounted or signalled.
+
+Started by `dlfs mount` (in-process with --foreground, or as
+`python -m dlfsd --config JSON` in its own session). It reports readiness
+through the file descriptor in $DLFS_READY_FD: "READY" once the kernel mount
+exists, or "ERROR <one line>" if it cannot come up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import signal
+import sys
+
+import pyfuse3
+import trio
+from dlfsd.namespace import Namespace
+from dlfsd.ops import DlfsOperations
+
+from dlfs.config import MountConfig
+from dlfs.errors import DlfsError
+from dlfs.runtime import DaemonRecord, remove_record, write_record
+from dlfs.store import Store
+
+log = logging.getLogger("dlfsd")
+
+READY_FD_ENV = "DLFS_READY_FD"
+
+
+def mount_options(config: MountConfig) -> set[str]:
+    options = {"fsname=dlfs", "subtype=dlfs", "ro", "default_permissions", "noatime"}
+    if config.allow_other:
+        options.add("allow_other")
+    if config.debug:
+        options.add("debug")
+    return options
+
+
+def configure_logging(config: MountConfig) -> None:
+    handler: logging.Handler
+    if config.log_file:
+        handler = logging.FileHandler(config.log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if config.debug else logging.INFO)
+    if not config.debug:
+        logging.getLogger("pyfuse3").setLevel(logging.WARNING)
+
+
+def load_namespace(config: MountConfig) -> Namespace:
+    store = Store(config.store).require()
+    names = list(config.datasets) or store.dataset_names()
+    if not names:
+        raise DlfsError(f"store {config.store} has no datasets (populate one with `dlfs populate`)")
+    datasets = [store.open(name) for name in names]
+    limiter = trio.CapacityLimiter(config.io_threads)
+    return Namespace(datasets, limiter, verify=config.verify)
+
+
+def _raise_fd_limit() -> None:
+    """Chunk files stay open; allow as many as the hard limit permits."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class Readiness:
+    """Tells the starting `dlfs mount` whether we came up (once)."""
+
+    def __init__(self) -> None:
+        fd = os.environ.pop(READY_FD_ENV, None)
+        self.fd = int(fd) if fd else None
+
+    def send(self, message: str) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.write(self.fd, (message.replace("\n", " ") + "\n").encode())
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.fd = None
+
+
+async def serve(config: MountConfig) -> bool:
+    """Run the FUSE loop; return True if we stopped on a signal (and must unmount)."""
+    signalled = False
+    async with trio.open_nursery() as nursery:
+
+        async def watch_signals() -> None:
+            nonlocal signalled
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for signum in sigs:
+                    log.info("got %s; unmounting %s", signal.Signals(signum).name,
+                             config.mountpoint)
+                    signalled = True
+                    pyfuse3.terminate()
+                    return
+
+        nursery.start_soon(watch_signals)
+        await pyfuse3.main(min_tasks=2, max_tasks=config.max_tasks)
+        nursery.cancel_scope.cancel()
+    return signalled
+
+
+def run(config: MountConfig, readiness: Readiness | None = None) -> int:
+    """Mount and serve; returns the process exit code."""
+    readiness = readiness or Readiness()
+    configure_logging(config)
+    try:
+        namespace = load_namespace(config)
+        ops = DlfsOperations(namespace, config.cache_timeout)
+        _raise_fd_limit()
+        pyfuse3.init(ops, config.mountpoint, mount_options(config))
+    except DlfsError as err:
+        log.error("%s", err)
+        readiness.send(f"ERROR {err}")
+        return err.exit_code
+    except Exception as err:  # e.g. RuntimeError from fuse_session_mount
+        log.exception("mount failed")
+        readiness.send(f"ERROR cannot mount {config.mountpoint}: {err}")
+        return 1
+    names = ", ".join(d.name for d in namespace.datasets)
+    log.info("mounted %s at %s (datasets: %s)", config.store, config.mountpoint, names)
+    write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
+    readiness.send("READY")
+    unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
+    try:
+        unmount = trio.run(serve, config)
+    finally:
+        pyfuse3.close(unmount=unmount)
+        namespace.close()
+        remove_record(config.mountpoint, os.getpid())
+        log.info("unmounted %s; daemon exits", config.mountpoint)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dlfsd",
+        description="DLFS per-node daemon. Normally started by `dlfs mount`; see `dlfs mount -h`.")
+    parser.add_argument("--config", required=True, help="MountConfig as JSON")
+    args = parser.parse_args(argv)
+    return run(MountConfig.from_json(args.config))

@@ -1,0 +1,165 @@
+"""DlfsOperations: the pyfuse3 adapter. Translates and delegates; no storage logic.
+
+Each handler turns a kernel request into one Namespace call and the result
+into pyfuse3 types. `errno_boundary` is the one place exceptions become
+errno: domain errors map through their `errno`, an unexpected exception is
+logged once with its traceback and becomes EIO (anything but FUSEError
+escaping a handler would leave the request unanswered).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+
+import pyfuse3
+from dlfsd.namespace import Attr, Namespace
+
+from dlfs.errors import DlfsError, ReadOnlyError
+
+log = logging.getLogger(__name__)
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+def errno_boundary(handler):
+    """Map any exception raised by a handler to a FUSEError (see module doc)."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except DlfsError as err:
+            raise pyfuse3.FUSEError(err.errno) from None
+        except OSError as err:
+            log.error("%s failed: %s", handler.__name__, err)
+            raise pyfuse3.FUSEError(err.errno or errno.EIO) from None
+        except Exception:
+            log.exception("unexpected error in %s; replying EIO", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _read_only(name: str):
+    @errno_boundary
+    async def refuse(self, *args, **kwargs):
+        raise ReadOnlyError(name)
+
+    refuse.__name__ = name
+    return refuse
+
+
+class DlfsOperations(pyfuse3.Operations):
+    """Read-only FUSE operations over a Namespace."""
+
+    def __init__(self, namespace: Namespace, cache_timeout: float = 86400.0) -> None:
+        super().__init__()
+        self.ns = namespace
+        self.timeout = cache_timeout
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+
+    def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = attr.ino
+        e.st_mode = attr.mode
+        e.st_nlink = attr.nlink
+        e.st_size = attr.size
+        e.st_blocks = (attr.size + 511) // 512
+        e.st_blksize = 128 * 1024
+        e.st_uid = self.uid
+        e.st_gid = self.gid
+        e.st_mtime_ns = e.st_ctime_ns = e.st_atime_ns = attr.mtime_ns
+        e.entry_timeout = e.attr_timeout = self.timeout
+        return e
+
+    @errno_boundary
+    async def lookup(self, parent_inode, name, ctx=None):
+        return self.entry(self.ns.getattr(self.ns.lookup(parent_inode, name)))
+
+    @errno_boundary
+    async def getattr(self, inode, ctx=None):
+        return self.entry(self.ns.getattr(inode))
+
+    @errno_boundary
+    async def readlink(self, inode, ctx=None):
+        return self.ns.readlink(inode)
+
+    @errno_boundary
+    async def opendir(self, inode, ctx=None):
+        self.ns.check_dir(inode)
+        return inode
+
+    @errno_boundary
+    async def readdir(self, fh, start_id, token):
+        for name, ino, next_id in self.ns.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, self.entry(self.ns.getattr(ino)), next_id):
+                break
+
+    async def releasedir(self, fh):
+        pass
+
+    @errno_boundary
+    async def open(self, inode, flags, ctx=None):
+        if flags & _WRITE_FLAGS:
+            raise ReadOnlyError(inode)
+        self.ns.check_file(inode)
+        # Stateless handle: the inode is all a read needs. Data never changes,
+        # so the kernel may keep its page cache across opens.
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    @errno_boundary
+    async def read(self, fh, off, size):
+        return await self.ns.read(fh, off, size)
+
+    async def release(self, fh):
+        pass
+
+    async def forget(self, inode_list):
+        pass
+
+    @errno_boundary
+    async def access(self, inode, mode, ctx=None):
+        if mode & os.W_OK:
+            raise ReadOnlyError(inode)
+        self.ns.getattr(inode)
+
+    @errno_boundary
+    async def statfs(self, ctx=None):
+        nbytes, entries = self.ns.totals()
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = (nbytes + 4095) // 4096
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = entries
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    @errno_boundary
+    async def getxattr(self, inode, name, ctx=None):
+        self.ns.getattr(inode)
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @errno_boundary
+    async def listxattr(self, inode, ctx=None):
+        self.ns.getattr(inode)
+        return []
+
+    setattr = _read_only("setattr")
+    mknod = _read_only("mknod")
+    mkdir = _read_only("mkdir")
+    unlink = _read_only("unlink")
+    rmdir = _read_only("rmdir")
+    symlink = _read_only("symlink")
+    rename = _read_only("rename")
+    link = _read_only("link")
+    create = _read_only("create")
+    write = _read_only("write")
+    setxattr = _read_only("setxattr")
+    removexattr = _read_only("removexattr")

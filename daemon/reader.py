@@ -1,0 +1,157 @@
+"""SampleReader: file bytes of one dataset, read from its chunk files.
+
+The hot path: a read of cached data is served inline with preadv(RWF_NOWAIT)
+and never leaves the trio loop; anything that could block (a disk read, the
+first open of a chunk, hashing a large extent) goes to a bounded thread pool.
+Each extent's checksum is checked the first time it is read; concurrent first
+reads of one extent share one load. Wrong bytes never leave this class.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import trio
+
+from dlfs.errors import CorruptDataError
+from dlfs.format import CHUNK_HEADER_SIZE, checksum
+from dlfs.store import Dataset
+
+log = logging.getLogger(__name__)
+
+_HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+
+
+class SampleReader:
+    """Reads (row, offset, size) of one dataset; verifies extents on first touch."""
+
+    def __init__(self, dataset: Dataset, limiter: trio.CapacityLimiter, verify: bool = True):
+        self.dataset = dataset
+        self.directory = dataset.directory
+        self._limiter = limiter
+        self._fds: list[int] = [-1] * dataset.chunk_count
+        # 1 = checked (or checking disabled); a bytearray costs 1 byte per extent.
+        fill = b"\0" if verify else b"\1"
+        self._verified = bytearray(fill * self.directory.extent_count)
+        self._loading: dict[int, trio.Event] = {}
+        self._reported: set[int] = set()
+        self._nowait = _HAVE_NOWAIT
+        d = self.directory
+        self._ext_chunk, self._ext_off, self._ext_len = (
+            d.ext_chunk_view, d.ext_offset_view, d.ext_length_view)
+
+    def close(self) -> None:
+        for i, fd in enumerate(self._fds):
+            if fd >= 0:
+                os.close(fd)
+                self._fds[i] = -1
+
+    async def read(self, row: int, offset: int, size: int) -> bytes | bytearray | memoryview:
+        """Up to `size` bytes of file `row` at `offset` (short at end of file)."""
+        file_size = self.directory.size(row)
+        end = min(offset + size, file_size)
+        if offset >= end:
+            return b""
+        piece = self.directory.extent_size
+        base = self.directory.first_extent(row)
+        first = offset // piece
+        last = (end - 1) // piece
+        if first == last:
+            return await self._read_extent(base + first, offset - first * piece, end - offset)
+        parts = []
+        for i in range(first, last + 1):
+            lo = max(offset, i * piece) - i * piece
+            hi = min(end, (i + 1) * piece) - i * piece
+            parts.append(await self._read_extent(base + i, lo, hi - lo))
+        return b"".join(parts)
+
+    async def _read_extent(self, ext: int, rel: int, length: int):
+        if not self._verified[ext]:
+            data = await self._load_verified(ext)
+            if data is not None:
+                return data if rel == 0 and length == len(data) else \
+                    memoryview(data)[rel : rel + length]
+        fd = await self._fd(self._ext_chunk[ext])
+        pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
+        if self._nowait:
+            buf = self._pread_cached(fd, length, pos)
+            if buf is not None:
+                return buf
+        return await trio.to_thread.run_sync(_pread_exact, fd, length, pos,
+                                             limiter=self._limiter)
+
+    def _pread_cached(self, fd: int, length: int, pos: int) -> bytearray | None:
+        """Read without blocking if the bytes are in the page cache, else None."""
+        buf = bytearray(length)
+        try:
+            got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._nowait = False  # the chunk file system cannot do it; always use threads
+            return None
+        return buf if got == length else None
+
+    async def _load_verified(self, ext: int) -> bytes | None:
+        """Load and check a whole extent once; None if another task checked it meanwhile."""
+        while not self._verified[ext]:
+            pending = self._loading.get(ext)
+            if pending is not None:
+                await pending.wait()
+                continue
+            done = self._loading[ext] = trio.Event()
+            try:
+                fd = await self._fd(self._ext_chunk[ext])
+                try:
+                    data, digest = await trio.to_thread.run_sync(
+                        _pread_and_hash, fd, self._ext_len[ext],
+                        CHUNK_HEADER_SIZE + self._ext_off[ext], limiter=self._limiter)
+                except CorruptDataError as err:
+                    self._report_corrupt(ext, str(err))
+                    raise
+                if digest != self.directory.ext_checksum_view[ext]:
+                    self._report_corrupt(ext, "checksum mismatch")
+                    raise CorruptDataError(f"checksum mismatch in extent {ext}")
+                self._verified[ext] = 1
+                return data
+            finally:
+                del self._loading[ext]
+                done.set()
+        return None
+
+    def _report_corrupt(self, ext: int, what: str) -> None:
+        if ext in self._reported:
+            return
+        self._reported.add(ext)
+        row = self.directory.row_of_extent(ext)
+        log.error("%s: dataset %s, file %s, chunk %d (%s); reads return EIO",
+                  what, self.dataset.name, os.fsdecode(self.directory.path(row)),
+                  self._ext_chunk[ext], self.dataset.chunk_path(self._ext_chunk[ext]))
+
+    async def _fd(self, chunk: int) -> int:
+        fd = self._fds[chunk]
+        if fd < 0:
+            path = self.dataset.chunk_path(chunk)
+            fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC,
+                                               limiter=self._limiter)
+            if self._fds[chunk] >= 0:  # another task opened it meanwhile
+                os.close(fd)
+                return self._fds[chunk]
+            self._fds[chunk] = fd
+        return fd
+
+
+def _pread_exact(fd: int, length: int, pos: int) -> bytes:
+    data = os.pread(fd, length, pos)
+    if len(data) != length:
+        raise CorruptDataError(f"chunk file is truncated at offset {pos}")
+    return data
+
+
+def _pread_and_hash(fd: int, length: int, pos: int) -> tuple[bytes, int]:
+    data = _pread_exact(fd, length, pos)
+    return data, checksum(data)

@@ -1,0 +1,276 @@
+"""`dlfs`: the admin and user command line.
+
+Every subcommand is `main(argv) -> int`: errors print one line
+(`dlfs: error: what, which path, what to do`) and exit non-zero; no
+tracebacks for anything a user can cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dlfs import __version__
+from dlfs.config import MountConfig
+from dlfs.errors import EXIT_CORRUPT, EXIT_INTERRUPTED, EXIT_OK, DlfsError
+from dlfs.format import DEFAULT_CHUNK_SIZE
+from dlfs.sizes import format_size, parse_size
+from dlfs.store import Store
+
+EXIT_CODES = """exit codes:
+  0    success
+  1    error (missing or unreadable path, store problem, mount failed)
+  2    usage error (bad flag or value)
+  3    verify found corrupt data
+  130  interrupted
+"""
+
+MAIN_EPILOG = """examples:
+  dlfs populate /lustre/imagenet --store /lustre/dlfs-store --name imagenet --jobs 16
+  dlfs ls --store /lustre/dlfs-store
+  dlfs mount /mnt/dlfs --store /lustre/dlfs-store
+  ls /mnt/dlfs/imagenet/train | head
+  dlfs umount /mnt/dlfs
+
+""" + EXIT_CODES
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except DlfsError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+# -- subcommands ---------------------------------------------------------------
+def cmd_populate(args: argparse.Namespace) -> int:
+    from dlfs.populate import PopulateOptions, populate
+
+    options = PopulateOptions(chunk_size=args.chunk_size, jobs=args.jobs, force=args.force,
+                              fsync=not args.no_fsync)
+    started = time.monotonic()
+    dataset = populate(Path(args.source), Store(args.store), args.name, options)
+    took = time.monotonic() - started
+    s = dataset.stats
+    print(f"published {dataset.name}: {s['files']} files, {format_size(s['bytes'])} in "
+          f"{dataset.chunk_count} chunks, {took:.1f} s "
+          f"({format_size(s['bytes'] / max(took, 1e-9))}/s) -> {dataset.path}")
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = Store(args.store)
+    rows = [("NAME", "FILES", "BYTES", "CHUNKS", "CREATED")]
+    for name in store.dataset_names():
+        d = store.open(name)
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.created))
+        rows.append((name, str(d.stats["files"]), format_size(d.stats["bytes"]),
+                     str(d.chunk_count), created))
+    if len(rows) == 1:
+        print(f"no datasets in {store.path}", file=sys.stderr)
+        return EXIT_OK
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    d = Store(args.store).open(args.name)
+    s = d.stats
+    lines = [
+        ("name", d.name),
+        ("path", str(d.path)),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(d.created))),
+        ("source", s["source"]),
+        ("files", str(s["files"])),
+        ("directories", str(s["dirs"])),
+        ("symlinks", str(s["symlinks"])),
+        ("bytes", f"{s['bytes']} ({format_size(s['bytes'])})"),
+        ("chunks", f"{d.chunk_count} of up to {format_size(d.chunk_size)}"),
+        ("extents", str(d.directory.extent_count)),
+        ("directory memory", format_size(d.directory.nbytes())),
+        ("skipped specials", str(s["skipped"])),
+        ("uuid", d.uuid.hex()),
+    ]
+    for key, value in lines:
+        print(f"{key + ':':<18} {value}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from dlfs.verify import verify_dataset
+
+    d = Store(args.store).open(args.name)
+    report = verify_dataset(d, jobs=args.jobs)
+    for error in report.chunk_errors:
+        print(f"chunk error: {error}")
+    for path in report.corrupt_files:
+        print(f"corrupt: {os.fsdecode(path)}")
+    if report.ok:
+        print(f"ok: {d.name}: {d.chunk_count} chunks, {format_size(report.checked_bytes)} checked")
+        return EXIT_OK
+    print(f"dlfs: error: {d.name}: {len(report.corrupt_files)} corrupt files, "
+          f"{len(report.chunk_errors)} bad chunks; re-populate it", file=sys.stderr)
+    return EXIT_CORRUPT
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    Store(args.store).remove(args.name)
+    print(f"removed {args.name} from {args.store}")
+    return EXIT_OK
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from dlfs.mountctl import mount
+
+    config = MountConfig(
+        mountpoint=args.mountpoint, store=os.path.abspath(args.store),
+        datasets=tuple(args.dataset or ()), verify=not args.no_verify,
+        io_threads=args.io_threads, max_tasks=args.max_tasks, cache_timeout=args.cache_timeout,
+        allow_other=args.allow_other, debug=args.debug,
+        log_file=os.path.abspath(args.log_file) if args.log_file else None)
+    return mount(config, foreground=args.foreground, timeout=args.timeout)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from dlfs.mountctl import umount
+
+    return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+
+
+# -- parser --------------------------------------------------------------------
+def _sub(subs, name: str, func: Callable, help_: str, epilog: str) -> argparse.ArgumentParser:
+    p = subs.add_parser(name, help=help_, description=help_, epilog=epilog + "\n" + EXIT_CODES,
+                        formatter_class=_Formatter)
+    p.set_defaults(func=func)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dlfs", formatter_class=_Formatter, epilog=MAIN_EPILOG,
+        description="DLFS packs datasets of many small samples into large chunk files and "
+                    "serves them through a read-only FUSE mount.")
+    parser.add_argument("--version", action="version", version=f"dlfs {__version__}")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = _sub(subs, "populate", cmd_populate, "pack a directory tree into a new dataset",
+             "examples:\n  dlfs populate ./imagenet --store /lustre/store --name imagenet\n"
+             "  dlfs populate ./bert --store /lustre/store --name bert --chunk-size 256M -j 32\n"
+             "\nThe dataset appears atomically when complete; an interrupted run publishes "
+             "nothing.")
+    p.add_argument("source", help="directory to pack (read, never modified)")
+    p.add_argument("--store", required=True, help="store directory (created if missing)")
+    p.add_argument("--name", required=True, help="dataset name (letters, digits, . _ + -)")
+    p.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE,
+                   help="chunk file size, e.g. 64M (default), 256M, 1G")
+    p.add_argument("-j", "--jobs", type=_positive, default=8,
+                   help="parallel source readers (default 8; more helps on parallel FS)")
+    p.add_argument("--force", action="store_true", help="replace an existing dataset NAME")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="skip fsync before publishing (faster; for scratch stores only)")
+
+    p = _sub(subs, "ls", cmd_ls, "list the datasets of a store",
+             "example:\n  dlfs ls --store /lustre/store")
+    p.add_argument("--store", required=True)
+
+    p = _sub(subs, "info", cmd_info, "show one dataset's details",
+             "example:\n  dlfs info --store /lustre/store imagenet")
+    p.add_argument("--store", required=True)
+    p.add_argument("name")
+
+    p = _sub(subs, "verify", cmd_verify,
+             "re-read every chunk of a dataset, check every checksum, name corrupt files",
+             "example:\n  dlfs verify --store /lustre/store imagenet")
+    p.add_argument("--store", required=True)
+    p.add_argument("name")
+    p.add_argument("-j", "--jobs", type=_positive, default=4, help="chunks checked in parallel")
+
+    p = _sub(subs, "rm", cmd_rm, "remove a dataset from a store",
+             "example:\n  dlfs rm --store /lustre/store imagenet")
+    p.add_argument("--store", required=True)
+    p.add_argument("name")
+
+    p = _sub(subs, "mount", cmd_mount,
+             "mount the datasets of a store read-only at MOUNTPOINT/<dataset>/",
+             "examples:\n  dlfs mount /mnt/dlfs --store /lustre/store\n"
+             "  dlfs mount /mnt/dlfs --store /lustre/store --dataset imagenet --dataset bert\n"
+             "  dlfs mount /mnt/dlfs --store /lustre/store --foreground --debug\n"
+             "\nWithout --foreground this returns once the mount answers; the daemon keeps "
+             "running\nin its own session and logs to --log-file (default: "
+             "/run/dlfs/<id>.log for root).")
+    p.add_argument("mountpoint")
+    p.add_argument("--store", required=True)
+    p.add_argument("--dataset", action="append", metavar="NAME",
+                   help="mount only this dataset (repeatable; default: all)")
+    p.add_argument("--foreground", action="store_true", help="run the daemon in this process")
+    p.add_argument("--debug", action="store_true", help="log every FUSE request")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check checksums on first read (trusts the store)")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users read the mount (needs user_allow_other for non-root)")
+    p.add_argument("--io-threads", type=_positive, default=16,
+                   help="threads for blocking disk reads (default 16)")
+    p.add_argument("--max-tasks", type=_positive, default=64,
+                   help="FUSE requests served concurrently (default 64)")
+    p.add_argument("--cache-timeout", type=float, default=86400.0,
+                   help="seconds the kernel may cache names and attributes (default 86400)")
+    p.add_argument("--log-file", help="daemon log file")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to wait for the mount to come up (default 120)")
+
+    p = _sub(subs, "umount", cmd_umount,
+             "unmount and wait for the daemon to exit (also cleans a dead daemon's mount)",
+             "examples:\n  dlfs umount /mnt/dlfs\n  dlfs umount --lazy /mnt/dlfs")
+    p.add_argument("mountpoint")
+    p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait for the daemon to exit before killing it")
+    return parser
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="dlfs: %(levelname)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)  # clean up temp files like on Ctrl-C
+    try:
+        return args.func(args)
+    except DlfsError as err:
+        print(f"dlfs: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("dlfs: interrupted; nothing was published", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as err:
+        where = f": {err.filename}" if err.filename else ""
+        print(f"dlfs: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""MountConfig: everything a user can tune about one mount, in one place.
+
+The CLI fills it from flags; the daemon receives it serialized (JSON) when
+`dlfs mount` starts it in the background, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    mountpoint: str
+    store: str
+    datasets: tuple[str, ...] = ()  # empty: every dataset of the store
+    verify: bool = True  # check each extent's checksum the first time it is read
+    io_threads: int = 16  # bounded pool for disk reads and checksums that could block
+    max_tasks: int = 64  # FUSE requests handled concurrently
+    cache_timeout: float = 86400.0  # entry/attr timeout: data is immutable
+    allow_other: bool = False
+    debug: bool = False
+    log_file: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> MountConfig:
+        data = json.loads(text)
+        data["datasets"] = tuple(data.get("datasets", ()))
+        return cls(**data)

@@ -1,0 +1,192 @@
+"""`dlfs mount` / `dlfs umount`: start and stop the daemon around the kernel mount.
+
+Lives in the core (no pyfuse3 import): it only spawns `python -m dlfsd`,
+waits for its readiness line, and talks to fusermount3. A mount left behind
+by a dead daemon (ENOTCONN) is cleaned before mounting, and `umount` works
+on such a mount too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+from dlfs.config import MountConfig
+from dlfs.errors import DlfsError, NotFoundError
+from dlfs.runtime import default_log_path, mountpoint_path, read_record, remove_record
+
+FSTYPE = "fuse.dlfs"
+
+
+def mounted_fstype(mountpoint: str) -> str | None:
+    """File-system type mounted exactly at `mountpoint`, from /proc/self/mountinfo."""
+    target = mountpoint_path(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            left, _, right = line.partition(b" - ")
+            fields = left.split()
+            path = _unescape(fields[4])
+            if path == target:
+                found = right.split()[0].decode()  # the last (top) mount wins
+    return found
+
+
+def _unescape(raw: bytes) -> str:
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        if raw[i] == 0x5C and i + 3 < len(raw) and raw[i + 1 : i + 4].isdigit():
+            out.append(int(raw[i + 1 : i + 4], 8))
+            i += 4
+        else:
+            out.append(raw[i])
+            i += 1
+    return os.fsdecode(bytes(out))
+
+
+def _fusermount(mountpoint: str, lazy: bool) -> subprocess.CompletedProcess:
+    cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise DlfsError("fusermount3 not found: install the fuse3 package") from None
+
+
+def prepare_mountpoint(mountpoint: str) -> str:
+    """Return the real path; clean a stale mount; refuse a live or missing one."""
+    path = os.path.realpath(mountpoint)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise NotFoundError(f"mountpoint does not exist: {path} (create it: mkdir -p {path})") \
+            from None
+    except OSError as err:
+        if err.errno != errno.ENOTCONN:
+            raise DlfsError(f"cannot use mountpoint {path}: {err.strerror}") from None
+        _fusermount(path, lazy=True)  # a dead daemon's mount: clean it
+        remove_record(path)
+    if not os.path.isdir(path):
+        raise DlfsError(f"mountpoint is not a directory: {path}")
+    fstype = mounted_fstype(path)
+    if fstype == FSTYPE:
+        raise DlfsError(f"already mounted: {path} (run `dlfs umount {path}` first)")
+    return path
+
+
+def mount(config: MountConfig, foreground: bool, timeout: float = 120.0) -> int:
+    """Mount per `config`; in the background, return once the mount answers."""
+    config = replace(config, mountpoint=prepare_mountpoint(config.mountpoint))
+    if foreground:
+        from dlfsd.main import run  # the daemon's deps load only when we become it
+
+        return run(config)
+    log_file = config.log_file or str(default_log_path(config.mountpoint))
+    config = replace(config, log_file=log_file)
+    return _spawn_and_wait(config, timeout)
+
+
+def _spawn_and_wait(config: MountConfig, timeout: float) -> int:
+    read_end, write_end = os.pipe()
+    env = dict(os.environ, DLFS_READY_FD=str(write_end))
+    with open(config.log_file, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dlfsd", "--config", config.to_json()],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+            pass_fds=(write_end,), start_new_session=True)
+    os.close(write_end)
+    try:
+        line = _read_line(read_end, timeout)
+    finally:
+        os.close(read_end)
+    if line == "READY":
+        _wait_until_answering(config.mountpoint, proc, timeout)
+        return 0
+    if line.startswith("ERROR "):
+        proc.wait(timeout=30)
+        raise DlfsError(line[len("ERROR ") :])
+    if line == "":
+        code = proc.wait(timeout=30)
+        raise DlfsError(f"daemon exited with code {code} before mounting; see {config.log_file}")
+    proc.kill()
+    raise DlfsError(f"daemon did not come up within {timeout:.0f} s; see {config.log_file}")
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    """The daemon's readiness line, '' on EOF, 'TIMEOUT' if it said nothing in time."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return "TIMEOUT"
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def _wait_until_answering(mountpoint: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DlfsError(f"daemon exited with code {proc.returncode} right after mounting")
+        if mounted_fstype(mountpoint) == FSTYPE:
+            os.stat(mountpoint)  # blocks until the daemon answered FUSE INIT
+            return
+        time.sleep(0.01)
+    raise DlfsError(f"mount at {mountpoint} did not answer within {timeout:.0f} s")
+
+
+def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
+    """Unmount and wait for the daemon to exit; also clears a dead daemon's mount."""
+    path = mountpoint_path(mountpoint)
+    fstype = mounted_fstype(path)
+    record = read_record(path)
+    if fstype is None:
+        remove_record(path)
+        raise DlfsError(f"not mounted: {path}")
+    if fstype != FSTYPE:
+        raise DlfsError(f"not a DLFS mount: {path} is {fstype}")
+    result = _fusermount(path, lazy)
+    if result.returncode != 0:
+        message = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        if "busy" in message.lower():
+            raise DlfsError(f"mount is busy: {path} (close files and shells using it, "
+                            "or run `dlfs umount --lazy`)")
+        raise DlfsError(f"cannot unmount {path}: {message}")
+    if record is not None:
+        _wait_for_exit(record.pid, timeout)
+    remove_record(path)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _wait_for_exit(pid: int, timeout: float) -> None:
+    """Give the daemon `timeout` s to finish, then TERM, then KILL."""
+    for sig, wait in ((None, timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if sig is not None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.02)

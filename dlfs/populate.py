@@ -1,0 +1,272 @@
+"""`dlfs populate`: pack a source tree into a new dataset in the store.
+
+Scan -> plan (pure arithmetic, dlfs.layout) -> read pieces with N parallel
+readers (sources live on slow parallel file systems, where one reader is
+latency-bound) -> append them to chunk files in plan order -> write the
+manifest -> publish by one rename. Any failure removes the temporary
+directory; a killed process leaves only a dot-named leftover that the next
+populate of the same name on this host cleans.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dlfs.directory import SampleDirectory, build_directory, chunk_lengths
+from dlfs.errors import DlfsError, UsageError
+from dlfs.format import (
+    CHUNK_DIR,
+    DEFAULT_CHUNK_SIZE,
+    MANIFEST_NAME,
+    MAX_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+    checksum,
+    chunk_filename,
+    encode_manifest,
+    pack_chunk_header,
+)
+from dlfs.progress import byte_progress
+from dlfs.scan import scan_tree
+from dlfs.store import Dataset, Store, check_dataset_name, fsync_dir, manifest_body
+
+log = logging.getLogger(__name__)
+
+# Bytes and pieces read ahead of the writer; bound memory whatever the file sizes.
+READ_WINDOW = 256 << 20
+PIECES_PER_READER = 64
+
+
+@dataclass(frozen=True)
+class PopulateOptions:
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    jobs: int = 8
+    force: bool = False
+    fsync: bool = True
+    progress: bool | None = None  # None: only when stderr is a terminal
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One extent to copy: `length` bytes at `offset` of source file `path`."""
+
+    path: bytes
+    offset: int
+    length: int
+    is_last: bool
+
+
+def check_options(options: PopulateOptions) -> None:
+    if not MIN_CHUNK_SIZE <= options.chunk_size <= MAX_CHUNK_SIZE:
+        raise UsageError(f"--chunk-size must be between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} "
+                         f"bytes, got {options.chunk_size}")
+    if options.jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {options.jobs}")
+
+
+def populate(source: Path, store: Store, name: str, options: PopulateOptions) -> Dataset:
+    """Pack `source` into `store` as dataset `name`; return the published dataset."""
+    check_options(options)
+    check_dataset_name(name)
+    _check_store_writable(store)
+    if store.exists(name) and not options.force:
+        raise DlfsError(f"dataset {name!r} already exists in {store.path} "
+                        "(use --force to replace it)")
+    store.clean_stale_temps(name)
+
+    scan = scan_tree(source)
+    if scan.skipped:
+        shown = ", ".join(os.fsdecode(p) for p in scan.skipped[:10])
+        more = f" and {len(scan.skipped) - 10} more" if len(scan.skipped) > 10 else ""
+        log.warning("skipped %d special files (sockets, fifos, devices): %s%s",
+                    len(scan.skipped), shown, more)
+    directory = build_directory(scan.entries, options.chunk_size)
+    dataset_uuid = uuid.uuid4().bytes
+    stats = _stats(directory, len(scan.skipped), os.fsdecode(os.path.abspath(source)))
+
+    tmp = _make_temp(store, name)
+    try:
+        checksums = write_chunks(source, tmp, directory, dataset_uuid, options)
+        directory = directory.with_checksums(checksums)
+        body = manifest_body(name, dataset_uuid, options.chunk_size, chunk_lengths(directory),
+                             directory, stats)
+        _write_file(tmp / MANIFEST_NAME, encode_manifest(body), options.fsync)
+        if options.fsync:
+            fsync_dir(tmp / CHUNK_DIR)
+            fsync_dir(tmp)
+        store.publish(tmp, name, replace=options.force)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _store_error(err, store) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return store.open(name)
+
+
+def _check_store_writable(store: Store) -> None:
+    try:
+        store.path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DlfsError(f"cannot create store {store.path}: {err.strerror}") from None
+    if not os.access(store.path, os.W_OK | os.X_OK):
+        raise DlfsError(f"store is not writable: {store.path} (check its permissions)")
+
+
+def _make_temp(store: Store, name: str) -> Path:
+    try:
+        tmp = store.make_temp_dir(name)
+        (tmp / CHUNK_DIR).mkdir()
+    except OSError as err:
+        raise _store_error(err, store) from None
+    return tmp
+
+
+def _store_error(err: OSError, store: Store) -> DlfsError:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DlfsError(f"store is full: {store.path} ({err.strerror}); nothing was published, "
+                         "free space or use another --store")
+    where = f": {err.filename}" if err.filename else ""
+    return DlfsError(f"cannot write to store {store.path} ({err.strerror}{where}); "
+                     "nothing was published")
+
+
+def _stats(directory: SampleDirectory, skipped: int, source: str) -> dict:
+    kinds = directory.arrays["mode"] & 0o170000
+    files = kinds == stat.S_IFREG
+    return {
+        "files": int(np.count_nonzero(files)),
+        "dirs": int(np.count_nonzero(kinds == stat.S_IFDIR)),
+        "symlinks": int(np.count_nonzero(kinds == stat.S_IFLNK)),
+        "bytes": int(directory.arrays["size"][files].sum()),
+        "skipped": skipped,
+        "source": source,
+    }
+
+
+def plan_pieces(source: Path, directory: SampleDirectory) -> Iterator[Piece]:
+    """Every extent of every file, in extent order, with the source path to read it from."""
+    root = os.fsencode(source)
+    ext_size = directory.extent_size
+    lengths = directory.ext_length_view
+    for row in directory.file_rows().tolist():
+        extents = directory.extents(row)
+        if not extents:
+            continue
+        path = os.path.join(root, directory.path(row))
+        for i, ext in enumerate(extents):
+            yield Piece(path, i * ext_size, lengths[ext], ext == extents.stop - 1)
+
+
+def read_piece(piece: Piece) -> tuple[bytes, int]:
+    """Read one extent from the source and checksum it (runs in a reader thread)."""
+    try:
+        fd = os.open(piece.path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:
+        raise DlfsError(f"cannot read source file {os.fsdecode(piece.path)}: {err.strerror}") \
+            from None
+    try:
+        # One byte more on the last piece tells us the file grew since the scan.
+        want = piece.length + (1 if piece.is_last else 0)
+        data = os.pread(fd, want, piece.offset)
+    finally:
+        os.close(fd)
+    if len(data) != piece.length:
+        raise DlfsError(f"source file changed while packing: {os.fsdecode(piece.path)}; "
+                        "re-run populate once the source is stable")
+    return data, checksum(data)
+
+
+def write_chunks(source: Path, tmp: Path, directory: SampleDirectory, dataset_uuid: bytes,
+                 options: PopulateOptions) -> np.ndarray:
+    """Copy every extent into chunk files under `tmp`; return the extent checksums."""
+    checksums = np.zeros(directory.extent_count, dtype=np.uint64)
+    total = int(directory.arrays["ext_length"].sum(dtype=np.uint64))
+    writer = ChunkWriter(tmp / CHUNK_DIR, dataset_uuid, options.fsync)
+    pieces = plan_pieces(source, directory)
+    chunk_of = directory.ext_chunk_view
+    window: deque[tuple[Future, int]] = deque()
+    max_pieces = options.jobs * PIECES_PER_READER
+    in_flight = 0
+    with ThreadPoolExecutor(options.jobs, thread_name_prefix="dlfs-reader") as pool, \
+            byte_progress(f"packing {source}", total, options.progress) as advance:
+        try:
+            for ext in range(directory.extent_count):
+                while not window or (in_flight < READ_WINDOW
+                                     and len(window) < max_pieces):
+                    piece = next(pieces, None)
+                    if piece is None:
+                        break
+                    window.append((pool.submit(read_piece, piece), piece.length))
+                    in_flight += piece.length
+                future, length = window.popleft()
+                in_flight -= length
+                data, checksums[ext] = future.result()
+                writer.append(chunk_of[ext], data)
+                advance(length)
+            writer.close()
+        finally:
+            for future, _ in window:
+                future.cancel()
+            writer.abort()
+    return checksums
+
+
+class ChunkWriter:
+    """Appends extents to chunk files in order; finishes each chunk's header on switch."""
+
+    def __init__(self, chunk_dir: Path, dataset_uuid: bytes, fsync: bool) -> None:
+        self.chunk_dir = chunk_dir
+        self.uuid = dataset_uuid
+        self.fsync = fsync
+        self.index = -1
+        self.file = None
+        self.length = 0
+
+    def append(self, index: int, data: bytes) -> None:
+        if index != self.index:
+            self._finish()
+            self.index = index
+            self.file = open(self.chunk_dir / chunk_filename(index), "wb")  # noqa: SIM115
+            self.file.write(pack_chunk_header(index, 0, self.uuid))
+            self.length = 0
+        self.file.write(data)
+        self.length += len(data)
+
+    def _finish(self) -> None:
+        if self.file is None:
+            return
+        self.file.seek(0)
+        self.file.write(pack_chunk_header(self.index, self.length, self.uuid))
+        self.file.flush()
+        if self.fsync:
+            os.fsync(self.file.fileno())
+        self.file.close()
+        self.file = None
+
+    def close(self) -> None:
+        self._finish()
+
+    def abort(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _write_file(path: Path, data: bytes, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())

@@ -1,0 +1,79 @@
+"""Where a running daemon leaves its pid and log, so `dlfs umount` can find it.
+
+One small JSON record per mountpoint, keyed by a hash of the mountpoint's real
+path, in a per-user runtime directory. Nothing in it is needed to serve reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+def runtime_dir() -> Path:
+    """/run/dlfs for root, $XDG_RUNTIME_DIR/dlfs, else /tmp/dlfs-UID; created 0700."""
+    if os.geteuid() == 0 and os.access("/run", os.W_OK):
+        base = Path("/run/dlfs")
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        base = Path(os.environ["XDG_RUNTIME_DIR"]) / "dlfs"
+    else:
+        base = Path(f"/tmp/dlfs-{os.geteuid()}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+@dataclass
+class DaemonRecord:
+    pid: int
+    mountpoint: str
+    store: str
+    log_file: str | None
+
+
+def mountpoint_path(mountpoint: str) -> str:
+    """Canonical path of a mountpoint without touching the mount itself.
+
+    Resolves symlinks in the parent only: stat'ing the mountpoint would block
+    (or deadlock, inside the daemon) while the FUSE daemon is not answering.
+    """
+    parent, name = os.path.split(os.path.abspath(mountpoint))
+    return os.path.join(os.path.realpath(parent), name)
+
+
+def _key(mountpoint: str) -> str:
+    return hashlib.sha1(mountpoint_path(mountpoint).encode()).hexdigest()[:16]
+
+
+def record_path(mountpoint: str) -> Path:
+    return runtime_dir() / f"{_key(mountpoint)}.json"
+
+
+def default_log_path(mountpoint: str) -> Path:
+    return runtime_dir() / f"{_key(mountpoint)}.log"
+
+
+def write_record(record: DaemonRecord) -> None:
+    path = record_path(record.mountpoint)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(record)))
+    os.replace(tmp, path)
+
+
+def read_record(mountpoint: str) -> DaemonRecord | None:
+    try:
+        return DaemonRecord(**json.loads(record_path(mountpoint).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def remove_record(mountpoint: str, pid: int | None = None) -> None:
+    """Remove the record (only if it is still ours, when pid is given)."""
+    record = read_record(mountpoint)
+    if record is None or (pid is not None and record.pid != pid):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        record_path(mountpoint).unlink()
