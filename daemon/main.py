@@ -9,11 +9,13 @@ exists, or "ERROR <one line>" if it cannot come up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import resource
 import signal
 import sys
+import time
 
 import pyfuse3
 import trio
@@ -88,8 +90,12 @@ class Readiness:
         self.fd = None
 
 
-async def serve(config: MountConfig) -> bool:
-    """Run the FUSE loop; return True if we stopped on a signal (and must unmount)."""
+async def serve(config: MountConfig, worker: bool = False) -> bool:
+    """Run the FUSE loop; return True if we stopped on a signal (and must unmount).
+
+    With several processes each handles one request at a time (max_tasks 1,
+    see start_workers); a single process keeps many requests in flight.
+    """
     signalled = False
     async with trio.open_nursery() as nursery:
 
@@ -97,14 +103,18 @@ async def serve(config: MountConfig) -> bool:
             nonlocal signalled
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
                 async for signum in sigs:
-                    log.info("got %s; unmounting %s", signal.Signals(signum).name,
-                             config.mountpoint)
+                    if not worker:
+                        log.info("got %s; unmounting %s", signal.Signals(signum).name,
+                                 config.mountpoint)
                     signalled = True
                     pyfuse3.terminate()
                     return
 
         nursery.start_soon(watch_signals)
-        await pyfuse3.main(min_tasks=2, max_tasks=config.max_tasks)
+        if config.workers > 1:
+            await pyfuse3.main(min_tasks=1, max_tasks=1)
+        else:
+            await pyfuse3.main(min_tasks=2, max_tasks=config.max_tasks)
         nursery.cancel_scope.cancel()
     return signalled
 
@@ -127,18 +137,84 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         readiness.send(f"ERROR cannot mount {config.mountpoint}: {err}")
         return 1
     names = ", ".join(d.name for d in namespace.datasets)
-    log.info("mounted %s at %s (datasets: %s)", config.store, config.mountpoint, names)
+    log.info("mounted %s at %s (datasets: %s, %d worker processes)", config.store,
+             config.mountpoint, names, config.workers)
+    workers = start_workers(config, namespace, ops)
     write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
     readiness.send("READY")
     unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
     try:
         unmount = trio.run(serve, config)
     finally:
+        stop_workers(workers)
         pyfuse3.close(unmount=unmount)
         namespace.close()
         remove_record(config.mountpoint, os.getpid())
         log.info("unmounted %s; daemon exits", config.mountpoint)
     return 0
+
+
+async def _answer_kernel_init(ops: DlfsOperations) -> None:
+    """Serve until the kernel's INIT request is answered, then stop (session stays open).
+
+    libfuse answers every request with EIO in a process that did not itself
+    handle INIT, so workers may only be forked after this.
+    """
+    async with trio.open_nursery() as nursery:
+        answered = trio.Event()
+        ops.on_init = answered.set
+        nursery.start_soon(pyfuse3.main, 1, 1)
+        await answered.wait()
+        nursery.cancel_scope.cancel()
+
+
+def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations) -> list[int]:
+    """Fork config.workers - 1 more processes serving the same FUSE session.
+
+    The kernel hands each request to exactly one reader of /dev/fuse, so N
+    processes serve N requests at once on N cores. With several processes a
+    blocked read() of /dev/fuse must never strand an unfinished request, so
+    every process then handles one request at a time with blocking I/O (the
+    libfuse multi-thread model); data is immutable and handles are
+    stateless, so no state needs sharing.
+    """
+    if config.workers <= 1:
+        return []
+    namespace.use_inline_io()
+    trio.run(_answer_kernel_init, ops)
+    pids = []
+    for _ in range(config.workers - 1):
+        pid = os.fork()
+        if pid == 0:  # worker: serve until unmount or SIGTERM, then leave without cleanup
+            code = 0
+            try:
+                trio.run(serve, config, True)
+            except BaseException:
+                log.exception("worker %d failed", os.getpid())
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        pids.append(pid)
+    return pids
+
+
+def stop_workers(pids: list[int], timeout: float = 10.0) -> None:
+    """Ask workers to stop and reap them (SIGKILL after `timeout`)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while True:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,11 @@ class Namespace:
         self._by_name = {d.name.encode(): i for i, d in enumerate(self.datasets)}
         self.mounted_ns = time.time_ns()
 
+    def use_inline_io(self) -> None:
+        """Switch every reader to blocking I/O in the handler (worker-process mode)."""
+        for reader in self.readers:
+            reader.inline_io = True
+
     def close(self) -> None:
         for reader in self.readers:
             reader.close()

@@ -63,6 +63,10 @@ class DlfsOperations(pyfuse3.Operations):
         self.timeout = cache_timeout
         self.uid = os.getuid()
         self.gid = os.getgid()
+        self.on_init = lambda: None  # called once the kernel's INIT request is answered
+
+    def init(self):
+        self.on_init()
 
     def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()

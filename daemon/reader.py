@@ -15,8 +15,8 @@ import os
 
 import trio
 
-from dlfs.errors import CorruptDataError
-from dlfs.format import CHUNK_HEADER_SIZE, checksum
+from dlfs.errors import CorruptDataError, FormatError
+from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store import Dataset
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,12 @@ _HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 class SampleReader:
     """Reads (row, offset, size) of one dataset; verifies extents on first touch."""
 
-    def __init__(self, dataset: Dataset, limiter: trio.CapacityLimiter, verify: bool = True):
+    def __init__(self, dataset: Dataset, limiter: trio.CapacityLimiter, verify: bool = True,
+                 inline_io: bool = False):
         self.dataset = dataset
+        # inline_io: do blocking I/O right in the handler. Used by worker processes,
+        # which serve one request at a time like libfuse's threads (see dlfsd.main).
+        self.inline_io = inline_io
         self.directory = dataset.directory
         self._limiter = limiter
         self._fds: list[int] = [-1] * dataset.chunk_count
@@ -36,7 +40,7 @@ class SampleReader:
         fill = b"\0" if verify else b"\1"
         self._verified = bytearray(fill * self.directory.extent_count)
         self._loading: dict[int, trio.Event] = {}
-        self._reported: set[int] = set()
+        self._reported: set = set()  # what was logged already: log each cause once
         self._nowait = _HAVE_NOWAIT
         d = self.directory
         self._ext_chunk, self._ext_off, self._ext_len = (
@@ -79,8 +83,13 @@ class SampleReader:
             buf = self._pread_cached(fd, length, pos)
             if buf is not None:
                 return buf
-        return await trio.to_thread.run_sync(_pread_exact, fd, length, pos,
-                                             limiter=self._limiter)
+        return await self._blocking(_pread_exact, fd, length, pos)
+
+    async def _blocking(self, fn, *args):
+        """Run a call that may block: inline in worker processes, else in the thread pool."""
+        if self.inline_io:
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     def _pread_cached(self, fd: int, length: int, pos: int) -> bytearray | None:
         """Read without blocking if the bytes are in the page cache, else None."""
@@ -107,9 +116,9 @@ class SampleReader:
             try:
                 fd = await self._fd(self._ext_chunk[ext])
                 try:
-                    data, digest = await trio.to_thread.run_sync(
+                    data, digest = await self._blocking(
                         _pread_and_hash, fd, self._ext_len[ext],
-                        CHUNK_HEADER_SIZE + self._ext_off[ext], limiter=self._limiter)
+                        CHUNK_HEADER_SIZE + self._ext_off[ext])
                 except CorruptDataError as err:
                     self._report_corrupt(ext, str(err))
                     raise
@@ -136,8 +145,14 @@ class SampleReader:
         fd = self._fds[chunk]
         if fd < 0:
             path = self.dataset.chunk_path(chunk)
-            fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC,
-                                               limiter=self._limiter)
+            try:
+                fd = await self._blocking(_open_chunk, path, chunk, self.dataset.uuid)
+            except (OSError, FormatError) as err:
+                if ("open", chunk) not in self._reported:
+                    self._reported.add(("open", chunk))
+                    log.error("cannot use chunk %d of dataset %s: %s; reads return EIO",
+                              chunk, self.dataset.name, err)
+                raise CorruptDataError(str(err)) from None
             if self._fds[chunk] >= 0:  # another task opened it meanwhile
                 os.close(fd)
                 return self._fds[chunk]
@@ -155,3 +170,14 @@ def _pread_exact(fd: int, length: int, pos: int) -> bytes:
 def _pread_and_hash(fd: int, length: int, pos: int) -> tuple[bytes, int]:
     data = _pread_exact(fd, length, pos)
     return data, checksum(data)
+
+
+def _open_chunk(path, index: int, dataset_uuid: bytes) -> int:
+    """Open a chunk file and check its header once (magic, version, owner)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check_chunk_header(os.pread(fd, CHUNK_HEADER_SIZE, 0), path, index, dataset_uuid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -147,7 +147,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     config = MountConfig(
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
-        io_threads=args.io_threads, max_tasks=args.max_tasks, cache_timeout=args.cache_timeout,
+        workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks, cache_timeout=args.cache_timeout,
         allow_other=args.allow_other, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None)
     return mount(config, foreground=args.foreground, timeout=args.timeout)
@@ -157,6 +157,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
     from dlfs.mountctl import umount
 
     return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dlfs.demo import run_demo
+
+    return run_demo(args.files, args.mean_size, args.workers,
+                    Path(args.workdir) if args.workdir else None, args.keep)
 
 
 # -- parser --------------------------------------------------------------------
@@ -230,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not check checksums on first read (trusts the store)")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other for non-root)")
+    p.add_argument("--workers", type=_positive, default=min(os.cpu_count() or 1, 8),
+                   help="daemon processes serving requests (default: cores, at most 8)")
     p.add_argument("--io-threads", type=_positive, default=16,
                    help="threads for blocking disk reads (default 16)")
     p.add_argument("--max-tasks", type=_positive, default=64,
@@ -247,6 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds to wait for the daemon to exit before killing it")
+
+    p = _sub(subs, "demo", cmd_demo,
+             "generate a dataset, pack it, mount it, read it like a training epoch, unmount",
+             "examples:\n  dlfs demo\n  dlfs demo --files 20000 --workers 4 --keep")
+    p.add_argument("--files", type=_positive, default=4000, help="samples to generate (4000)")
+    p.add_argument("--mean-size", type=_size, default=110 * 1024,
+                   help="mean sample size (110K, like ImageNet JPEGs)")
+    p.add_argument("--workers", type=_positive, default=4, help="reader processes (4)")
+    p.add_argument("--workdir", help="where to put source, store and mountpoint (default: temp)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
     return parser
 
 

@@ -16,6 +16,7 @@ class MountConfig:
     store: str
     datasets: tuple[str, ...] = ()  # empty: every dataset of the store
     verify: bool = True  # check each extent's checksum the first time it is read
+    workers: int = 1  # processes serving the mount; >1 gets a Python daemon past one core
     io_threads: int = 16  # bounded pool for disk reads and checksums that could block
     max_tasks: int = 64  # FUSE requests handled concurrently
     cache_timeout: float = 86400.0  # entry/attr timeout: data is immutable

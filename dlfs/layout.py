@@ -17,13 +17,12 @@ from dlfs.format import MAX_EXTENT_SIZE
 
 @dataclass(frozen=True)
 class ExtentPlan:
-    """Extents of all files (in file order) and the data length of each chunk."""
+    """Extents of all files, in file order."""
 
     ext_start: np.ndarray  # uint32[n_files + 1]: extents of file i are ext_start[i]:ext_start[i+1]
     ext_chunk: np.ndarray  # uint32[n_extents]
     ext_offset: np.ndarray  # uint32[n_extents]: offset in the chunk's data area
     ext_length: np.ndarray  # uint32[n_extents]
-    chunk_lengths: np.ndarray  # uint64[n_chunks]
     extent_size: int
 
 
@@ -49,22 +48,17 @@ def plan_extents(file_sizes: np.ndarray | list[int], chunk_size: int) -> ExtentP
 
     chunks = np.empty(n_ext, dtype=np.uint32)
     offsets = np.empty(n_ext, dtype=np.uint32)
-    chunk_lengths: list[int] = []
     chunk, pos = 0, 0
     for i, length in enumerate(lengths.tolist()):
         if pos + length > chunk_size and pos > 0:
-            chunk_lengths.append(pos)
             chunk, pos = chunk + 1, 0
         chunks[i] = chunk
         offsets[i] = pos
         pos += length
-    if pos > 0:
-        chunk_lengths.append(pos)
     return ExtentPlan(
         ext_start=ext_start,
         ext_chunk=chunks,
         ext_offset=offsets,
         ext_length=lengths,
-        chunk_lengths=np.asarray(chunk_lengths, dtype=np.uint64),
         extent_size=piece,
     )

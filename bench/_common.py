@@ -1,0 +1,270 @@
+"""Shared helpers for the DLFS benchmark scripts (bench/*.py).
+
+Everything here is plumbing: a work directory that is always removed, a
+mount that is always unmounted, a cache drop, a table printer and the
+ratio / target lines every script ends with. The scripts measure; they never
+assert (a MISS is reported, not raised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_BIN = Path(sys.executable).parent
+# The venv's `dlfs` if there is one, else the module (same code either way).
+DLFS = [str(_BIN / "dlfs")] if (_BIN / "dlfs").exists() else [sys.executable, "-m", "dlfs.cli"]
+
+_warned_cold = False
+
+
+# -- process hygiene ---------------------------------------------------------
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM behaves like Ctrl-C, so the `finally` clauses unmount and clean up."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+# -- arguments ---------------------------------------------------------------
+def add_common_args(parser: argparse.ArgumentParser, rounds: int = 3) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="shrink every size ~20x (smoke run; figures are not meaningful)")
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help=f"alternating rounds per measurement; the median is reported "
+                             f"(default {rounds})")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="parent directory for the work files (default: a fresh "
+                             "directory made with tempfile.mkdtemp under /var/tmp)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (source trees, store) at the end")
+
+
+def formatter() -> type[argparse.HelpFormatter]:
+    return argparse.RawDescriptionHelpFormatter
+
+
+def split_args(text: str | None) -> list[str]:
+    return shlex.split(text) if text else []
+
+
+# -- work directory ----------------------------------------------------------
+@contextlib.contextmanager
+def workdir(parent: Path | None, keep: bool, prefix: str) -> Iterator[Path]:
+    """A fresh directory (under `parent`, default /var/tmp), removed at the end unless keep."""
+    base = parent or Path("/var/tmp")
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"dlfs-bench-{prefix}-", dir=base))
+    print(f"work directory: {path}")
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"kept work directory: {path}")
+        elif mounts_under(path):
+            print(f"WARNING: not removing {path}: still mounted: {mounts_under(path)}",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below `path` (from /proc/self/mounts)."""
+    prefix = os.path.realpath(path)
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            target = line.split()[1].replace("\\040", " ")
+            if target == prefix or target.startswith(prefix + "/"):
+                found.append(target)
+    return found
+
+
+# -- dlfs commands -------------------------------------------------------------
+def run_dlfs(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([*DLFS, *args], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"`dlfs {shlex.join(args)}` failed ({result.returncode}): "
+                           f"{result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def populate(source: Path, store: Path, name: str, extra: Sequence[str] = ()) -> float:
+    """`dlfs populate`; returns the wall time of the whole command in seconds."""
+    started = time.perf_counter()
+    run_dlfs(["populate", str(source), "--store", str(store), "--name", name, *extra])
+    return time.perf_counter() - started
+
+
+def _daemon_pid(mountpoint: Path) -> int | None:
+    try:
+        from dlfs.runtime import read_record
+    except ImportError:
+        return None
+    record = read_record(str(mountpoint))
+    return record.pid if record else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+@contextlib.contextmanager
+def mounted(store: Path, mountpoint: Path, extra_args: Sequence[str] = (),
+            log_file: Path | None = None) -> Iterator[Path]:
+    """`dlfs mount MP --store STORE ...` for the duration of the block.
+
+    Always unmounts in `finally` (`dlfs umount`, falling back to
+    `fusermount3 -u -z`), and makes sure the daemon it started has exited.
+    """
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    args = ["mount", str(mountpoint), "--store", str(store), *extra_args]
+    if log_file is not None and "--log-file" not in extra_args:
+        args += ["--log-file", str(log_file)]
+    pid = None
+    try:
+        try:
+            run_dlfs(args)
+        except RuntimeError:
+            if log_file is not None and log_file.exists():
+                tail = log_file.read_text(errors="replace").splitlines()[-10:]
+                print("daemon log (tail):\n  " + "\n  ".join(tail), file=sys.stderr)
+            raise
+        pid = _daemon_pid(mountpoint)
+        yield mountpoint
+    finally:
+        _unmount(mountpoint, pid)
+
+
+def _unmount(mountpoint: Path, pid: int | None) -> None:
+    if pid is None:
+        pid = _daemon_pid(mountpoint)
+    if mounts_under(mountpoint):
+        result = run_dlfs(["umount", str(mountpoint)], check=False)
+        if result.returncode != 0 and mounts_under(mountpoint):
+            print(f"WARNING: dlfs umount failed ({result.stderr.strip()}); "
+                  "using fusermount3 -u -z", file=sys.stderr)
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+    if pid is None:
+        return
+    # Only the daemon this context started, by its pid.
+    for sig, wait in ((None, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            print(f"WARNING: daemon {pid} still running; sent {sig.name}", file=sys.stderr)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _pid_alive(pid):
+                return
+            time.sleep(0.02)
+
+
+# -- caches ------------------------------------------------------------------
+def drop_caches() -> bool:
+    """sync; echo 3 > /proc/sys/vm/drop_caches. Warns (once) if it cannot."""
+    global _warned_cold
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError as err:
+        if not _warned_cold:
+            print(f"WARNING: cannot drop caches ({err.strerror}); cold numbers are NOT cold "
+                  "(run as root)", file=sys.stderr)
+            _warned_cold = True
+        return False
+
+
+def sync() -> None:
+    os.sync()
+
+
+# -- reporting ---------------------------------------------------------------
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
+                title: str | None = None) -> None:
+    """Left-aligned first column, right-aligned numbers; floats to 3 significant places."""
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            if v != v:
+                return "-"
+            if abs(v) >= 100:
+                return f"{v:,.0f}"
+            return f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return str(v)
+
+    table = [[str(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
+    if title:
+        print(f"\n{title}")
+    for n, r in enumerate(table):
+        parts = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:],
+                                                                      strict=True)]
+        print("  " + "  ".join(parts).rstrip())
+        if n == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+@dataclass
+class Target:
+    name: str
+    value: float
+    op: str  # ">=", "<=", "<"
+    threshold: float
+    unit: str = ""
+
+    @property
+    def ok(self) -> bool:
+        if self.value != self.value:  # NaN
+            return False
+        return {">=": self.value >= self.threshold, "<=": self.value <= self.threshold,
+                "<": self.value < self.threshold, ">": self.value > self.threshold}[self.op]
+
+    def line(self) -> str:
+        verdict = "PASS" if self.ok else "MISS"
+        return (f"{verdict}  {self.name}: {self.value:.3f}{self.unit} "
+                f"(target {self.op} {self.threshold:g}{self.unit})")
+
+
+def ratio_line(label: str, value: float, baseline: float, unit: str = "") -> float:
+    """Print `label: value / baseline = ratio` and return the ratio."""
+    ratio = value / baseline if baseline else float("nan")
+    print(f"  {label}: {value:,.2f}{unit} / {baseline:,.2f}{unit} = {ratio:.3f}")
+    return ratio
+
+
+def print_targets(targets: Sequence[Target], quick: bool) -> None:
+    print("\ntargets" + (" (--quick: sizes shrunk, verdicts are indicative only)" if quick
+                         else ""))
+    for t in targets:
+        print(t.line())
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:.3f} s"

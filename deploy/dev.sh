@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Set up a development machine from a clean clone, then run the demo or the tests.
+#
+#   deploy/dev.sh demo    install what is missing, pack a generated dataset, mount it,
+#                         read it like a shuffled training epoch, print throughput, unmount
+#   deploy/dev.sh test    install what is missing, lint, run the whole test suite
+#   deploy/dev.sh setup   only install (Debian packages, .venv, pip install -e .)
+#
+# Needs root or sudo for apt-get and for mounting FUSE (/dev/fuse).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+PY=${PYTHON:-python3}
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+install_debian_packages() {
+    local want=(fuse3 libfuse3-dev pkg-config gcc openmpi-bin libopenmpi-dev)
+    # Debian's own python needs these to build venvs and C extensions (pyfuse3).
+    if [ "$(command -v "$PY")" = /usr/bin/python3 ]; then
+        want+=(python3-venv python3-dev)
+    fi
+    local missing=()
+    for pkg in "${want[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "dev.sh: installing Debian packages: ${missing[*]}"
+        as_root apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+}
+
+install_python_packages() {
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    # Reinstall only when the dependency list changed.
+    local stamp="$VENV/.dlfs-installed"
+    local want
+    want=$(sha1sum pyproject.toml | cut -d' ' -f1)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        echo "dev.sh: installing dlfs and its dependencies into $VENV"
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install -q -e ".[test,mpi]"
+        echo "$want" > "$stamp"
+    fi
+}
+
+setup() {
+    install_debian_packages
+    install_python_packages
+}
+
+case "${1:-}" in
+    setup) setup ;;
+    demo) setup; shift; exec "$VENV/bin/dlfs" demo "$@" ;;
+    test)
+        setup; shift
+        [ -e /dev/fuse ] || { echo "dev.sh: /dev/fuse is missing: FUSE tests cannot run" >&2; exit 1; }
+        "$VENV/bin/ruff" check .
+        exec "$VENV/bin/python" -m pytest "$@" ;;
+    *) sed -n '2,9p' "$0"; exit 2 ;;
+esac

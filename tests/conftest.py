@@ -1,0 +1,333 @@
+"""Shared fixtures: edge-case source trees, populated stores and real FUSE mounts.
+
+Fixtures for other test modules:
+
+- `edge_tree` (session): an `trees.EdgeTree` (source dir with thousands of files and
+  every awkward case; see tests/trees.py). Read-only: never modify it.
+- `edge_nodes` (session): `trees.describe_tree(edge_tree.root)`, the expected view.
+- `edge_store` (session): a store with `edge_tree` populated as dataset "edge"
+  (--chunk-size 256K). Read-only: copy it (`store_with`) to corrupt something.
+- `store_with(tree, name="ds", chunk_size="256K", store=None, *extra)`: populate
+  with the real `dlfs populate` CLI into a fresh (or the given) store; returns the store.
+- `mounted(store, *mount_args, mountpoint=None)`: `dlfs mount MP --store S` in the
+  background; returns a `Mount`. Teardown always unmounts (`dlfs umount`, then
+  `fusermount3 -u -z`, then `umount -l`) and kills any daemon left for MP, even
+  when the test failed. `mounted.try_mount(...)` returns the CompletedProcess
+  instead of failing; `mounted.new_mountpoint()` makes an empty directory.
+- `dlfs_cli(*args, env=None, timeout=120)`: run the `dlfs` CLI, return CompletedProcess.
+- `daemon_guard`: after the test, fails if a `dlfsd` started for a mountpoint of this
+  session is still running (and kills it).
+
+Real mounts need /dev/fuse and fusermount3: without them the mount tests skip,
+except in CI (CI=true), where they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from trees import TEST_CHUNK_SIZE, EdgeTree, describe_tree, make_edge_tree
+
+_VENV_DLFS = Path(sys.executable).with_name("dlfs")
+DLFS = [str(_VENV_DLFS)] if _VENV_DLFS.exists() else [sys.executable, "-m", "dlfs.cli"]
+
+# Mountpoints a live Mounter is responsible for; daemons of others are leftovers.
+_ACTIVE_MOUNTPOINTS: set[str] = set()
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def require_fuse() -> None:
+    """Skip (or, in CI, fail) when real FUSE mounts are impossible here."""
+    problems = []
+    if not os.path.exists("/dev/fuse"):
+        problems.append("/dev/fuse does not exist")
+    else:
+        try:
+            os.close(os.open("/dev/fuse", os.O_RDWR))
+        except OSError as err:
+            problems.append(f"cannot open /dev/fuse: {err.strerror}")
+    if shutil.which("fusermount3") is None:
+        problems.append("fusermount3 is not on PATH (install fuse3)")
+    if problems:
+        message = "real-mount tests need FUSE: " + "; ".join(problems)
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def run_dlfs(*args: str | os.PathLike, env: dict | None = None, timeout: float = 120,
+             **kwargs) -> subprocess.CompletedProcess:
+    """Run the real `dlfs` CLI; never raises on a non-zero exit."""
+    full_env = dict(os.environ)
+    full_env.pop("DLFS_READY_FD", None)
+    if env:
+        full_env.update(env)
+    return subprocess.run([*DLFS, *map(str, args)], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, **kwargs)
+
+
+def describe_result(result: subprocess.CompletedProcess) -> str:
+    return (f"`{' '.join(map(str, result.args))}` exited {result.returncode}\n"
+            f"--- stdout ---\n{result.stdout}--- stderr ---\n{result.stderr}")
+
+
+def populate_store(tree: Path | EdgeTree, store: Path, name: str = "ds",
+                   chunk_size: str | int = "256K", *extra: str) -> Path:
+    source = tree.root if isinstance(tree, EdgeTree) else tree
+    result = run_dlfs("populate", source, "--store", store, "--name", name,
+                      "--chunk-size", str(chunk_size), *extra)
+    if result.returncode != 0:
+        pytest.fail("populate failed: " + describe_result(result))
+    return store
+
+
+# -- processes and mounts, read from /proc (never through the code under test) ----
+def _unescape_mountinfo(raw: bytes) -> bytes:
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        if raw[i] == 0x5C and raw[i + 1 : i + 4].isdigit() and len(raw[i + 1 : i + 4]) == 3:
+            out.append(int(raw[i + 1 : i + 4], 8))
+            i += 4
+        else:
+            out.append(raw[i])
+            i += 1
+    return bytes(out)
+
+
+def mounts_by_path() -> dict[str, str]:
+    """{mountpoint: fstype} of every mount this process sees (the top one wins)."""
+    found = {}
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            left, _, right = line.partition(b" - ")
+            path = os.fsdecode(_unescape_mountinfo(left.split()[4]))
+            found[path] = right.split()[0].decode()
+    return found
+
+
+def fstype_at(path: str | Path) -> str | None:
+    return mounts_by_path().get(str(path))
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def wait_dead(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.01)
+    return not pid_alive(pid)
+
+
+def dlfsd_processes() -> dict[int, str]:
+    """{pid: mountpoint} of every running `python -m dlfsd --config JSON` process."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"dlfsd" not in argv and not any(a.endswith(b"/dlfsd") for a in argv):
+            continue
+        mountpoint = ""
+        if b"--config" in argv:
+            i = argv.index(b"--config")
+            with contextlib.suppress(IndexError, ValueError, KeyError):
+                mountpoint = json.loads(argv[i + 1])["mountpoint"]
+        if pid_alive(int(entry)):
+            found[int(entry)] = mountpoint
+    return found
+
+
+def daemons_under(root: Path) -> dict[int, str]:
+    prefix = str(root).rstrip("/") + "/"
+    return {pid: mp for pid, mp in dlfsd_processes().items() if mp.startswith(prefix)}
+
+
+def daemon_pids_for(mountpoint: str | Path) -> list[int]:
+    return [pid for pid, mp in dlfsd_processes().items() if mp == str(mountpoint)]
+
+
+def kill_and_reap(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    wait_dead(pid, 10)
+
+
+def force_unmount(mountpoint: Path) -> list[str]:
+    """Unmount however possible and kill its daemon; returns what had to be forced."""
+    forced = []
+    pids = daemon_pids_for(mountpoint)
+    if fstype_at(mountpoint) is not None:
+        result = run_dlfs("umount", mountpoint, "--timeout", "10", timeout=60)
+        if fstype_at(mountpoint) is not None:
+            forced.append(f"dlfs umount failed: {result.stderr.strip()}")
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
+                           timeout=60)
+        if fstype_at(mountpoint) is not None:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=60)
+    for pid in pids + daemon_pids_for(mountpoint):
+        if pid_alive(pid):
+            forced.append(f"killed daemon {pid}")
+            kill_and_reap(pid)
+    return forced
+
+
+@dataclass
+class Mount:
+    """A live background mount made by `dlfs mount`."""
+
+    path: Path
+    store: Path
+    log: Path
+    pid: int
+
+    def __truediv__(self, other: str | bytes) -> Path | bytes:
+        if isinstance(other, bytes):
+            return os.path.join(os.fsencode(self.path), other)
+        return self.path / other
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class Mounter:
+    """Makes background mounts under `base` and tears all of them down."""
+
+    base: Path
+    mountpoints: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.base = self.base.resolve()  # the daemon records the real path
+
+    def new_mountpoint(self) -> Path:
+        mp = self._unique(self.base / "mnt")
+        mp.mkdir(parents=True)
+        return mp
+
+    def _unique(self, stem: Path) -> Path:
+        i = 0
+        while True:
+            candidate = stem.with_name(f"{stem.name}{i}")
+            if not candidate.exists():
+                return candidate
+            i += 1
+
+    def try_mount(self, store: Path, *args: str, mountpoint: Path | None = None,
+                  log: Path | None = None) -> subprocess.CompletedProcess:
+        require_fuse()
+        mp = mountpoint or self.new_mountpoint()
+        if mp not in self.mountpoints:
+            self.mountpoints.append(mp)  # before mounting: teardown also cleans a half mount
+        _ACTIVE_MOUNTPOINTS.add(str(mp))
+        log = log or mp.with_name(mp.name + ".dlfsd.log")
+        return run_dlfs("mount", mp, "--store", store, "--log-file", log, "--timeout", "60",
+                        *args, timeout=120)
+
+    def __call__(self, store: Path, *args: str, mountpoint: Path | None = None) -> Mount:
+        mp = mountpoint or self.new_mountpoint()
+        log = mp.with_name(mp.name + ".dlfsd.log")
+        result = self.try_mount(store, *args, mountpoint=mp, log=log)
+        if result.returncode != 0:
+            pytest.fail("mount failed: " + describe_result(result) + "\n--- daemon log ---\n"
+                        + (log.read_text(errors="replace") if log.exists() else ""))
+        pids = daemon_pids_for(mp)
+        assert len(pids) == 1, f"expected one dlfsd for {mp}, found {pids}"
+        assert fstype_at(mp) == "fuse.dlfs", f"{mp} is not a fuse.dlfs mount after dlfs mount"
+        return Mount(path=mp, store=store, log=log, pid=pids[0])
+
+    def cleanup(self) -> list[str]:
+        forced = []
+        for mp in reversed(self.mountpoints):
+            forced += force_unmount(mp)
+            _ACTIVE_MOUNTPOINTS.discard(str(mp))
+        self.mountpoints.clear()
+        return forced
+
+
+# -- fixtures -------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def dlfs_cli():
+    return run_dlfs
+
+
+@pytest.fixture(scope="session")
+def edge_tree(tmp_path_factory) -> EdgeTree:
+    return make_edge_tree(tmp_path_factory.mktemp("edge") / "src", TEST_CHUNK_SIZE)
+
+
+@pytest.fixture(scope="session")
+def edge_nodes(edge_tree):
+    return describe_tree(edge_tree.root)
+
+
+@pytest.fixture(scope="session")
+def edge_store(tmp_path_factory, edge_tree) -> Path:
+    return populate_store(edge_tree, tmp_path_factory.mktemp("edge-store") / "store", "edge")
+
+
+@pytest.fixture
+def store_with(tmp_path_factory):
+    def factory(tree: Path | EdgeTree, name: str = "ds", chunk_size: str | int = "256K",
+                store: Path | None = None, *extra: str) -> Path:
+        store = store or tmp_path_factory.mktemp("store") / "store"
+        return populate_store(tree, store, name, chunk_size, *extra)
+
+    return factory
+
+
+@pytest.fixture
+def mounted(tmp_path_factory):
+    mounter = Mounter(tmp_path_factory.mktemp("mounts"))
+    yield mounter
+    mounter.cleanup()
+
+
+@pytest.fixture(scope="session")
+def make_mounter(tmp_path_factory):
+    """For module-scoped mounts: `m = make_mounter(); ...; m.cleanup()`."""
+    return lambda: Mounter(tmp_path_factory.mktemp("mounts"))
+
+
+@pytest.fixture
+def daemon_guard(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp().resolve()
+    yield
+    left = {pid: mp for pid, mp in daemons_under(base).items()
+            if mp not in _ACTIVE_MOUNTPOINTS}
+    stale = [mp for mp, fstype in mounts_by_path().items()
+             if mp.startswith(str(base) + "/") and fstype.startswith("fuse")
+             and mp not in _ACTIVE_MOUNTPOINTS]
+    for mp in stale:
+        force_unmount(Path(mp))
+    for pid in left:
+        kill_and_reap(pid)
+    assert not left, f"dlfsd processes left running after the test: {left}"
+    assert not stale, f"FUSE mounts left after the test: {stale}"

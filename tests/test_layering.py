@@ -1,0 +1,22 @@
+"""The core imports without libfuse: populate must run on login nodes and MPI ranks."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+
+import dlfs
+
+CORE_MODULES = sorted(f"dlfs.{m.name}" for m in pkgutil.iter_modules(dlfs.__path__))
+PURE_DAEMON_MODULES = ["dlfsd.namespace", "dlfsd.reader"]
+
+
+def test_core_and_daemon_internals_import_without_pyfuse3():
+    modules = CORE_MODULES + PURE_DAEMON_MODULES
+    code = ("import sys; sys.modules['pyfuse3'] = None\n"
+            + "".join(f"import {m}\n" for m in modules)
+            + "assert 'pyfuse3' not in {k for k, v in sys.modules.items() if v is not None}\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "dlfs.cli" in CORE_MODULES and "dlfs.populate" in CORE_MODULES
