@@ -171,7 +171,22 @@ def daemons_under(root: Path) -> dict[int, str]:
 
 
 def daemon_pids_for(mountpoint: str | Path) -> list[int]:
-    return [pid for pid, mp in dlfsd_processes().items() if mp == str(mountpoint)]
+    """Every process of the daemon serving `mountpoint` (the main one and its workers)."""
+    return sorted(pid for pid, mp in dlfsd_processes().items() if mp == str(mountpoint))
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def main_daemon_pids(mountpoint: str | Path) -> list[int]:
+    """The daemon processes for `mountpoint` that were not forked by another of them."""
+    pids = daemon_pids_for(mountpoint)
+    return [pid for pid in pids if parent_pid(pid) not in pids]
 
 
 def kill_and_reap(pid: int) -> None:
@@ -206,7 +221,8 @@ class Mount:
     path: Path
     store: Path
     log: Path
-    pid: int
+    pid: int  # the main daemon process
+    pids: list[int]  # all daemon processes (main and forked workers) right after mounting
 
     def __truediv__(self, other: str | bytes) -> Path | bytes:
         if isinstance(other, bytes):
@@ -258,10 +274,10 @@ class Mounter:
         if result.returncode != 0:
             pytest.fail("mount failed: " + describe_result(result) + "\n--- daemon log ---\n"
                         + (log.read_text(errors="replace") if log.exists() else ""))
-        pids = daemon_pids_for(mp)
-        assert len(pids) == 1, f"expected one dlfsd for {mp}, found {pids}"
+        main = main_daemon_pids(mp)
+        assert len(main) == 1, f"expected one main dlfsd for {mp}, found {main}"
         assert fstype_at(mp) == "fuse.dlfs", f"{mp} is not a fuse.dlfs mount after dlfs mount"
-        return Mount(path=mp, store=store, log=log, pid=pids[0])
+        return Mount(path=mp, store=store, log=log, pid=main[0], pids=daemon_pids_for(mp))
 
     def cleanup(self) -> list[str]:
         forced = []

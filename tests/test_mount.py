@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from trees import (
-    BAD_FILE,
     describe_tree,
     file_bytes,
     make_small_tree,
