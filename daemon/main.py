@@ -19,13 +19,13 @@ import time
 
 import pyfuse3
 import trio
-from dlfsd.namespace import Namespace
-from dlfsd.ops import DlfsOperations
 
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.runtime import DaemonRecord, remove_record, write_record
 from dlfs.store import Store
+from dlfsd.namespace import Namespace
+from dlfsd.ops import DlfsOperations
 
 log = logging.getLogger("dlfsd")
 

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 
 import trio
-from dlfsd.reader import SampleReader
 
 from dlfs.errors import IsADirError, NotADirError, NotFoundError
 from dlfs.store import Dataset
+from dlfsd.reader import SampleReader
 
 ROOT_INODE = 1
 FIRST_DATASET_INODE = 1024

@@ -15,9 +15,9 @@ import logging
 import os
 
 import pyfuse3
-from dlfsd.namespace import Attr, Namespace
 
 from dlfs.errors import DlfsError, ReadOnlyError
+from dlfsd.namespace import Attr, Namespace
 
 log = logging.getLogger(__name__)
 

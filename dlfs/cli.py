@@ -147,7 +147,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     config = MountConfig(
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
-        workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks, cache_timeout=args.cache_timeout,
+        workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
+        cache_timeout=args.cache_timeout,
         allow_other=args.allow_other, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None)
     return mount(config, foreground=args.foreground, timeout=args.timeout)
