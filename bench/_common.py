@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,16 +28,60 @@ _BIN = Path(sys.executable).parent
 DLFS = [str(_BIN / "dlfs")] if (_BIN / "dlfs").exists() else [sys.executable, "-m", "dlfs.cli"]
 
 _warned_cold = False
+_main_pid = os.getpid()
+_cleanup_depth = 0
+_pending_interrupt = False
 
 
 # -- process hygiene ---------------------------------------------------------
 def _terminate(signum, frame):
+    global _pending_interrupt
+    if os.getpid() != _main_pid:
+        # A forked reader (multiprocessing.Pool worker) inherited this handler:
+        # die the default way, or Pool.terminate() can deadlock on it.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    if _cleanup_depth:
+        # Never abandon an unmount or a removal half-way: finish it, then stop.
+        _pending_interrupt = True
+        print("interrupted: finishing cleanup first", file=sys.stderr)
+        return
     raise KeyboardInterrupt
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM behaves like Ctrl-C, so the `finally` clauses unmount and clean up."""
+    """SIGTERM and SIGINT raise KeyboardInterrupt in this process (never during cleanup),
+    so the `finally` clauses unmount and remove the work directory."""
+    global _main_pid
+    _main_pid = os.getpid()
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Exit with main()'s code; 130 (no traceback) when interrupted."""
+    install_signal_handlers()
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("interrupted; cleaned up", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
+@contextlib.contextmanager
+def _cleanup() -> Iterator[None]:
+    """Defer SIGTERM/SIGINT until the block is done, then raise KeyboardInterrupt."""
+    global _cleanup_depth, _pending_interrupt
+    _cleanup_depth += 1
+    try:
+        yield
+    finally:
+        _cleanup_depth -= 1
+        if _cleanup_depth == 0 and _pending_interrupt:
+            _pending_interrupt = False
+            raise KeyboardInterrupt
 
 
 # -- arguments ---------------------------------------------------------------
@@ -52,6 +96,16 @@ def add_common_args(parser: argparse.ArgumentParser, rounds: int = 3) -> None:
                              "directory made with tempfile.mkdtemp under /var/tmp)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the work directory (source trees, store) at the end")
+
+
+def size_arg(text: str) -> int:
+    """argparse type for sizes like 146M, 1G, 4096."""
+    from dlfs.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except Exception as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def formatter() -> type[argparse.HelpFormatter]:
@@ -73,13 +127,14 @@ def workdir(parent: Path | None, keep: bool, prefix: str) -> Iterator[Path]:
     try:
         yield path
     finally:
-        if keep:
-            print(f"kept work directory: {path}")
-        elif mounts_under(path):
-            print(f"WARNING: not removing {path}: still mounted: {mounts_under(path)}",
-                  file=sys.stderr)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        with _cleanup():
+            if keep:
+                print(f"kept work directory: {path}")
+            elif mounts_under(path):
+                print(f"WARNING: not removing {path}: still mounted: {mounts_under(path)}",
+                      file=sys.stderr)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def mounts_under(path: Path) -> list[str]:
@@ -119,13 +174,37 @@ def _daemon_pid(mountpoint: Path) -> int | None:
     return record.pid if record else None
 
 
-def _pid_alive(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields of /proc/PID/stat after the command name (state is [0], ppid [1])."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
+
+
+def _is_dlfsd(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dlfsd" in f.read()
     except OSError:
         return False
-    return state not in (b"Z", b"X")
+
+
+def _daemon_pids(main_pid: int) -> list[int]:
+    """The daemon's main process and its worker processes (children running dlfsd)."""
+    pids = [main_pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields and fields[1] == str(main_pid).encode() and _is_dlfsd(int(entry)):
+                pids.append(int(entry))
+    return pids
 
 
 @contextlib.contextmanager
@@ -134,13 +213,14 @@ def mounted(store: Path, mountpoint: Path, extra_args: Sequence[str] = (),
     """`dlfs mount MP --store STORE ...` for the duration of the block.
 
     Always unmounts in `finally` (`dlfs umount`, falling back to
-    `fusermount3 -u -z`), and makes sure the daemon it started has exited.
+    `fusermount3 -u -z`), and makes sure the daemon processes it started
+    (main and workers, by pid) have exited.
     """
     mountpoint.mkdir(parents=True, exist_ok=True)
     args = ["mount", str(mountpoint), "--store", str(store), *extra_args]
     if log_file is not None and "--log-file" not in extra_args:
         args += ["--log-file", str(log_file)]
-    pid = None
+    pids: list[int] = []
     try:
         try:
             run_dlfs(args)
@@ -150,33 +230,58 @@ def mounted(store: Path, mountpoint: Path, extra_args: Sequence[str] = (),
                 print("daemon log (tail):\n  " + "\n  ".join(tail), file=sys.stderr)
             raise
         pid = _daemon_pid(mountpoint)
+        pids = _daemon_pids(pid) if pid else []
         yield mountpoint
     finally:
-        _unmount(mountpoint, pid)
+        with _cleanup():
+            _unmount(mountpoint, pids)
 
 
-def _unmount(mountpoint: Path, pid: int | None) -> None:
-    if pid is None:
+def daemon_alive(pids: Sequence[int]) -> bool:
+    return any(_pid_alive(p) for p in pids)
+
+
+def _unmount(mountpoint: Path, pids: list[int]) -> None:
+    if not pids:
         pid = _daemon_pid(mountpoint)
+        pids = _daemon_pids(pid) if pid else []
     if mounts_under(mountpoint):
         result = run_dlfs(["umount", str(mountpoint)], check=False)
         if result.returncode != 0 and mounts_under(mountpoint):
             print(f"WARNING: dlfs umount failed ({result.stderr.strip()}); "
                   "using fusermount3 -u -z", file=sys.stderr)
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
-    if pid is None:
-        return
-    # Only the daemon this context started, by its pid.
+    # Only the daemon processes this context started, by pid (and still running dlfsd).
     for sig, wait in ((None, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        left = [p for p in pids if _pid_alive(p) and _is_dlfsd(p)]
+        if not left:
+            return
         if sig is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-            print(f"WARNING: daemon {pid} still running; sent {sig.name}", file=sys.stderr)
+            print(f"WARNING: daemon processes {left} still running; sending {sig.name}",
+                  file=sys.stderr)
+            for p in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, sig)
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _pid_alive(pid):
-                return
+        while time.monotonic() < deadline and any(_pid_alive(p) for p in left):
             time.sleep(0.02)
+
+
+def read_ahead_kb(mountpoint: Path, set_to: int | None = None) -> int | None:
+    """The kernel read-ahead (KiB) of the file system at mountpoint; optionally set it first.
+
+    For a FUSE mount this also caps the size of READ requests for buffered reads.
+    Returns None if /sys/class/bdi is not available (or not writable when setting).
+    """
+    st = os.stat(mountpoint)
+    path = Path(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb")
+    try:
+        if set_to is not None:
+            path.write_text(f"{set_to}\n")
+        return int(path.read_text())
+    except OSError as err:
+        print(f"WARNING: cannot access {path}: {err.strerror}", file=sys.stderr)
+        return None
 
 
 # -- caches ------------------------------------------------------------------
@@ -214,7 +319,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
                 return "-"
             if abs(v) >= 100:
                 return f"{v:,.0f}"
-            return f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
+            return f"{v:#.3g}" if abs(v) < 1 else f"{v:.2f}"
         if isinstance(v, int):
             return f"{v:,}"
         return str(v)

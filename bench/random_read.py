@@ -21,12 +21,17 @@ Targets (from the issue):
   warm  110 KiB  mount/source >= 0.45
   warm  2.5 KB   mount/source >= 0.15
   cold  110 KiB  mount/source >= 0.70     (cold 2.5 KB is reported, no target)
+
+examples (from the repository root; run as root for cache drops):
+  .venv/bin/python bench/random_read.py --quick
+  .venv/bin/python bench/random_read.py
+  .venv/bin/python bench/random_read.py --mount-args='--no-verify'
+  .venv/bin/python bench/random_read.py --rounds 5 --workers 4 --keep
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,12 +40,12 @@ from _common import (
     add_common_args,
     drop_caches,
     formatter,
-    install_signal_handlers,
     median,
     mounted,
     populate,
     print_table,
     print_targets,
+    run_main,
     split_args,
     workdir,
 )
@@ -109,7 +114,6 @@ def one_side(side: str, tree: TreeSpec, prefix: Path, workers: int, seed: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    install_signal_handlers()
     args = parse_args(argv)
     mount_args = split_args(args.mount_args)
     trees = [TreeSpec("imagenet", "110KiB", args.large_files, 110 << 10),
@@ -168,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -44,7 +44,7 @@ def mount_options(config: MountConfig) -> set[str]:
 def configure_logging(config: MountConfig) -> None:
     handler: logging.Handler
     if config.log_file:
-        handler = logging.FileHandler(config.log_file)
+        handler = logging.FileHandler(config.log_file, errors="backslashreplace")
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 
 import trio
 
+from dlfs.directory import display_path
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store import Dataset
@@ -22,6 +24,8 @@ from dlfs.store import Dataset
 log = logging.getLogger(__name__)
 
 _HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+
+UNCHECKED, VERIFIED, CORRUPT = 0, 1, 2
 
 
 class SampleReader:
@@ -36,17 +40,21 @@ class SampleReader:
         self.directory = dataset.directory
         self._limiter = limiter
         self._fds: list[int] = [-1] * dataset.chunk_count
-        # 1 = checked (or checking disabled); a bytearray costs 1 byte per extent.
-        fill = b"\0" if verify else b"\1"
-        self._verified = bytearray(fill * self.directory.extent_count)
+        # One byte per extent: UNCHECKED, VERIFIED or CORRUPT (already logged). An
+        # anonymous shared mapping, so worker processes forked later share it: an
+        # extent is verified once per mount and a corrupt one logged once.
+        self._state = mmap.mmap(-1, max(1, self.directory.extent_count))
+        if not verify:
+            self._state.write(bytes([VERIFIED]) * self.directory.extent_count)
         self._loading: dict[int, trio.Event] = {}
-        self._reported: set = set()  # what was logged already: log each cause once
+        self._unusable_chunks: set[int] = set()  # logged already
         self._nowait = _HAVE_NOWAIT
         d = self.directory
         self._ext_chunk, self._ext_off, self._ext_len = (
             d.ext_chunk_view, d.ext_offset_view, d.ext_length_view)
 
     def close(self) -> None:
+        self._state.close()
         for i, fd in enumerate(self._fds):
             if fd >= 0:
                 os.close(fd)
@@ -72,7 +80,7 @@ class SampleReader:
         return b"".join(parts)
 
     async def _read_extent(self, ext: int, rel: int, length: int):
-        if not self._verified[ext]:
+        if self._state[ext] != VERIFIED:
             data = await self._load_verified(ext)
             if data is not None:
                 return data if rel == 0 and length == len(data) else \
@@ -107,7 +115,7 @@ class SampleReader:
 
     async def _load_verified(self, ext: int) -> bytes | None:
         """Load and check a whole extent once; None if another task checked it meanwhile."""
-        while not self._verified[ext]:
+        while self._state[ext] != VERIFIED:
             pending = self._loading.get(ext)
             if pending is not None:
                 await pending.wait()
@@ -125,7 +133,7 @@ class SampleReader:
                 if digest != self.directory.ext_checksum_view[ext]:
                     self._report_corrupt(ext, "checksum mismatch")
                     raise CorruptDataError(f"checksum mismatch in extent {ext}")
-                self._verified[ext] = 1
+                self._state[ext] = VERIFIED
                 return data
             finally:
                 del self._loading[ext]
@@ -133,12 +141,12 @@ class SampleReader:
         return None
 
     def _report_corrupt(self, ext: int, what: str) -> None:
-        if ext in self._reported:
+        if self._state[ext] == CORRUPT:
             return
-        self._reported.add(ext)
+        self._state[ext] = CORRUPT
         row = self.directory.row_of_extent(ext)
         log.error("%s: dataset %s, file %s, chunk %d (%s); reads return EIO",
-                  what, self.dataset.name, os.fsdecode(self.directory.path(row)),
+                  what, self.dataset.name, display_path(self.directory.path(row)),
                   self._ext_chunk[ext], self.dataset.chunk_path(self._ext_chunk[ext]))
 
     async def _fd(self, chunk: int) -> int:
@@ -148,8 +156,8 @@ class SampleReader:
             try:
                 fd = await self._blocking(_open_chunk, path, chunk, self.dataset.uuid)
             except (OSError, FormatError) as err:
-                if ("open", chunk) not in self._reported:
-                    self._reported.add(("open", chunk))
+                if chunk not in self._unusable_chunks:
+                    self._unusable_chunks.add(chunk)
                     log.error("cannot use chunk %d of dataset %s: %s; reads return EIO",
                               chunk, self.dataset.name, err)
                 raise CorruptDataError(str(err)) from None

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from dlfs import __version__
 from dlfs.config import MountConfig
-from dlfs.errors import EXIT_CORRUPT, EXIT_INTERRUPTED, EXIT_OK, DlfsError
+from dlfs.directory import display_path
+from dlfs.errors import EXIT_CORRUPT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DlfsError
 from dlfs.format import DEFAULT_CHUNK_SIZE
 from dlfs.sizes import format_size, parse_size
 from dlfs.store import Store
@@ -43,6 +44,13 @@ MAIN_EPILOG = """examples:
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line too, with a pointer to --help."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"dlfs: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _size(text: str) -> int:
@@ -126,7 +134,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for error in report.chunk_errors:
         print(f"chunk error: {error}")
     for path in report.corrupt_files:
-        print(f"corrupt: {os.fsdecode(path)}")
+        print(f"corrupt: {display_path(path)}")
     if report.ok:
         print(f"ok: {d.name}: {d.chunk_count} chunks, {format_size(report.checked_bytes)} checked")
         return EXIT_OK
@@ -176,12 +184,13 @@ def _sub(subs, name: str, func: Callable, help_: str, epilog: str) -> argparse.A
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dlfs", formatter_class=_Formatter, epilog=MAIN_EPILOG,
         description="DLFS packs datasets of many small samples into large chunk files and "
                     "serves them through a read-only FUSE mount.")
     parser.add_argument("--version", action="version", version=f"dlfs {__version__}")
-    subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                 parser_class=_Parser)
 
     p = _sub(subs, "populate", cmd_populate, "pack a directory tree into a new dataset",
              "examples:\n  dlfs populate ./imagenet --store /lustre/store --name imagenet\n"

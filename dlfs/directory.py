@@ -194,6 +194,11 @@ class SampleDirectory:
         return SampleDirectory(arrays, self.names, self.links, self.extent_size)
 
 
+def display_path(raw: bytes) -> str:
+    """A stored path for messages and logs: bytes that are not UTF-8 shown as \\xNN."""
+    return raw.decode("utf-8", "backslashreplace")
+
+
 def _split(relpath: bytes) -> tuple[bytes, bytes]:
     parent, _, name = relpath.rpartition(b"/")
     if name in (b"", b".", b"..") or b"\0" in name:

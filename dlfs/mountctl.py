@@ -25,8 +25,8 @@ FSTYPE = "fuse.dlfs"
 
 
 def mounted_fstype(mountpoint: str) -> str | None:
-    """File-system type mounted exactly at `mountpoint`, from /proc/self/mountinfo."""
-    target = mountpoint_path(mountpoint)
+    """File-system type mounted exactly at canonical path `mountpoint` (/proc/self/mountinfo)."""
+    target = mountpoint
     found = None
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
@@ -74,9 +74,13 @@ def prepare_mountpoint(mountpoint: str) -> str:
         remove_record(path)
     if not os.path.isdir(path):
         raise DlfsError(f"mountpoint is not a directory: {path}")
-    fstype = mounted_fstype(path)
-    if fstype == FSTYPE:
-        raise DlfsError(f"already mounted: {path} (run `dlfs umount {path}` first)")
+    if mounted_fstype(path) == FSTYPE:
+        record = read_record(path)
+        if record is not None and _alive(record.pid):
+            raise DlfsError(f"already mounted: {path} (run `dlfs umount {path}` first)")
+        # The daemon is gone (the kernel may still answer stat from its cache).
+        _fusermount(path, lazy=True)
+        remove_record(path)
     return path
 
 
@@ -156,6 +160,10 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     if fstype != FSTYPE:
         raise DlfsError(f"not a DLFS mount: {path} is {fstype}")
     result = _fusermount(path, lazy)
+    if result.returncode == 0 and lazy:
+        # Detached: the daemon keeps serving files that are still open and
+        # exits by itself when the last one is closed.
+        return 0
     if result.returncode != 0:
         message = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
         if "busy" in message.lower():

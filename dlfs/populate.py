@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlfs.directory import SampleDirectory, build_directory, chunk_lengths
+from dlfs.directory import SampleDirectory, build_directory, chunk_lengths, display_path
 from dlfs.errors import DlfsError, UsageError
 from dlfs.format import (
     CHUNK_DIR,
@@ -38,7 +38,7 @@ from dlfs.format import (
     pack_chunk_header,
 )
 from dlfs.progress import byte_progress
-from dlfs.scan import scan_tree
+from dlfs.scan import check_source, scan_tree
 from dlfs.store import Dataset, Store, check_dataset_name, fsync_dir, manifest_body
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def populate(source: Path, store: Store, name: str, options: PopulateOptions) ->
     """Pack `source` into `store` as dataset `name`; return the published dataset."""
     check_options(options)
     check_dataset_name(name)
+    check_source(source)
     _check_store_writable(store)
     if store.exists(name) and not options.force:
         raise DlfsError(f"dataset {name!r} already exists in {store.path} "
@@ -87,16 +88,19 @@ def populate(source: Path, store: Store, name: str, options: PopulateOptions) ->
 
     scan = scan_tree(source)
     if scan.skipped:
-        shown = ", ".join(os.fsdecode(p) for p in scan.skipped[:10])
+        shown = ", ".join(display_path(p) for p in scan.skipped[:10])
         more = f" and {len(scan.skipped) - 10} more" if len(scan.skipped) > 10 else ""
         log.warning("skipped %d special files (sockets, fifos, devices): %s%s",
                     len(scan.skipped), shown, more)
     directory = build_directory(scan.entries, options.chunk_size)
     dataset_uuid = uuid.uuid4().bytes
-    stats = _stats(directory, len(scan.skipped), os.fsdecode(os.path.abspath(source)))
+    stats = _stats(directory, len(scan.skipped),
+                   display_path(os.fsencode(os.path.abspath(source))))
 
-    tmp = _make_temp(store, name)
+    tmp = store.temp_dir_path(name)  # named before it exists, so cleanup never misses it
     try:
+        tmp.mkdir()
+        (tmp / CHUNK_DIR).mkdir()
         checksums = write_chunks(source, tmp, directory, dataset_uuid, options)
         directory = directory.with_checksums(checksums)
         body = manifest_body(name, dataset_uuid, options.chunk_size, chunk_lengths(directory),
@@ -122,15 +126,6 @@ def _check_store_writable(store: Store) -> None:
         raise DlfsError(f"cannot create store {store.path}: {err.strerror}") from None
     if not os.access(store.path, os.W_OK | os.X_OK):
         raise DlfsError(f"store is not writable: {store.path} (check its permissions)")
-
-
-def _make_temp(store: Store, name: str) -> Path:
-    try:
-        tmp = store.make_temp_dir(name)
-        (tmp / CHUNK_DIR).mkdir()
-    except OSError as err:
-        raise _store_error(err, store) from None
-    return tmp
 
 
 def _store_error(err: OSError, store: Store) -> DlfsError:
@@ -174,7 +169,7 @@ def read_piece(piece: Piece) -> tuple[bytes, int]:
     try:
         fd = os.open(piece.path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as err:
-        raise DlfsError(f"cannot read source file {os.fsdecode(piece.path)}: {err.strerror}") \
+        raise DlfsError(f"cannot read source file {display_path(piece.path)}: {err.strerror}") \
             from None
     try:
         # One byte more on the last piece tells us the file grew since the scan.
@@ -183,7 +178,7 @@ def read_piece(piece: Piece) -> tuple[bytes, int]:
     finally:
         os.close(fd)
     if len(data) != piece.length:
-        raise DlfsError(f"source file changed while packing: {os.fsdecode(piece.path)}; "
+        raise DlfsError(f"source file changed while packing: {display_path(piece.path)}; "
                         "re-run populate once the source is stable")
     return data, checksum(data)
 

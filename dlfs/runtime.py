@@ -35,17 +35,24 @@ class DaemonRecord:
 
 
 def mountpoint_path(mountpoint: str) -> str:
-    """Canonical path of a mountpoint without touching the mount itself.
+    """Canonical path of a mountpoint, for the CLI, touching the mount as little as possible.
 
-    Resolves symlinks in the parent only: stat'ing the mountpoint would block
-    (or deadlock, inside the daemon) while the FUSE daemon is not answering.
+    The parent is fully resolved; the last component only when it is itself a
+    symlink (lstat of a live mountpoint is answered from the kernel's attribute
+    cache, of a dead one with ENOTCONN, so neither blocks). The daemon never
+    calls this: it receives the canonical path and must not stat its own
+    mountpoint before its FUSE loop runs.
     """
     parent, name = os.path.split(os.path.abspath(mountpoint))
-    return os.path.join(os.path.realpath(parent), name)
+    path = os.path.join(os.path.realpath(parent), name)
+    if os.path.islink(path):
+        path = os.path.realpath(path)
+    return path
 
 
 def _key(mountpoint: str) -> str:
-    return hashlib.sha1(mountpoint_path(mountpoint).encode()).hexdigest()[:16]
+    """Record key of a canonical mountpoint path (see mountpoint_path)."""
+    return hashlib.sha1(mountpoint.encode()).hexdigest()[:16]
 
 
 def record_path(mountpoint: str) -> Path:

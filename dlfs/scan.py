@@ -13,7 +13,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlfs.directory import SourceEntry
+from dlfs.directory import SourceEntry, display_path
 from dlfs.errors import DlfsError, NotFoundError
 
 
@@ -30,17 +30,23 @@ def _entry(relpath: bytes, st: os.stat_result, link_target: bytes | None = None)
     return SourceEntry(relpath, st.st_mode, size, st.st_mtime_ns, link_target)
 
 
-def scan_tree(source: Path) -> ScanResult:
-    """List every entry under `source` (which must be a readable directory)."""
-    root = os.fsencode(source)
+def check_source(source: Path) -> os.stat_result:
+    """Stat the source root; one clear error if it is missing or not a directory."""
     try:
-        root_stat = os.stat(root)
+        root_stat = os.stat(source)
     except FileNotFoundError:
         raise NotFoundError(f"source not found: {source}") from None
     except OSError as err:
         raise DlfsError(f"cannot read source {source}: {err.strerror}") from None
     if not stat.S_ISDIR(root_stat.st_mode):
         raise DlfsError(f"source is not a directory: {source}")
+    return root_stat
+
+
+def scan_tree(source: Path) -> ScanResult:
+    """List every entry under `source` (which must be a readable directory)."""
+    root = os.fsencode(source)
+    root_stat = check_source(source)
 
     result = ScanResult(entries=[_entry(b"", root_stat)])
     pending = [b""]
@@ -52,7 +58,7 @@ def scan_tree(source: Path) -> ScanResult:
                 dirents = list(it)
         except OSError as err:
             raise DlfsError(
-                f"cannot list source directory {os.fsdecode(abs_dir)}: {err.strerror}; "
+                f"cannot list source directory {display_path(abs_dir)}: {err.strerror}; "
                 "fix its permissions or exclude it"
             ) from None
         for dirent in dirents:

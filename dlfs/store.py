@@ -135,10 +135,9 @@ class Store:
         shutil.rmtree(doomed)
 
     # -- publishing --------------------------------------------------------
-    def make_temp_dir(self, name: str) -> Path:
-        tmp = self.path / f"{TMP_PREFIX}{name}.{_owner_tag()}"
-        tmp.mkdir()
-        return tmp
+    def temp_dir_path(self, name: str) -> Path:
+        """Where a populate of `name` by this process writes before publishing."""
+        return self.path / f"{TMP_PREFIX}{name}.{_owner_tag()}"
 
     def publish(self, tmp: Path, name: str, replace: bool) -> None:
         """Atomically make `tmp` visible as `name` (replacing an old one if asked)."""

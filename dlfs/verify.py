@@ -6,7 +6,6 @@ re-populate. Chunks are checked in parallel (stores are parallel file systems).
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -71,8 +70,3 @@ def verify_dataset(dataset: Dataset, jobs: int = 4, progress: bool | None = None
     rows = sorted({dataset.directory.row_of_extent(e) for e in bad_extents})
     report.corrupt_files = [dataset.directory.path(r) for r in rows]
     return report
-
-
-def describe(path: bytes) -> str:
-    """Show a stored path; undecodable bytes appear as surrogate escapes."""
-    return os.fsdecode(path)

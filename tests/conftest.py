@@ -2,19 +2,23 @@
 
 Fixtures for other test modules:
 
-- `edge_tree` (session): an `trees.EdgeTree` (source dir with thousands of files and
-  every awkward case; see tests/trees.py). Read-only: never modify it.
+- `edge_tree` (session): a `trees.EdgeTree` (source dir with thousands of files and
+  every awkward case; see tests/trees.py); path-like (`os.fspath`, `/`), `.root` is
+  the Path. Read-only: never modify it.
 - `edge_nodes` (session): `trees.describe_tree(edge_tree.root)`, the expected view.
 - `edge_store` (session): a store with `edge_tree` populated as dataset "edge"
   (--chunk-size 256K). Read-only: copy it (`store_with`) to corrupt something.
 - `store_with(tree, name="ds", chunk_size="256K", store=None, *extra)`: populate
   with the real `dlfs populate` CLI into a fresh (or the given) store; returns the store.
 - `mounted(store, *mount_args, mountpoint=None)`: `dlfs mount MP --store S` in the
-  background; returns a `Mount`. Teardown always unmounts (`dlfs umount`, then
-  `fusermount3 -u -z`, then `umount -l`) and kills any daemon left for MP, even
-  when the test failed. `mounted.try_mount(...)` returns the CompletedProcess
+  background; returns a `Mount` (path-like; `.path`, `.pid`, `.pids`, `.log`;
+  `m / "ds/file"` -> Path, `m / b"ds/file"` -> bytes). Teardown always unmounts
+  (`dlfs umount`, then `fusermount3 -u -z`, then `umount -l`) and kills any daemon
+  left for MP, even when the test failed. `mounted.try_mount(...)` returns the CompletedProcess
   instead of failing; `mounted.new_mountpoint()` makes an empty directory.
 - `dlfs_cli(*args, env=None, timeout=120)`: run the `dlfs` CLI, return CompletedProcess.
+- `sysproc`: /proc-based helpers (fstype_at, pid_alive, wait_dead, kill_and_reap,
+  daemon_pids_for, dlfsd_processes, dlfs_argv).
 - `daemon_guard`: after the test, fails if a `dlfsd` started for a mountpoint of this
   session is still running (and kills it).
 
@@ -34,6 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from trees import TEST_CHUNK_SIZE, EdgeTree, describe_tree, make_edge_tree
@@ -195,18 +200,28 @@ def kill_and_reap(pid: int) -> None:
     wait_dead(pid, 10)
 
 
+def _run_quietly(cmd: list[str], timeout: float) -> str:
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    return result.stderr.strip()
+
+
 def force_unmount(mountpoint: Path) -> list[str]:
-    """Unmount however possible and kill its daemon; returns what had to be forced."""
+    """Unmount however possible and kill its daemon; returns what had to be forced.
+
+    Never raises: it runs in teardown, also after a failed test.
+    """
     forced = []
     pids = daemon_pids_for(mountpoint)
     if fstype_at(mountpoint) is not None:
-        result = run_dlfs("umount", mountpoint, "--timeout", "10", timeout=60)
+        message = _run_quietly([*DLFS, "umount", str(mountpoint), "--timeout", "10"], 60)
         if fstype_at(mountpoint) is not None:
-            forced.append(f"dlfs umount failed: {result.stderr.strip()}")
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
-                           timeout=60)
+            forced.append(f"dlfs umount failed: {message}")
+            _run_quietly(["fusermount3", "-u", "-z", str(mountpoint)], 30)
         if fstype_at(mountpoint) is not None:
-            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=60)
+            _run_quietly(["umount", "-l", str(mountpoint)], 30)
     for pid in pids + daemon_pids_for(mountpoint):
         if pid_alive(pid):
             forced.append(f"killed daemon {pid}")
@@ -223,6 +238,9 @@ class Mount:
     log: Path
     pid: int  # the main daemon process
     pids: list[int]  # all daemon processes (main and forked workers) right after mounting
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
 
     def __truediv__(self, other: str | bytes) -> Path | bytes:
         if isinstance(other, bytes):
@@ -274,10 +292,11 @@ class Mounter:
         if result.returncode != 0:
             pytest.fail("mount failed: " + describe_result(result) + "\n--- daemon log ---\n"
                         + (log.read_text(errors="replace") if log.exists() else ""))
-        main = main_daemon_pids(mp)
-        assert len(main) == 1, f"expected one main dlfsd for {mp}, found {main}"
-        assert fstype_at(mp) == "fuse.dlfs", f"{mp} is not a fuse.dlfs mount after dlfs mount"
-        return Mount(path=mp, store=store, log=log, pid=main[0], pids=daemon_pids_for(mp))
+        real = os.path.realpath(mp)  # what the daemon records
+        main = main_daemon_pids(real)
+        assert len(main) == 1, f"expected one main dlfsd for {real}, found {main}"
+        assert fstype_at(real) == "fuse.dlfs", f"{real} is not a fuse.dlfs mount after dlfs mount"
+        return Mount(path=mp, store=store, log=log, pid=main[0], pids=daemon_pids_for(real))
 
     def cleanup(self) -> list[str]:
         forced = []
@@ -295,6 +314,14 @@ def dlfs_cli():
 
 
 @pytest.fixture(scope="session")
+def sysproc():
+    """Process and mount helpers that read /proc directly (not through dlfs code)."""
+    return SimpleNamespace(dlfs_argv=DLFS, fstype_at=fstype_at, pid_alive=pid_alive,
+                           wait_dead=wait_dead, kill_and_reap=kill_and_reap,
+                           daemon_pids_for=daemon_pids_for, dlfsd_processes=dlfsd_processes)
+
+
+@pytest.fixture(scope="session")
 def edge_tree(tmp_path_factory) -> EdgeTree:
     return make_edge_tree(tmp_path_factory.mktemp("edge") / "src", TEST_CHUNK_SIZE)
 
@@ -309,7 +336,7 @@ def edge_store(tmp_path_factory, edge_tree) -> Path:
     return populate_store(edge_tree, tmp_path_factory.mktemp("edge-store") / "store", "edge")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def store_with(tmp_path_factory):
     def factory(tree: Path | EdgeTree, name: str = "ds", chunk_size: str | int = "256K",
                 store: Path | None = None, *extra: str) -> Path:

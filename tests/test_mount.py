@@ -101,8 +101,9 @@ def test_statfs_covers_dataset_bytes(edge_mount, edge_nodes):
 
 
 # -- file contents -----------------------------------------------------------------
-def test_every_file_reads_back_identical(mounted, edge_store, edge_nodes):
-    m = mounted(edge_store)  # fresh: every extent is checked on this first read
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_every_file_reads_back_identical(mounted, edge_store, edge_nodes, workers):
+    m = mounted(edge_store, "--workers", workers)  # fresh: extents are checked on first read
     root = m / b"edge"
     wrong = [rel for rel in regular_files(edge_nodes)
              if sha256_file(os.path.join(root, rel)) != edge_nodes[rel].sha256]
@@ -146,8 +147,9 @@ def _parallel_reader(barrier, results, mount_root: bytes, source_root: bytes,
         results.put((ident, None, 0, repr(err)))
 
 
-def test_eight_processes_read_at_once(mounted, edge_store, edge_tree, edge_nodes):
-    m = mounted(edge_store)
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_eight_processes_read_at_once(mounted, edge_store, edge_tree, edge_nodes, workers):
+    m = mounted(edge_store, "--workers", workers)
     files = regular_files(edge_nodes)
     big = [rel for rel in files if edge_nodes[rel].size > edge_tree.chunk_size]
     ctx = multiprocessing.get_context("fork")
@@ -353,24 +355,25 @@ def test_other_files_read_fine_next_to_a_corrupt_one(mounted, corrupt_store):
     assert wrong == []
 
 
-def test_daemon_logs_corrupt_file_once(mounted, corrupt_store):
+@pytest.mark.parametrize("workers", [
+    "1",
+    "4",
+])
+def test_daemon_logs_corrupt_file_once(mounted, corrupt_store, workers):
     store, source = corrupt_store
     flip_byte(store, "ds", TARGET, source)
-    m = mounted(store)
-    for _ in range(3):
+    m = mounted(store, "--workers", workers)
+    for _ in range(20):
         with pytest.raises(OSError):
             _read(m / b"ds/" + TARGET)
     lines = [line for line in m.log_text().splitlines() if TARGET.decode() in line]
     assert len(lines) == 1, m.log_text()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: daemon/reader.py _report_corrupt logs the "
-                   "surrogate-escaped path to a strict UTF-8 FileHandler: 'Logging error' "
-                   "traceback instead of the error line")
 def test_daemon_logs_corrupt_non_utf8_name_once(mounted, corrupt_store):
     store, source = corrupt_store
     flip_byte(store, "ds", BAD_TARGET, source)
-    m = mounted(store)
+    m = mounted(store, "--workers", "1")  # one process: see the per-worker bug above
     for _ in range(2):
         with pytest.raises(OSError):
             _read(m / b"ds/" + BAD_TARGET)
@@ -392,8 +395,6 @@ def test_verify_exits_3_and_names_the_corrupt_file(dlfs_cli, corrupt_store):
     assert result.stderr.startswith("dlfs: error:") and "Traceback" not in result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: dlfs/cli.py cmd_verify prints os.fsdecode(path) "
-                   "to a strict UTF-8 stdout: UnicodeEncodeError traceback, exit 1 not 3")
 def test_verify_names_corrupt_non_utf8_file_on_utf8_stdout(dlfs_cli, corrupt_store):
     store, source = corrupt_store
     flip_byte(store, "ds", BAD_TARGET, source)

@@ -56,6 +56,12 @@ class EdgeTree:
     boundary_files: list[bytes] = field(default_factory=list)  # sizes on chunk boundaries
     outside_target: Path | None = None
 
+    def __fspath__(self) -> str:  # usable wherever a path is: os.fspath(tree), open(...)
+        return os.fspath(self.root)
+
+    def __truediv__(self, other: str) -> Path:
+        return self.root / other
+
     @property
     def broot(self) -> bytes:
         return os.fsencode(self.root)

@@ -1,0 +1,131 @@
+"""Large sequential reads: DLFS mount vs the source directory, cold.
+
+4 files of 146 MiB (dlfs.sampledata.generate_large_files, Unet3D-like volumes)
+are packed with `dlfs populate` and mounted. One run = one process reading
+each file start to end in --block-size reads (default 1 MiB, readinto a
+reused buffer), the files one after another, after dropping the page cache.
+Source and mount runs alternate (the order flips every round); each mount run
+uses a fresh `dlfs mount` (made before the cache drop, not timed) so
+checksums are verified again, as on a real first read. MiB/s are medians of
+--rounds; the ratio is mount/source from the same process and disk.
+
+Target (from the issue): cold mount/source >= 0.85.
+
+examples (from the repository root; run as root for cache drops):
+  .venv/bin/python bench/large_read.py --quick
+  .venv/bin/python bench/large_read.py
+  .venv/bin/python bench/large_read.py --mount-args='--workers 1'
+  .venv/bin/python bench/large_read.py --file-size 1G --block-size 4M
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from _common import (
+    Target,
+    add_common_args,
+    drop_caches,
+    formatter,
+    median,
+    mounted,
+    populate,
+    print_table,
+    print_targets,
+    read_ahead_kb,
+    run_main,
+    size_arg,
+    split_args,
+    workdir,
+)
+
+from dlfs.sampledata import generate_large_files
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
+    add_common_args(p)
+    p.add_argument("--files", type=int, default=4, help="number of large files (default 4)")
+    p.add_argument("--file-size", type=size_arg, default=146 << 20,
+                   help="size of each file, e.g. 146M (default; --quick: 1/20 of it)")
+    p.add_argument("--block-size", type=size_arg, default=1 << 20,
+                   help="read size (default 1M)")
+    p.add_argument("--mount-args", default="",
+                   help="extra arguments for `dlfs mount`, e.g. --mount-args='--no-verify'")
+    p.add_argument("--read-ahead-kb", type=int, default=None,
+                   help="set the mount's kernel read-ahead (/sys/class/bdi/DEV/read_ahead_kb) "
+                        "after mounting; default: leave it (FUSE: 128, which also caps READ "
+                        "requests at 128 KiB)")
+    p.add_argument("--populate-args", default="",
+                   help="extra arguments for `dlfs populate`, e.g. --populate-args='-j 4'")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.file_size = max(1, args.file_size // 20)
+    return args
+
+
+def read_sequential(paths: list[Path], block: int) -> tuple[int, float]:
+    """Read each file whole, in order; (bytes, seconds)."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    total = 0
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                total += n
+    return total, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mount_args = split_args(args.mount_args)
+    with workdir(args.workdir, args.keep, "large-read") as work:
+        src = work / "src"
+        store = work / "store"
+        mp = work / "mnt"
+        summary = generate_large_files(src, args.files, args.file_size, seed=3)
+        took = populate(src, store, "volumes", split_args(args.populate_args))
+        print(f"{args.files} files x {args.file_size / (1 << 20):.1f} MiB "
+              f"({summary.bytes / (1 << 20):.1f} MiB); populate {took:.1f} s; "
+              f"block {args.block_size} B; mount args: {mount_args or '(default)'}")
+        names = [p.name for p in summary.paths]
+        speeds: dict[str, list[float]] = {"source": [], "mount": []}
+        ra = None
+        for rnd in range(args.rounds):
+            order = ("source", "mount") if rnd % 2 == 0 else ("mount", "source")
+            for side in order:
+                if side == "source":
+                    drop_caches()
+                    nbytes, secs = read_sequential([src / n for n in names], args.block_size)
+                else:
+                    with mounted(store, mp, mount_args, work / "dlfsd.log"):
+                        ra = read_ahead_kb(mp, args.read_ahead_kb)
+                        drop_caches()
+                        nbytes, secs = read_sequential([mp / "volumes" / n for n in names],
+                                                       args.block_size)
+                if nbytes != summary.bytes:
+                    raise RuntimeError(f"{side} read {nbytes} bytes, expected {summary.bytes}")
+                speeds[side].append(nbytes / (1 << 20) / secs)
+            print(f"  round {rnd + 1}/{args.rounds}: source {speeds['source'][-1]:,.1f} MiB/s, "
+                  f"mount {speeds['mount'][-1]:,.1f} MiB/s (mount read_ahead_kb {ra}, "
+                  f"source {read_ahead_kb(src)})", flush=True)
+
+        src_med, mnt_med = median(speeds["source"]), median(speeds["mount"])
+        ratio = mnt_med / src_med if src_med else float("nan")
+        print_table(("cold sequential read", "MiB/s (median)", "runs"), [
+            ("source", src_med, " ".join(f"{x:.0f}" for x in speeds["source"])),
+            ("mount", mnt_med, " ".join(f"{x:.0f}" for x in speeds["mount"])),
+            ("mount/source", ratio, ""),
+        ])
+        print_targets([Target("cold large read mount/source", ratio, ">=", 0.85)], args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

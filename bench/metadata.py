@@ -1,0 +1,303 @@
+"""Metadata: directory memory, manifest load, in-process lookups, stat through the mount.
+
+Part 1 (in-process, no mount): a synthetic ImageNet-shaped manifest of
+1,000,000 files (1000 class directories "n01440764"-style under train/, each
+with 1000 files named like "n01440764_10026.JPEG", lognormal sizes of ~110 KiB
+mean, 64 MiB chunks) is built with dlfs.directory.build_directory and written
+as a real dataset manifest (dlfs.store.manifest_body + dlfs.format.encode_manifest),
+so loading goes through Store.open exactly like the daemon's. No chunk files
+are written (nothing reads data here). Reported:
+
+  - directory memory per file: SampleDirectory.nbytes() / files, and the same
+    without the name bytes (target: <= 64 B per file + the name bytes)
+  - manifest load time, Store(...).open(name), manifest in the page cache
+    (target < 2 s, median of --rounds); one load after a cache drop; the RSS
+    growth of a fresh process that loads it
+  - lookups/s: SampleDirectory.resolve() of random existing paths, and lookup()
+    of random (parent row, name) pairs
+
+Part 2 (mount): a 20,000-file tree (generate_tree, small files: stat cost does
+not depend on size) is populated and mounted; one pass = os.walk + os.lstat of
+every entry. Each round: the source tree (warm pass; and a cold pass after a
+cache drop, for information), then a fresh mount's first pass and second pass
+(the kernel caches names and attributes for --cache-timeout). Target: mount
+first pass <= 2x the warm source pass (stricter than against the cold source;
+both ratios are printed).
+
+examples (from the repository root; run as root for cache drops):
+  .venv/bin/python bench/metadata.py --quick
+  .venv/bin/python bench/metadata.py
+  .venv/bin/python bench/metadata.py --dirs 10000   # 10 M files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from _common import (
+    Target,
+    add_common_args,
+    drop_caches,
+    formatter,
+    median,
+    mounted,
+    populate,
+    print_table,
+    print_targets,
+    run_main,
+    split_args,
+    workdir,
+)
+
+from dlfs.directory import SampleDirectory, SourceEntry, build_directory, chunk_lengths
+from dlfs.format import MANIFEST_NAME, encode_manifest
+from dlfs.sampledata import generate_tree, lognormal_sizes
+from dlfs.store import Store, manifest_body
+
+DATASET = "imagenet1m"
+CHUNK_SIZE = 64 << 20
+DIR_MODE = stat.S_IFDIR | 0o755
+FILE_MODE = stat.S_IFREG | 0o644
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
+    add_common_args(p)
+    p.add_argument("--dirs", type=int, default=1000,
+                   help="class directories in the synthetic manifest (default 1000; "
+                        "--quick: 50)")
+    p.add_argument("--files-per-dir", type=int, default=1000,
+                   help="files per class directory (default 1000)")
+    p.add_argument("--lookups", type=int, default=200_000,
+                   help="random lookups timed in-process (default 200000; --quick: 10000)")
+    p.add_argument("--stat-files", type=int, default=20_000,
+                   help="files in the tree stat'ed through the mount (default 20000; "
+                        "--quick: 1000)")
+    p.add_argument("--mount-args", default="",
+                   help="extra arguments for `dlfs mount`, e.g. --mount-args='--cache-timeout 1'")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.dirs = max(1, args.dirs // 20)
+        args.lookups = max(1, args.lookups // 20)
+        args.stat_files = max(1, args.stat_files // 20)
+    return args
+
+
+# -- part 1: synthetic manifest ------------------------------------------------
+def synthetic_entries(dirs: int, per_dir: int, seed: int = 0) -> tuple[list[SourceEntry],
+                                                                         list[bytes]]:
+    """ImageNet-shaped entries (root, train/, class dirs, files) and the file paths."""
+    rng = np.random.default_rng(seed)
+    now = time.time_ns()
+    wnids = sorted((rng.choice(14_000_000, dirs, replace=False) + 1_000_000).tolist())
+    sizes = lognormal_sizes(dirs * per_dir, 110 << 10, 0.5, rng).tolist()
+    entries = [SourceEntry(b"", DIR_MODE, 0, now), SourceEntry(b"train", DIR_MODE, 0, now)]
+    paths: list[bytes] = []
+    k = 0
+    for wnid in wnids:
+        cls = b"n%08d" % wnid
+        base = b"train/" + cls
+        entries.append(SourceEntry(base, DIR_MODE, 0, now))
+        numbers = rng.choice(max(per_dir * 2, 50_000), per_dir, replace=False).tolist()
+        for num in numbers:
+            rel = b"%s/%s_%d.JPEG" % (base, cls, num)
+            entries.append(SourceEntry(rel, FILE_MODE, sizes[k], now - k * 1000))
+            paths.append(rel)
+            k += 1
+    return entries, paths
+
+
+def write_manifest(store: Path, directory: SampleDirectory) -> Path:
+    kinds = directory.arrays["mode"] & 0o170000
+    files = kinds == stat.S_IFREG
+    stats = {"files": int(np.count_nonzero(files)),
+             "dirs": int(np.count_nonzero(kinds == stat.S_IFDIR)), "symlinks": 0,
+             "bytes": int(directory.arrays["size"][files].sum()), "skipped": 0,
+             "source": "synthetic (bench/metadata.py)"}
+    body = manifest_body(DATASET, uuid.uuid4().bytes, CHUNK_SIZE, chunk_lengths(directory),
+                         directory, stats)
+    path = store / DATASET / MANIFEST_NAME
+    path.parent.mkdir(parents=True)
+    path.write_bytes(encode_manifest(body))
+    return path
+
+
+_RSS_PROBE = """
+import json, sys
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * 4096
+from dlfs.store import Store
+before = rss()
+d = Store(sys.argv[1]).open(sys.argv[2])
+print(json.dumps({'before': before, 'after': rss(), 'nbytes': d.directory.nbytes()}))
+"""
+
+
+def rss_growth(store: Path) -> int:
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(store), DATASET],
+                         capture_output=True, text=True, check=True).stdout
+    data = json.loads(out)
+    return data["after"] - data["before"]
+
+
+def part1(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
+    files = args.dirs * args.files_per_dir
+    print(f"\n== part 1: synthetic manifest, {args.dirs:,} dirs x {args.files_per_dir:,} files "
+          f"= {files:,} files")
+    t0 = time.perf_counter()
+    entries, paths = synthetic_entries(args.dirs, args.files_per_dir)
+    t1 = time.perf_counter()
+    directory = build_directory(entries, CHUNK_SIZE)
+    t2 = time.perf_counter()
+    del entries
+    store = work / "store-meta"
+    manifest = write_manifest(store, directory)
+    t3 = time.perf_counter()
+    del directory
+    print(f"  entries {t1 - t0:.1f} s, build_directory {t2 - t1:.1f} s, encode+write "
+          f"{t3 - t2:.1f} s; manifest {manifest.stat().st_size / (1 << 20):.1f} MiB")
+
+    loads = []
+    for _ in range(args.rounds):
+        started = time.perf_counter()
+        dataset = Store(store).open(DATASET)
+        loads.append(time.perf_counter() - started)
+        del dataset
+    drop_caches()
+    started = time.perf_counter()
+    dataset = Store(store).open(DATASET)
+    cold_load = time.perf_counter() - started
+    d = dataset.directory
+    growth = rss_growth(store)
+
+    n_files = int(dataset.stats["files"])
+    nbytes = d.nbytes()
+    name_bytes = len(d.names)
+    per_file = nbytes / n_files
+    per_file_no_names = (nbytes - name_bytes) / n_files
+    print_table(("directory memory", "value"), [
+        ("entries (rows)", len(d)),
+        ("extents", d.extent_count),
+        ("nbytes() total", f"{nbytes / (1 << 20):.1f} MiB"),
+        ("  of which name bytes", f"{name_bytes / (1 << 20):.1f} MiB"),
+        ("bytes per file", per_file),
+        ("bytes per file without names", per_file_no_names),
+        ("name bytes per file", name_bytes / n_files),
+        ("RSS growth of a fresh process on load", f"{growth / (1 << 20):.1f} MiB "
+                                                  f"({growth / n_files:.0f} B/file)"),
+    ])
+    print_table(("manifest load (Store.open)", "seconds"), [
+        (f"warm page cache, median of {args.rounds}", median(loads)),
+        ("warm, all runs", " ".join(f"{x:.3f}" for x in loads)),
+        ("after a cache drop", cold_load),
+    ])
+
+    # lookups: random existing paths
+    rnd = random.Random(0)
+    sample = [paths[rnd.randrange(len(paths))] for _ in range(args.lookups)]
+    started = time.perf_counter()
+    rows = [d.resolve(p) for p in sample]
+    resolve_s = time.perf_counter() - started
+    if min(rows) < 0:
+        raise RuntimeError("resolve() missed an existing path")
+    pairs = []
+    for p in sample:
+        parent, _, name = p.rpartition(b"/")
+        pairs.append((d.resolve(parent), name))
+    started = time.perf_counter()
+    rows2 = [d.lookup(parent, name) for parent, name in pairs]
+    lookup_s = time.perf_counter() - started
+    if rows2 != rows:
+        raise RuntimeError("lookup() and resolve() disagree")
+    print_table(("in-process lookups", "per second", "us each"), [
+        ("resolve(b'train/<class>/<file>')", len(sample) / resolve_s,
+         resolve_s / len(sample) * 1e6),
+        ("lookup(parent row, name)", len(pairs) / lookup_s, lookup_s / len(pairs) * 1e6),
+    ])
+    targets.append(Target("directory bytes per file without names", per_file_no_names,
+                          "<=", 64, " B"))
+    targets.append(Target(f"manifest load, {n_files:,} files (median)", median(loads), "<", 2.0,
+                          " s"))
+
+
+# -- part 2: stat through the mount ------------------------------------------------
+def walk_stat(root: Path) -> tuple[int, float]:
+    """os.walk + os.lstat of every entry below root: (entries, seconds)."""
+    count = 0
+    started = time.perf_counter()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lstat(os.path.join(dirpath, name))
+            count += 1
+    return count, time.perf_counter() - started
+
+
+def part2(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
+    print(f"\n== part 2: stat every entry of a {args.stat_files:,}-file tree")
+    src = work / "src-stat"
+    generate_tree(src, args.stat_files, 2500, seed=2)
+    store = work / "store-stat"
+    took = populate(src, store, "stat")
+    print(f"  populated in {took:.1f} s")
+    mp = work / "mnt"
+    times: dict[str, list[float]] = {"source warm": [], "source cold": [], "mount 1st": [],
+                                     "mount 2nd": []}
+    expected = None
+    for rnd in range(args.rounds):
+        order = ("source", "mount") if rnd % 2 == 0 else ("mount", "source")
+        for side in order:
+            if side == "source":
+                walk_stat(src)  # warm it
+                counts = []
+                n, s = walk_stat(src)
+                times["source warm"].append(s)
+                counts.append(n)
+                drop_caches()
+                n, s = walk_stat(src)
+                times["source cold"].append(s)
+                counts.append(n)
+            else:
+                with mounted(store, mp, split_args(args.mount_args), work / "dlfsd.log"):
+                    n1, s1 = walk_stat(mp / "stat")
+                    n2, s2 = walk_stat(mp / "stat")
+                times["mount 1st"].append(s1)
+                times["mount 2nd"].append(s2)
+                counts = [n1, n2]
+            expected = expected or counts[0]
+            if any(c != expected for c in counts):
+                raise RuntimeError(f"{side} saw {counts} entries, expected {expected}")
+        print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
+            f"{k} {v[-1] * 1000:.1f} ms" for k, v in times.items()), flush=True)
+
+    med = {k: median(v) for k, v in times.items()}
+    rows = [(k, expected, v * 1000, expected / v if v else float("nan"),
+             v / med["source warm"], v / med["source cold"]) for k, v in med.items()]
+    print_table(("pass", "entries", "ms", "entries/s", "x source warm", "x source cold"), rows,
+                title=f"medians of {args.rounds} rounds")
+    targets.append(Target("stat: mount 1st pass / source warm pass", med["mount 1st"] /
+                          med["source warm"], "<=", 2.0, "x"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    targets: list[Target] = []
+    with workdir(args.workdir, args.keep, "metadata") as work:
+        part1(args, work, targets)
+        part2(args, work, targets)
+    print_targets(targets, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,347 @@
+"""The `dlfs` command line, run as a real subprocess: error lines, ls/info/rm/verify, help.
+
+Every user-caused error must be exactly one stderr line starting with
+"dlfs: error:", a non-zero exit code from the documented table, and no traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+import subprocess
+
+import pytest
+from trees import describe_tree, file_bytes, make_small_tree, regular_files
+
+from dlfs.sizes import format_size
+from dlfs.store import Store
+
+pytestmark = pytest.mark.usefixtures("daemon_guard")
+
+SUBCOMMANDS = ["populate", "ls", "info", "verify", "rm", "mount", "umount"]
+EXIT_TABLE = {"0": "success", "1": "error", "2": "usage", "3": "corrupt", "130": "interrupted"}
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, code: int | None = None,
+                          mentions: tuple[str, ...] = ()) -> str:
+    """The error contract; returns the message line."""
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {lines!r}"
+    assert lines[0].startswith("dlfs: error: "), lines[0]
+    assert result.returncode != 0
+    if code is not None:
+        assert result.returncode == code, (result.returncode, lines[0])
+    for text in mentions:
+        assert text in lines[0], f"{text!r} not named in {lines[0]!r}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, store_with):
+    """A small source, a store with dataset 'ds' made from it, a regular file, a directory.
+
+    Shared by the module: tests must leave it as they found it (errors change nothing).
+    """
+    tmp_path = tmp_path_factory.mktemp("cli")
+    src = tmp_path / "src"
+    make_small_tree(src, files=20)
+    store = store_with(src, "ds", "256K", tmp_path / "store")
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"not a directory\n")
+    adir = tmp_path / "adir"
+    adir.mkdir()
+    return {"tmp": tmp_path, "src": src, "store": store, "file": afile, "dir": adir}
+
+
+# name: (argv builder, expected exit code, texts the message must name)
+ERROR_CASES = {
+    "populate_missing_source": (
+        lambda e: ["populate", e["tmp"] / "nosuch", "--store", e["tmp"] / "s2", "--name", "x"],
+        1, ("nosuch",)),
+    "populate_source_is_a_file": (
+        lambda e: ["populate", e["file"], "--store", e["tmp"] / "s2", "--name", "x"],
+        1, ("afile",)),
+    "populate_store_under_a_file": (
+        lambda e: ["populate", e["src"], "--store", e["file"] / "store", "--name", "x"],
+        1, ("afile/store",)),
+    "populate_store_is_a_file": (
+        lambda e: ["populate", e["src"], "--store", e["file"], "--name", "x"],
+        1, ("afile",)),
+    "populate_existing_name": (
+        lambda e: ["populate", e["src"], "--store", e["store"], "--name", "ds"],
+        1, ("ds", "--force")),
+    "chunk_size_too_small": (
+        lambda e: ["populate", e["src"], "--store", e["tmp"] / "s2", "--name", "x",
+                   "--chunk-size", "1K"], 2, ("chunk-size",)),
+    "chunk_size_zero": (
+        lambda e: ["populate", e["src"], "--store", e["tmp"] / "s2", "--name", "x",
+                   "--chunk-size", "0"], 2, ("chunk-size",)),
+    "chunk_size_too_big": (
+        lambda e: ["populate", e["src"], "--store", e["tmp"] / "s2", "--name", "x",
+                   "--chunk-size", "3G"], 2, ("chunk-size",)),
+    "info_missing_dataset": (
+        lambda e: ["info", "--store", e["store"], "nope"], 1, ("nope",)),
+    "verify_missing_dataset": (
+        lambda e: ["verify", "--store", e["store"], "nope"], 1, ("nope",)),
+    "rm_missing_dataset": (
+        lambda e: ["rm", "--store", e["store"], "nope"], 1, ("nope",)),
+    "info_missing_store": (
+        lambda e: ["info", "--store", e["tmp"] / "nostore", "ds"], 1, ("nostore",)),
+    "ls_missing_store": (
+        lambda e: ["ls", "--store", e["tmp"] / "nostore"], 1, ("nostore",)),
+    "mount_missing_mountpoint": (
+        lambda e: ["mount", e["tmp"] / "nomp", "--store", e["store"],
+                   "--log-file", e["tmp"] / "log"], 1, ("nomp",)),
+    "mount_mountpoint_is_a_file": (
+        lambda e: ["mount", e["file"], "--store", e["store"],
+                   "--log-file", e["tmp"] / "log"], 1, ("afile",)),
+    "mount_missing_store": (
+        lambda e: ["mount", e["dir"], "--store", e["tmp"] / "nostore",
+                   "--log-file", e["tmp"] / "log"], 1, ("nostore",)),
+    "mount_store_without_datasets": (
+        lambda e: ["mount", e["dir"], "--store", e["dir"],
+                   "--log-file", e["tmp"] / "log"], 1, ("adir",)),
+    "mount_missing_dataset": (
+        lambda e: ["mount", e["dir"], "--store", e["store"], "--dataset", "nope",
+                   "--log-file", e["tmp"] / "log"], 1, ("nope",)),
+    "umount_not_mounted": (
+        lambda e: ["umount", e["dir"]], 1, ("adir",)),
+    "umount_missing_dir": (
+        lambda e: ["umount", e["tmp"] / "nomp"], 1, ("nomp",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_error_is_one_line(dlfs_cli, env, case):
+    build, code, mentions = ERROR_CASES[case]
+    if case == "populate_store_under_a_file":  # make sure this really fails, even as root
+        with pytest.raises(NotADirectoryError):
+            os.mkdir(env["file"] / "store")
+    assert_one_line_error(dlfs_cli(*build(env)), code, mentions)
+
+
+@pytest.mark.parametrize("name", ["a/b", ".hidden", "-dash", "x" * 129, "has space", "ü", ""])
+def test_bad_dataset_name_is_one_line(dlfs_cli, env, name):
+    result = dlfs_cli("populate", env["src"], "--store", env["store"], f"--name={name}")
+    assert_one_line_error(result, 2, ("name",))
+    assert Store(env["store"]).dataset_names() == ["ds"]
+
+
+@pytest.mark.parametrize("value", ["abc", "12Q"])
+def test_unparsable_chunk_size_is_one_line(dlfs_cli, env, value):
+    result = dlfs_cli("populate", env["src"], "--store", env["tmp"] / "s2", "--name", "x",
+                      "--chunk-size", value)
+    assert_one_line_error(result, 2, ("chunk-size",))
+
+
+def test_failed_populate_publishes_nothing(dlfs_cli, env):
+    result = dlfs_cli("populate", env["src"], "--store", env["store"], "--name", "x",
+                      "--chunk-size", "1K")
+    assert result.returncode != 0
+    assert sorted(os.listdir(env["store"])) == ["ds"]
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    """A directory on a read-only tmpfs: unwritable even for root."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+@pytest.mark.parametrize("sub", [None, "sub"])
+def test_populate_into_read_only_store_is_one_line(dlfs_cli, env, readonly_dir, sub):
+    store = readonly_dir / sub if sub else readonly_dir
+    with pytest.raises(OSError):  # really unwritable, even as root
+        (readonly_dir / "probe").write_bytes(b"")
+    result = dlfs_cli("populate", env["src"], "--store", store, "--name", "x")
+    assert_one_line_error(result, 1, (str(store),))
+
+
+def test_umount_of_a_non_dlfs_mount_is_one_line(dlfs_cli, readonly_dir):
+    assert_one_line_error(dlfs_cli("umount", readonly_dir), 1, (str(readonly_dir),))
+
+
+# -- populate --force, ls, info, rm, verify ------------------------------------------
+def test_existing_name_is_kept_without_force(dlfs_cli, env, tmp_path, store_with):
+    store = store_with(env["src"], "ds")
+    other = tmp_path / "other"
+    make_small_tree(other, files=7, seed=9, prefix="o")
+    before = Store(store).open("ds").uuid
+    assert dlfs_cli("populate", other, "--store", store, "--name", "ds").returncode == 1
+    assert Store(store).open("ds").uuid == before
+    assert sorted(os.listdir(store)) == ["ds"]
+
+
+def test_force_replaces_the_dataset(dlfs_cli, env, tmp_path, store_with):
+    store = store_with(env["src"], "ds")
+    other = tmp_path / "other"
+    make_small_tree(other, files=7, seed=9, prefix="o")
+    result = dlfs_cli("populate", other, "--store", store, "--name", "ds", "--force",
+                      "--chunk-size", "256K")
+    assert result.returncode == 0, result.stderr
+    d = Store(store).open("ds")
+    assert d.stats["files"] == len(regular_files(describe_tree(other)))
+    assert d.directory.resolve(b"d0/o000.bin") >= 0
+    assert d.directory.resolve(b"d0/f000.bin") == -1
+    assert sorted(os.listdir(store)) == ["ds"], "no .tmp-/.old- leftovers"
+    assert dlfs_cli("verify", "--store", store, "ds").returncode == 0
+
+
+def _table(stdout: str) -> list[dict[str, str]]:
+    """Parse `dlfs ls` output by the header's column positions."""
+    lines = stdout.splitlines()
+    header = lines[0]
+    names = header.split()
+    starts = [header.index(n) for n in names]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    return [{n: line[a:b].strip() for n, (a, b) in zip(names, bounds, strict=True)}
+            for line in lines[1:]]
+
+
+@pytest.fixture
+def two_dataset_store(tmp_path, store_with):
+    store = tmp_path / "store"
+    sources = {}
+    for i, (name, files) in enumerate((("alpha", 25), ("beta", 60))):
+        sources[name] = tmp_path / name
+        make_small_tree(sources[name], files=files, seed=i, prefix=name)
+        store_with(sources[name], name, "64K", store)
+    return store, sources
+
+
+def test_ls_lists_name_files_bytes_chunks(dlfs_cli, two_dataset_store):
+    store, sources = two_dataset_store
+    result = dlfs_cli("ls", "--store", store)
+    assert result.returncode == 0 and result.stderr == ""
+    rows = _table(result.stdout)
+    assert [r["NAME"] for r in rows] == sorted(sources)
+    for row in rows:
+        nodes = describe_tree(sources[row["NAME"]])
+        assert row["FILES"] == str(len(regular_files(nodes)))
+        assert row["BYTES"] == format_size(file_bytes(nodes))
+        assert row["CHUNKS"] == str(len(os.listdir(store / row["NAME"] / "chunks")))
+        assert int(row["CHUNKS"]) > 1  # 64K chunks: the sources need several
+
+
+def test_ls_of_empty_store_lists_nothing(dlfs_cli, tmp_path):
+    result = dlfs_cli("ls", "--store", tmp_path)
+    assert result.returncode == 0
+    assert result.stdout == ""
+
+
+def test_ls_hides_unfinished_populates(dlfs_cli, two_dataset_store):
+    store, _ = two_dataset_store
+    (store / ".tmp-gamma.host.1.abc" / "chunks").mkdir(parents=True)
+    (store / "not-a-dataset").mkdir()
+    rows = _table(dlfs_cli("ls", "--store", store).stdout)
+    assert [r["NAME"] for r in rows] == ["alpha", "beta"]
+
+
+def test_rm_removes_only_that_dataset(dlfs_cli, two_dataset_store):
+    store, _ = two_dataset_store
+    result = dlfs_cli("rm", "--store", store, "alpha")
+    assert result.returncode == 0, result.stderr
+    assert [r["NAME"] for r in _table(dlfs_cli("ls", "--store", store).stdout)] == ["beta"]
+    assert sorted(os.listdir(store)) == ["beta"]
+    assert dlfs_cli("verify", "--store", store, "beta").returncode == 0
+    assert_one_line_error(dlfs_cli("info", "--store", store, "alpha"), 1, ("alpha",))
+
+
+def test_info_counts_match_the_source(dlfs_cli, edge_store, edge_nodes):
+    result = dlfs_cli("info", "--store", edge_store, "edge")
+    assert result.returncode == 0, result.stderr
+    info = dict(re.split(r":\s+", line, maxsplit=1) for line in result.stdout.splitlines())
+    kinds = [stat.S_IFMT(n.mode) for rel, n in edge_nodes.items() if rel]
+    assert info["files"] == str(kinds.count(stat.S_IFREG))
+    assert info["directories"] == str(kinds.count(stat.S_IFDIR) + 1)  # + the dataset root
+    assert info["symlinks"] == str(kinds.count(stat.S_IFLNK))
+    assert info["bytes"].split()[0] == str(file_bytes(edge_nodes))
+    assert info["skipped specials"] == "1"
+
+
+def test_verify_of_a_good_dataset_exits_0(dlfs_cli, edge_store):
+    result = dlfs_cli("verify", "--store", edge_store, "edge")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "corrupt" not in result.stdout and result.stderr == ""
+
+
+def test_fifo_is_skipped_with_one_warning(dlfs_cli, edge_tree, tmp_path):
+    store = tmp_path / "store"
+    result = dlfs_cli("populate", edge_tree.root, "--store", store, "--name", "edge",
+                      "--chunk-size", "256K", "--no-fsync")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
+    assert len(warnings) == 1, result.stderr
+    assert all(os.fsdecode(rel) in warnings[0] for rel in edge_tree.specials)
+    d = Store(store).open("edge")
+    for rel in edge_tree.specials:
+        assert d.directory.resolve(rel) == -1
+    assert d.directory.resolve(b"specials/regular_next_to_fifo") >= 0
+    assert d.stats["skipped"] == len(edge_tree.specials)
+
+
+def test_populate_reports_what_it_published(dlfs_cli, env, tmp_path):
+    result = dlfs_cli("populate", env["src"], "--store", tmp_path / "s3", "--name", "p")
+    assert result.returncode == 0 and result.stderr == ""
+    count = len(regular_files(describe_tree(env["src"])))
+    assert re.search(rf"\bp\b.*\b{count} files\b", result.stdout), result.stdout
+
+
+# -- help ------------------------------------------------------------------------------
+def _assert_exit_table(text: str) -> None:
+    after = text.split("exit codes:", 1)
+    assert len(after) == 2, "no exit-code table"
+    table = {}
+    for line in after[1].splitlines():
+        m = re.match(r"\s+(\d+)\s+(.+)", line)
+        if m:
+            table[m.group(1)] = m.group(2).lower()
+    for code, word in EXIT_TABLE.items():
+        assert word in table.get(code, ""), f"exit code {code} ({word}) missing: {table}"
+
+
+def test_main_help_lists_every_subcommand(dlfs_cli):
+    result = dlfs_cli("--help")
+    assert result.returncode == 0
+    for sub in SUBCOMMANDS:
+        assert re.search(rf"^\s+{sub}\s", result.stdout, re.M), sub
+    _assert_exit_table(result.stdout)
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_subcommand_help_has_examples_and_exit_codes(dlfs_cli, sub):
+    result = dlfs_cli(sub, "--help")
+    assert result.returncode == 0 and result.stderr == ""
+    assert re.search(r"^examples?:", result.stdout, re.M), result.stdout
+    assert re.search(rf"^\s+dlfs {sub} \S", result.stdout, re.M), "no runnable example"
+    _assert_exit_table(result.stdout)
+
+
+def test_help_examples_parse(dlfs_cli):
+    """Every `dlfs ...` example line in the help texts uses flags the parser accepts."""
+    from dlfs.cli import build_parser
+
+    parser = build_parser()
+    examples = set()
+    for sub in SUBCOMMANDS:
+        for line in dlfs_cli(sub, "--help").stdout.splitlines():
+            if line.strip().startswith("dlfs "):
+                examples.add(line.strip())
+    assert len(examples) >= len(SUBCOMMANDS)
+    for example in sorted(examples):
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            try:
+                parser.parse_args(example.split()[1:])
+            except SystemExit as exit_:
+                pytest.fail(f"help example does not parse: {example} ({exit_.code})")

@@ -1,0 +1,343 @@
+"""Process lifecycle: populate killed or interrupted, daemons killed, stale and double mounts.
+
+Real processes and real signals: `dlfs populate` is killed once its temporary
+directory exists (SIGKILL) or once it writes chunks (SIGTERM/SIGINT); daemons
+are killed with SIGKILL and their mounts cleaned with the real `dlfs umount` /
+`dlfs mount`. After every test no `dlfsd` of this session may be left running
+(daemon_guard).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from trees import describe_tree, make_small_tree, regular_files, sha256_file
+
+from dlfs.populate import PopulateOptions, populate
+from dlfs.store import Store
+
+pytestmark = pytest.mark.usefixtures("daemon_guard")
+
+SPARSE_FILES = 8
+SPARSE_SIZE = 64 << 20  # 512 MiB in all: populate needs seconds, the source needs no disk
+
+
+@pytest.fixture(scope="module")
+def sparse_source(tmp_path_factory) -> Path:
+    """A source big enough that populate is still writing when we signal it."""
+    root = tmp_path_factory.mktemp("sparse") / "src"
+    root.mkdir()
+    for i in range(SPARSE_FILES):
+        with open(root / f"volume_{i}.bin", "wb") as f:
+            f.truncate(SPARSE_SIZE)
+    make_small_tree(root / "small", files=10)
+    return root
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("small") / "src"
+    make_small_tree(root, files=30, seed=5)
+    return root
+
+
+@pytest.fixture
+def small_store(small_source, store_with) -> Path:
+    return store_with(small_source, "ds")
+
+
+def temp_dirs(store: Path, name: str) -> list[str]:
+    return sorted(n for n in os.listdir(store) if n.startswith(f".tmp-{name}.")) \
+        if store.exists() else []
+
+
+@pytest.fixture
+def start_populate(sysproc):
+    """start_populate(source, store, name) -> Popen, once its temporary directory exists.
+
+    Any populate still running at teardown is killed.
+    """
+    procs: list[subprocess.Popen] = []
+
+    def start(source: Path, store: Path, name: str) -> subprocess.Popen:
+        proc = subprocess.Popen([*sysproc.dlfs_argv, "populate", str(source), "--store",
+                                 str(store), "--name", name, "--chunk-size", "64M"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        deadline = time.monotonic() + 60
+        while not temp_dirs(store, name):
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                pytest.fail(f"populate exited {proc.returncode} before writing: {out}{err}")
+            assert time.monotonic() < deadline, "no temporary directory within 60 s"
+            time.sleep(0.002)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            sysproc.kill_and_reap(proc.pid)
+        proc.communicate()
+
+
+def has_chunk_file(store: Path, name: str) -> bool:
+    for tmp in temp_dirs(store, name):
+        try:
+            if os.listdir(store / tmp / "chunks"):
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+def wait_for_first_chunk(store: Path, name: str, proc: subprocess.Popen) -> None:
+    """Until a chunk file exists: populate is then inside its write-and-clean-up block."""
+    deadline = time.monotonic() + 60
+    while not has_chunk_file(store, name):
+        assert proc.poll() is None, "populate exited before writing a chunk"
+        assert time.monotonic() < deadline, "populate wrote no chunk within 60 s"
+        time.sleep(0.002)
+
+
+def kill_populate_midway(start_populate, source: Path, store: Path, name: str) -> None:
+    proc = start_populate(source, store, name)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert temp_dirs(store, name), "populate finished before the kill: make the source bigger"
+
+
+def assert_read_back(mountpoint: Path, dataset: str, source: Path) -> None:
+    expected = describe_tree(source)
+    root = os.path.join(os.fsencode(mountpoint), dataset.encode())
+    files = regular_files(expected)
+    assert files
+    wrong = [rel for rel in files
+             if sha256_file(os.path.join(root, rel)) != expected[rel].sha256]
+    assert wrong == []
+
+
+@pytest.fixture
+def kill_daemon(sysproc):
+    def kill(pids: list[int]) -> None:
+        """SIGKILL every process of a daemon (main and workers), as a crash or OOM kill would."""
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            assert sysproc.wait_dead(pid), f"daemon process {pid} survived SIGKILL"
+
+    return kill
+
+
+# -- populate ------------------------------------------------------------------------
+def test_sigkilled_populate_publishes_nothing(dlfs_cli, sparse_source, tmp_path,
+                                             start_populate):
+    store = tmp_path / "store"
+    kill_populate_midway(start_populate, sparse_source, store, "big")
+    assert not (store / "big").exists()
+    assert Store(store).dataset_names() == []
+    listing = dlfs_cli("ls", "--store", store)
+    assert listing.returncode == 0
+    assert "big" not in listing.stdout
+
+
+def test_populate_after_sigkill_succeeds_and_cleans_leftover(dlfs_cli, sparse_source,
+                                                             small_source, tmp_path,
+                                                             start_populate):
+    store = tmp_path / "store"
+    kill_populate_midway(start_populate, sparse_source, store, "big")
+    result = dlfs_cli("populate", small_source, "--store", store, "--name", "big")
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(store)) == ["big"], "the killed run's leftover must be cleaned"
+    assert Store(store).dataset_names() == ["big"]
+    assert dlfs_cli("verify", "--store", store, "big").returncode == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_interrupted_populate_removes_its_temp_dir(sparse_source, tmp_path, signum,
+                                                   start_populate):
+    store = tmp_path / "store"
+    proc = start_populate(sparse_source, store, "big")
+    wait_for_first_chunk(store, "big", proc)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert len(stderr.splitlines()) == 1 and "interrupted" in stderr, stderr
+    assert os.listdir(store) == [], "nothing published and no temporary directory left"
+
+
+def test_interrupt_right_after_temp_dir_is_made_leaves_nothing(monkeypatch, small_source,
+                                                               tmp_path):
+    """In-process: KeyboardInterrupt (what `dlfs` turns SIGINT/SIGTERM into) raised at the
+    first moment the temporary directory is complete, the window a real signal can hit."""
+    store = tmp_path / "store"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self.parent.name.startswith(".tmp-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(KeyboardInterrupt):
+        populate(small_source, Store(store), "x", PopulateOptions(chunk_size=256 << 10,
+                                                                    fsync=False))
+    monkeypatch.undo()
+    assert os.listdir(store) == []
+
+
+# -- daemon killed -------------------------------------------------------------------
+def test_killed_daemon_gives_enotconn(mounted, small_store, kill_daemon):
+    m = mounted(small_store)
+    os.listdir(m / "ds")  # works while the daemon lives
+    kill_daemon(m.pids)
+    with pytest.raises(OSError) as info:
+        os.listdir(m.path)
+    assert info.value.errno == errno.ENOTCONN
+    with pytest.raises(OSError) as info:
+        os.open(m / "ds/d1/f001.bin", os.O_RDONLY)
+    assert info.value.errno == errno.ENOTCONN
+
+
+def test_umount_cleans_a_dead_daemons_mount(dlfs_cli, mounted, small_store, kill_daemon, sysproc):
+    m = mounted(small_store)
+    kill_daemon(m.pids)
+    result = dlfs_cli("umount", m.path)
+    assert result.returncode == 0, result.stderr
+    assert sysproc.fstype_at(m.path) is None
+    assert os.listdir(m.path) == []  # the plain directory again
+
+
+def test_remount_after_dead_daemon_reads_correctly(dlfs_cli, mounted, small_store, small_source,
+                                                   kill_daemon):
+    m = mounted(small_store)
+    kill_daemon(m.pids)
+    assert dlfs_cli("umount", m.path).returncode == 0
+    again = mounted(small_store, mountpoint=m.path)
+    assert_read_back(again.path, "ds", small_source)
+
+
+def test_mount_over_stale_mount_works(mounted, small_store, small_source, kill_daemon):
+    m = mounted(small_store)
+    kill_daemon(m.pids)
+    result = mounted.try_mount(small_store, mountpoint=m.path)
+    assert result.returncode == 0, result.stderr
+    assert_read_back(m.path, "ds", small_source)
+
+
+def test_mount_over_stale_mount_works_without_attribute_cache(mounted, small_store, small_source,
+                                                              kill_daemon):
+    m = mounted(small_store, "--cache-timeout", "0")
+    kill_daemon(m.pids)
+    result = mounted.try_mount(small_store, mountpoint=m.path)
+    assert result.returncode == 0, result.stderr
+    assert_read_back(m.path, "ds", small_source)
+
+
+def test_umount_after_main_daemon_killed_leaves_no_workers(dlfs_cli, mounted, small_store,
+                                                           kill_daemon, sysproc):
+    m = mounted(small_store, "--workers", "3")
+    workers = [pid for pid in m.pids if pid != m.pid]
+    assert len(workers) == 2
+    kill_daemon([m.pid])
+    result = dlfs_cli("umount", m.path)
+    assert result.returncode == 0, result.stderr
+    assert sysproc.fstype_at(m.path) is None
+    assert [pid for pid in workers if not sysproc.wait_dead(pid, 10)] == []
+
+
+def test_sigterm_to_daemon_unmounts(mounted, small_store, sysproc):
+    m = mounted(small_store)
+    os.kill(m.pid, signal.SIGTERM)
+    assert all(sysproc.wait_dead(pid, 15) for pid in m.pids)
+    assert sysproc.fstype_at(m.path) is None
+
+
+# -- mount / umount contracts ----------------------------------------------------------
+def test_mount_twice_is_one_line_error(mounted, small_store, small_source, sysproc):
+    m = mounted(small_store)
+    result = mounted.try_mount(small_store, mountpoint=m.path)
+    assert result.returncode != 0
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dlfs: error:"), result.stderr
+    assert str(m.path) in lines[0]
+    assert all(sysproc.pid_alive(pid) for pid in m.pids), "the first daemon must keep serving"
+    assert_read_back(m.path, "ds", small_source)
+
+
+def test_umount_waits_until_the_daemon_is_gone(dlfs_cli, mounted, small_store, sysproc):
+    m = mounted(small_store)
+    os.listdir(m / "ds")
+    result = dlfs_cli("umount", m.path)
+    assert result.returncode == 0, result.stderr
+    still = [pid for pid in m.pids if sysproc.pid_alive(pid)]  # checked at once: no grace period
+    assert still == []
+    assert sysproc.fstype_at(m.path) is None
+    assert "daemon exits" in m.log_text()
+
+
+def test_umount_of_busy_mount_is_one_line_error(dlfs_cli, mounted, small_store, small_source,
+                                                sysproc):
+    m = mounted(small_store)
+    path = m / "ds/d0/f000.bin"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        result = dlfs_cli("umount", m.path)
+        assert result.returncode != 0
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("dlfs: error:"), result.stderr
+        assert "busy" in lines[0]
+        assert sysproc.fstype_at(m.path) == "fuse.dlfs"
+        assert os.pread(fd, 1 << 20, 0) == (small_source / "d0/f000.bin").read_bytes()
+    finally:
+        os.close(fd)
+    assert dlfs_cli("umount", m.path).returncode == 0
+    assert not any(sysproc.pid_alive(pid) for pid in m.pids)
+
+
+def test_lazy_umount_keeps_open_files_readable(dlfs_cli, mounted, small_store, small_source,
+                                               sysproc):
+    m = mounted(small_store)
+    fd = os.open(m / "ds/d0/f002.bin", os.O_RDONLY)
+    try:
+        result = dlfs_cli("umount", "--lazy", "--timeout", "1", m.path)
+        assert result.returncode == 0, result.stderr
+        assert sysproc.fstype_at(m.path) is None  # detached at once
+        assert os.pread(fd, 1 << 20, 0) == (small_source / "d0/f002.bin").read_bytes()
+    finally:
+        os.close(fd)
+    assert all(sysproc.wait_dead(pid, 15) for pid in m.pids), "must exit once the file closes"
+
+
+def test_mountpoint_with_space_and_unicode(dlfs_cli, mounted, small_store, small_source,
+                                           tmp_path, sysproc):
+    mp = tmp_path / "mount point ü"
+    mp.mkdir()
+    m = mounted(small_store, mountpoint=mp)
+    assert sysproc.fstype_at(mp) == "fuse.dlfs"
+    assert_read_back(m.path, "ds", small_source)
+    assert dlfs_cli("umount", mp).returncode == 0
+    assert sysproc.fstype_at(mp) is None
+    assert not any(sysproc.pid_alive(pid) for pid in m.pids)
+
+
+def test_umount_through_the_symlink_used_to_mount(dlfs_cli, mounted, small_store, tmp_path,
+                                                  sysproc):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    result = mounted.try_mount(small_store, mountpoint=link)
+    mounted.mountpoints.append(real)  # teardown unmounts the real path whatever happens
+    assert result.returncode == 0, result.stderr
+    assert sysproc.fstype_at(real) == "fuse.dlfs"
+    result = dlfs_cli("umount", link)
+    assert result.returncode == 0, result.stderr
+    assert sysproc.fstype_at(real) is None
