@@ -22,6 +22,7 @@ import trio
 
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
+from dlfs.mountinfo import find_mount
 from dlfs.runtime import DaemonRecord, remove_record, write_record
 from dlfs.store import Store
 from dlfsd.namespace import Namespace
@@ -63,6 +64,22 @@ def load_namespace(config: MountConfig) -> Namespace:
     datasets = [store.open(name) for name in names]
     limiter = trio.CapacityLimiter(config.io_threads)
     return Namespace(datasets, limiter, verify=config.verify)
+
+
+def set_read_ahead(mountpoint: str, kb: int) -> None:
+    """Raise the kernel read-ahead of our mount (FUSE starts at 128 KiB).
+
+    Sequential reads of large files then reach the daemon as fewer, larger
+    requests. Needs root; elsewhere the kernel default stays.
+    """
+    entry = find_mount(mountpoint)
+    if entry is None or kb <= 0:
+        return
+    try:
+        with open(f"/sys/class/bdi/{entry.device}/read_ahead_kb", "w") as f:
+            f.write(str(kb))
+    except OSError as err:
+        log.info("kept the default read-ahead (cannot set it to %d KiB: %s)", kb, err.strerror)
 
 
 def _raise_fd_limit() -> None:
@@ -139,7 +156,9 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     names = ", ".join(d.name for d in namespace.datasets)
     log.info("mounted %s at %s (datasets: %s, %d worker processes)", config.store,
              config.mountpoint, names, config.workers)
-    workers = start_workers(config, namespace, ops)
+    trio.run(_answer_kernel_init, ops)
+    set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
+    workers = start_workers(config, namespace)
     write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
     readiness.send("READY")
     unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
@@ -158,7 +177,8 @@ async def _answer_kernel_init(ops: DlfsOperations) -> None:
     """Serve until the kernel's INIT request is answered, then stop (session stays open).
 
     libfuse answers every request with EIO in a process that did not itself
-    handle INIT, so workers may only be forked after this.
+    handle INIT, so workers may only be forked after this; and INIT sets the
+    mount's read-ahead, which we raise afterwards.
     """
     async with trio.open_nursery() as nursery:
         answered = trio.Event()
@@ -168,7 +188,7 @@ async def _answer_kernel_init(ops: DlfsOperations) -> None:
         nursery.cancel_scope.cancel()
 
 
-def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations) -> list[int]:
+def start_workers(config: MountConfig, namespace: Namespace) -> list[int]:
     """Fork config.workers - 1 more processes serving the same FUSE session.
 
     The kernel hands each request to exactly one reader of /dev/fuse, so N
@@ -181,7 +201,6 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
     if config.workers <= 1:
         return []
     namespace.use_inline_io()
-    trio.run(_answer_kernel_init, ops)
     pids = []
     for _ in range(config.workers - 1):
         pid = os.fork()

@@ -156,7 +156,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
         workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
-        cache_timeout=args.cache_timeout,
+        cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
         allow_other=args.allow_other, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None)
     return mount(config, foreground=args.foreground, timeout=args.timeout)
@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FUSE requests served concurrently (default 64)")
     p.add_argument("--cache-timeout", type=float, default=86400.0,
                    help="seconds the kernel may cache names and attributes (default 86400)")
+    p.add_argument("--read-ahead-kb", type=int, default=4096,
+                   help="kernel read-ahead for large sequential reads (default 4096; "
+                        "0 keeps the kernel's 128; needs root)")
     p.add_argument("--log-file", help="daemon log file")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")

@@ -20,6 +20,7 @@ class MountConfig:
     io_threads: int = 16  # bounded pool for disk reads and checksums that could block
     max_tasks: int = 64  # FUSE requests handled concurrently
     cache_timeout: float = 86400.0  # entry/attr timeout: data is immutable
+    read_ahead_kb: int = 4096  # kernel read-ahead for the mount (0: keep the default)
     allow_other: bool = False
     debug: bool = False
     log_file: str | None = None

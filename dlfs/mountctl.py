@@ -19,36 +19,16 @@ from dataclasses import replace
 
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError, NotFoundError
+from dlfs.mountinfo import find_mount
 from dlfs.runtime import default_log_path, mountpoint_path, read_record, remove_record
 
 FSTYPE = "fuse.dlfs"
 
 
 def mounted_fstype(mountpoint: str) -> str | None:
-    """File-system type mounted exactly at canonical path `mountpoint` (/proc/self/mountinfo)."""
-    target = mountpoint
-    found = None
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            left, _, right = line.partition(b" - ")
-            fields = left.split()
-            path = _unescape(fields[4])
-            if path == target:
-                found = right.split()[0].decode()  # the last (top) mount wins
-    return found
-
-
-def _unescape(raw: bytes) -> str:
-    out = bytearray()
-    i = 0
-    while i < len(raw):
-        if raw[i] == 0x5C and i + 3 < len(raw) and raw[i + 1 : i + 4].isdigit():
-            out.append(int(raw[i + 1 : i + 4], 8))
-            i += 4
-        else:
-            out.append(raw[i])
-            i += 1
-    return os.fsdecode(bytes(out))
+    """File-system type mounted at canonical path `mountpoint`, or None."""
+    entry = find_mount(mountpoint)
+    return entry.fstype if entry else None
 
 
 def _fusermount(mountpoint: str, lazy: bool) -> subprocess.CompletedProcess:

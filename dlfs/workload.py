@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 
@@ -58,8 +59,9 @@ def shuffled_epoch(paths: list[str], workers: int = 2, seed: int = 0) -> EpochRe
     random.Random(seed).shuffle(order)
     shards = [order[i::workers] for i in range(workers)]
     ctx = mp.get_context("fork")
-    with ctx.Pool(workers, initializer=_worker_init) as pool:
-        pool.map(abs, range(workers))  # start the workers before the clock
+    # ProcessPoolExecutor, not Pool: a reader that dies raises instead of hanging.
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+        list(pool.map(time.sleep, [0.05] * workers))  # start the workers before the clock
         started = time.perf_counter()
         nbytes = sum(pool.map(_read_all, shards))
         seconds = time.perf_counter() - started
