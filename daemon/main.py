@@ -31,6 +31,7 @@ from dlfsd.ops import DlfsOperations
 log = logging.getLogger("dlfsd")
 
 READY_FD_ENV = "DLFS_READY_FD"
+INIT_TIMEOUT = 60.0  # seconds the kernel may take to send FUSE INIT after mounting
 
 
 def mount_options(config: MountConfig) -> set[str]:
@@ -156,13 +157,14 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     names = ", ".join(d.name for d in namespace.datasets)
     log.info("mounted %s at %s (datasets: %s, %d worker processes)", config.store,
              config.mountpoint, names, config.workers)
-    trio.run(_answer_kernel_init, ops)
-    set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
-    workers = start_workers(config, namespace)
-    write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
-    readiness.send("READY")
     unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
+    workers: list[int] = []
     try:
+        trio.run(_answer_kernel_init, ops)
+        set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
+        workers = start_workers(config, namespace)
+        write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
+        readiness.send("READY")
         unmount = trio.run(serve, config)
     finally:
         stop_workers(workers)
@@ -180,12 +182,13 @@ async def _answer_kernel_init(ops: DlfsOperations) -> None:
     handle INIT, so workers may only be forked after this; and INIT sets the
     mount's read-ahead, which we raise afterwards.
     """
-    async with trio.open_nursery() as nursery:
-        answered = trio.Event()
-        ops.on_init = answered.set
-        nursery.start_soon(pyfuse3.main, 1, 1)
-        await answered.wait()
-        nursery.cancel_scope.cancel()
+    with trio.fail_after(INIT_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            answered = trio.Event()
+            ops.on_init = answered.set
+            nursery.start_soon(pyfuse3.main, 1, 1)
+            await answered.wait()
+            nursery.cancel_scope.cancel()
 
 
 def start_workers(config: MountConfig, namespace: Namespace) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import stat
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -24,9 +24,8 @@ FIRST_DATASET_INODE = 1024
 ROOT_MODE = stat.S_IFDIR | 0o555
 
 
-@dataclass(frozen=True)
-class Attr:
-    """What getattr/lookup report for an inode."""
+class Attr(NamedTuple):
+    """What getattr/lookup report for an inode (a tuple: built once per entry of readdir)."""
 
     ino: int
     mode: int

@@ -2,7 +2,8 @@
 
 The hot path: a read of cached data is served inline with preadv(RWF_NOWAIT)
 and never leaves the trio loop; anything that could block (a disk read, the
-first open of a chunk, hashing a large extent) goes to a bounded thread pool.
+first open of a chunk, hashing a large extent) goes to a bounded thread pool,
+or runs inline in worker processes (one request at a time each, see dlfsd.main).
 Each extent's checksum is checked the first time it is read; concurrent first
 reads of one extent share one load. Wrong bytes never leave this class.
 """

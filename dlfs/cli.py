@@ -21,6 +21,7 @@ from dlfs.config import MountConfig
 from dlfs.directory import display_path
 from dlfs.errors import EXIT_CORRUPT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DlfsError
 from dlfs.format import DEFAULT_CHUNK_SIZE
+from dlfs.populate import PopulateOptions
 from dlfs.sizes import format_size, parse_size
 from dlfs.store import Store
 
@@ -72,7 +73,7 @@ def _positive(text: str) -> int:
 
 # -- subcommands ---------------------------------------------------------------
 def cmd_populate(args: argparse.Namespace) -> int:
-    from dlfs.populate import PopulateOptions, populate
+    from dlfs.populate import populate
 
     options = PopulateOptions(chunk_size=args.chunk_size, jobs=args.jobs, force=args.force,
                               fsync=not args.no_fsync)
@@ -202,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="dataset name (letters, digits, . _ + -)")
     p.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE,
                    help="chunk file size, e.g. 64M (default), 256M, 1G")
-    p.add_argument("-j", "--jobs", type=_positive, default=8,
-                   help="parallel source readers (default 8; more helps on parallel FS)")
+    p.add_argument("-j", "--jobs", type=_positive, default=PopulateOptions.jobs,
+                   help="parallel source readers (default 4; more helps on a parallel file "
+                        "system with high latency, fewer on a local disk with few cores)")
     p.add_argument("--force", action="store_true", help="replace an existing dataset NAME")
     p.add_argument("--no-fsync", action="store_true",
                    help="skip fsync before publishing (faster; for scratch stores only)")
