@@ -88,7 +88,7 @@ class SampleReader:
                     memoryview(data)[rel : rel + length]
         fd = await self._fd(self._ext_chunk[ext])
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
-        if self._nowait:
+        if self._nowait and not self.inline_io:  # inline callers may block anyway
             buf = self._pread_cached(fd, length, pos)
             if buf is not None:
                 return buf
