@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dlfs import __version__
-from dlfs.config import MountConfig
+from dlfs.config import MountConfig, default_workers
 from dlfs.directory import display_path
 from dlfs.errors import EXIT_CORRUPT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DlfsError
 from dlfs.format import DEFAULT_CHUNK_SIZE
@@ -249,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not check checksums on first read (trusts the store)")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other for non-root)")
-    p.add_argument("--workers", type=_positive, default=min(os.cpu_count() or 1, 8),
-                   help="daemon processes serving requests (default: cores, at most 8)")
+    p.add_argument("--workers", type=_positive, default=default_workers(),
+                   help="daemon processes serving requests (default: cores, at least 4, "
+                        "at most 8)")
     p.add_argument("--io-threads", type=_positive, default=16,
                    help="threads for blocking disk reads (default 16)")
     p.add_argument("--max-tasks", type=_positive, default=64,
