@@ -108,7 +108,29 @@ class Readiness:
         self.fd = None
 
 
-async def serve(config: MountConfig, worker: bool = False) -> bool:
+async def watch_workers(pids: list[int]) -> None:
+    """Reap worker processes as they exit; log loudly one that dies while mounted.
+
+    The others keep serving, but a request the dead one held stays unanswered,
+    so an operator must hear about it. Exit code 0 is a normal end (unmounted).
+    """
+    with trio.open_signal_receiver(signal.SIGCHLD) as sigs:
+        while pids:
+            for pid in list(pids):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if not done:
+                    continue
+                pids.remove(pid)
+                if os.WIFSIGNALED(status) or os.WEXITSTATUS(status) != 0:
+                    how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+                           if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
+                    log.error("worker process %d died (%s); %d processes still serve; a "
+                              "request it held may hang: remount soon", pid, how, len(pids) + 1)
+            await sigs.__anext__()
+
+
+async def serve(config: MountConfig, worker: bool = False,
+                worker_pids: list[int] | None = None) -> bool:
     """Run the FUSE loop; return True if we stopped on a signal (and must unmount).
 
     With several processes each handles one request at a time (max_tasks 1,
@@ -116,6 +138,8 @@ async def serve(config: MountConfig, worker: bool = False) -> bool:
     """
     signalled = False
     async with trio.open_nursery() as nursery:
+        if worker_pids:
+            nursery.start_soon(watch_workers, worker_pids)
 
         async def watch_signals() -> None:
             nonlocal signalled
@@ -165,7 +189,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         workers = start_workers(config, namespace)
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
         readiness.send("READY")
-        unmount = trio.run(serve, config)
+        unmount = trio.run(serve, config, False, workers)
     finally:
         stop_workers(workers)
         pyfuse3.close(unmount=unmount)
@@ -222,7 +246,7 @@ def start_workers(config: MountConfig, namespace: Namespace) -> list[int]:
 
 
 def stop_workers(pids: list[int], timeout: float = 10.0) -> None:
-    """Ask workers to stop and reap them (SIGKILL after `timeout`)."""
+    """Ask the workers not reaped yet to stop, and reap them (SIGKILL after `timeout`)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

@@ -253,6 +253,20 @@ def test_umount_after_main_daemon_killed_leaves_no_workers(dlfs_cli, mounted, sm
     assert [pid for pid in workers if not sysproc.wait_dead(pid, 10)] == []
 
 
+def test_dead_worker_is_logged_and_the_others_keep_serving(mounted, small_store, small_source,
+                                                           kill_daemon):
+    m = mounted(small_store, "--workers", "3")
+    victim = next(pid for pid in m.pids if pid != m.pid)
+    kill_daemon([victim])
+    for rel in regular_files(describe_tree(small_source))[:50]:  # answered by the survivors
+        source = os.path.join(os.fsencode(small_source), rel)
+        assert sha256_file(m / (b"ds/" + rel)) == sha256_file(source)
+    deadline = time.monotonic() + 10
+    while f"worker process {victim} died (killed by SIGKILL)" not in m.log_text():
+        assert time.monotonic() < deadline, m.log_text()
+        time.sleep(0.05)
+
+
 def test_sigterm_to_daemon_unmounts(mounted, small_store, sysproc):
     m = mounted(small_store)
     os.kill(m.pid, signal.SIGTERM)
