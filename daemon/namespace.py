@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import trio
 
+from dlfs.directory import SampleDirectory
 from dlfs.errors import IsADirError, NotADirError, NotFoundError
 from dlfs.store import Dataset
 from dlfsd.reader import SampleReader
@@ -32,6 +33,12 @@ class Attr(NamedTuple):
     size: int
     mtime_ns: int
     nlink: int
+
+
+def _attr(d: SampleDirectory, base: int, row: int) -> Attr:
+    mode = d.mode(row)
+    nlink = 2 + d.subdir_count(row) if stat.S_ISDIR(mode) else 1
+    return Attr(base + row, mode, d.size(row), d.mtime_ns(row), nlink)
 
 
 class Namespace:
@@ -88,10 +95,7 @@ class Namespace:
         if ino == ROOT_INODE:
             return Attr(ROOT_INODE, ROOT_MODE, 0, self.mounted_ns, 2 + len(self.datasets))
         k, row = self._locate(ino)
-        d = self._dirs[k]
-        mode = d.mode(row)
-        nlink = 2 + d.subdir_count(row) if stat.S_ISDIR(mode) else 1
-        return Attr(ino, mode, d.size(row), d.mtime_ns(row), nlink)
+        return _attr(self._dirs[k], self._bases[k], row)
 
     def readlink(self, ino: int) -> bytes:
         k, row = self._locate(ino)
@@ -114,17 +118,21 @@ class Namespace:
             raise IsADirError(ino)
 
     def readdir(self, ino: int, start: int):
-        """Yield (name, inode, next_offset) from offset `start`; offsets are stable."""
+        """Yield (name, Attr, next_offset) from offset `start`; offsets are stable.
+
+        Attributes come along because the kernel asks for readdirplus: one pass
+        over the arrays, no per-entry inode lookup.
+        """
         if ino == ROOT_INODE:
             for i in range(start, len(self.datasets)):
-                yield self.datasets[i].name.encode(), self._bases[i], i + 1
+                yield self.datasets[i].name.encode(), _attr(self._dirs[i], self._bases[i], 0), i + 1
             return
         k, row = self._locate(ino)
         d, base = self._dirs[k], self._bases[k]
         kids = d.children(row)
         for off in range(start, len(kids)):
             child = kids[off]
-            yield d.name(child), base + child, off + 1
+            yield d.name(child), _attr(d, base, child), off + 1
 
     def totals(self) -> tuple[int, int]:
         """(bytes, entries) over all mounted datasets, for statfs."""

@@ -101,8 +101,8 @@ class DlfsOperations(pyfuse3.Operations):
 
     @errno_boundary
     async def readdir(self, fh, start_id, token):
-        for name, ino, next_id in self.ns.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, self.entry(self.ns.getattr(ino)), next_id):
+        for name, attr, next_id in self.ns.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, self.entry(attr), next_id):
                 break
 
     async def releasedir(self, fh):

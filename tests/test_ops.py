@@ -184,6 +184,9 @@ async def test_readdir_offsets_are_stable(store):
     for i, (_, _, next_off) in enumerate(full):
         assert list(ns.readdir(ds, next_off)) == full[i + 1 :]
     assert [n for n, _, _ in ns.readdir(ROOT_INODE, 0)] == [b"ds", b"other"]
+    for parent in (ROOT_INODE, ds, ns.lookup(ds, b"sub")):
+        for name, attr, _ in ns.readdir(parent, 0):  # readdirplus attrs == lookup + getattr
+            assert attr == ns.getattr(ns.lookup(parent, name))
 
 
 async def test_statfs_reports_dataset_bytes(store):
