@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="extra arguments for `dlfs mount`, e.g. --mount-args='--no-verify'")
     p.add_argument("--read-ahead-kb", type=int, default=None,
                    help="set the mount's kernel read-ahead (/sys/class/bdi/DEV/read_ahead_kb) "
-                        "after mounting; default: leave it (FUSE: 128, which also caps READ "
-                        "requests at 128 KiB)")
+                        "after mounting; default: leave what `dlfs mount` set (its "
+                        "--read-ahead-kb, 4096; the FUSE kernel default is 128)")
     p.add_argument("--populate-args", default="",
                    help="extra arguments for `dlfs populate`, e.g. --populate-args='-j 4'")
     args = p.parse_args(argv)

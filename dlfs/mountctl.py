@@ -20,7 +20,13 @@ from dataclasses import replace
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError, NotFoundError
 from dlfs.mountinfo import find_mount
-from dlfs.runtime import default_log_path, mountpoint_path, read_record, remove_record
+from dlfs.runtime import (
+    default_log_path,
+    mountpoint_path,
+    pid_alive,
+    read_record,
+    remove_record,
+)
 
 FSTYPE = "fuse.dlfs"
 
@@ -56,7 +62,7 @@ def prepare_mountpoint(mountpoint: str) -> str:
         raise DlfsError(f"mountpoint is not a directory: {path}")
     if mounted_fstype(path) == FSTYPE:
         record = read_record(path)
-        if record is not None and _alive(record.pid):
+        if record is not None and pid_alive(record.pid):
             raise DlfsError(f"already mounted: {path} (run `dlfs umount {path}` first)")
         # The daemon is gone (the kernel may still answer stat from its cache).
         _fusermount(path, lazy=True)
@@ -156,15 +162,6 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-    except OSError:
-        return False
-    return state not in (b"Z", b"X")
-
-
 def _wait_for_exit(pid: int, timeout: float) -> None:
     """Give the daemon `timeout` s to finish, then TERM, then KILL."""
     for sig, wait in ((None, timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -175,6 +172,6 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
                 return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not pid_alive(pid):
                 return
             time.sleep(0.02)

@@ -84,3 +84,13 @@ def remove_record(mountpoint: str, pid: int | None = None) -> None:
         return
     with contextlib.suppress(FileNotFoundError):
         record_path(mountpoint).unlink()
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (a dead, unreaped daemon)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")

@@ -9,7 +9,6 @@ misplaced byte is caught by a checksum comparison.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,11 +66,3 @@ def generate_large_files(root: Path, count: int, size: int, seed: int = 0) -> Tr
                 left -= min(left, len(piece))
         paths.append(path)
     return TreeSummary(count, count * size, paths)
-
-
-def list_files(root: Path) -> list[Path]:
-    """Every regular file under root, sorted (for reading a tree back)."""
-    out = []
-    for dirpath, _, names in os.walk(root):
-        out.extend(Path(dirpath) / n for n in names if os.path.isfile(os.path.join(dirpath, n)))
-    return sorted(out)

@@ -22,6 +22,7 @@ import numpy as np
 from dlfs.directory import SampleDirectory
 from dlfs.errors import DlfsError, NotFoundError, UsageError
 from dlfs.format import MANIFEST_NAME, chunk_path, decode_manifest
+from dlfs.runtime import pid_alive
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 TMP_PREFIX = ".tmp-"
@@ -163,7 +164,7 @@ class Store:
                 parts = path.name[len(prefix) + len(name) + 1 :].split(".")
                 if len(parts) < 3 or parts[0] != host or not parts[1].isdigit():
                     continue
-                if not _pid_alive(int(parts[1])):
+                if not pid_alive(int(parts[1])):
                     shutil.rmtree(path, ignore_errors=True)
                     removed.append(path)
         return removed
@@ -176,16 +177,6 @@ def _host() -> str:
 def _owner_tag() -> str:
     """host.pid.random: lets a later run tell whether a leftover's writer is dead."""
     return f"{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def fsync_dir(path: Path) -> None:
