@@ -31,7 +31,7 @@ from dlfs.store import Dataset, Store
 from dlfsd.namespace import Namespace
 from dlfsd.ops import DlfsOperations
 from dlfsd.sources import SourceCounters
-from dlfsd.status import build_status, keep_status
+from dlfsd.status import build_status, keep_status, write_status
 
 log = logging.getLogger("dlfsd")
 
@@ -292,6 +292,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         workers = start_workers(config, namespace, counters, pool)
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
+        write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send("READY")
         unmount = trio.run(supervise, config, workers, services)
     finally:
