@@ -473,11 +473,13 @@ class _Connection:
                                   f"{msg['code']}: {msg['msg']}")
         if kind not in (protocol.DATA, protocol.MISS, protocol.FAIL):
             raise ProtocolError(f"unexpected {kind} message")
-        waiter = self._waiters.pop(msg["id"], None)
+        # Check before popping: on a ProtocolError, fail() must still find this waiter.
+        waiter = self._waiters.get(msg["id"])
         if waiter is None:
             raise ProtocolError(f"reply for request id {msg['id']}, which is not pending")
         if kind == protocol.DATA and len(msg["data"]) != waiter.length:
             raise ProtocolError(f"{len(msg['data'])} bytes of data for a read of {waiter.length}")
+        del self._waiters[msg["id"]]
         if waiter.abandoned:
             self._abandoned -= 1
             return
