@@ -70,14 +70,14 @@ class Peer:
         return PeerClient(secret, "client-node", "127.0.0.1", self.port, **kwargs)
 
 
-async def start_peer(nursery: trio.Nursery, **server_kwargs) -> Peer:
+async def start_peer(nursery: trio.Nursery, port: int = 0, **server_kwargs) -> Peer:
     provider = MemoryProvider()
     server = PeerServer(SECRET, provider, "server-node", **server_kwargs)
     scope = trio.CancelScope()
 
     async def run(task_status=trio.TASK_STATUS_IGNORED):
         with scope:
-            await server.serve("127.0.0.1", 0, task_status=task_status)
+            await server.serve("127.0.0.1", port, task_status=task_status)
 
     port = await nursery.start(run)
     return Peer(server, provider, port, scope)
@@ -505,3 +505,24 @@ async def test_a_misbehaving_server_is_unavailable_never_wrong_bytes(nursery, re
         await client.read(DATASET, 0, 0, 10)
     assert trio.current_time() - start < 1.0
     await client.aclose()
+
+
+def test_a_client_used_from_a_new_trio_run_opens_its_own_connections():
+    """Forked daemon workers each call trio.run; a client must not carry a run's state over."""
+    ports = []
+    client = None
+
+    async def one_run():
+        nonlocal client
+        async with trio.open_nursery() as nursery:
+            peer = await start_peer(nursery, port=ports[0] if ports else 0)
+            ports.append(peer.port)
+            if client is None:
+                client = peer.client()
+            assert await client.read(DATASET, 0, 5, 10) == CHUNKS[0][5:15]
+            assert peer.server.connections_accepted == 1
+            nursery.cancel_scope.cancel()  # no aclose: the run ends with the connection open
+
+    trio.run(one_run)
+    trio.run(one_run)
+    assert ports[0] == ports[1]
