@@ -343,8 +343,9 @@ class PeerServer:
             return protocol.miss(request_id)
         size = _byte_size(payload)
         if size != length:
+            got = type(payload).__name__ if size is None else f"{size} bytes"
             return self._read_failed(request_id, peer, dataset_id, chunk, DlfsError(
-                f"provider returned {size} bytes for a read of {length}"))
+                f"provider returned {got} for a read of {length} bytes"))
         return protocol.data(request_id, payload)
 
     def _read_failed(self, request_id: int, peer: str, dataset_id: bytes, chunk: int,
@@ -389,8 +390,10 @@ class _Connection:
         request_id = self._allocate_id()
         waiter = _Waiter(length)
         self._waiters[request_id] = waiter
+        sent = False
         try:
             await self.framed.send(protocol.read(request_id, dataset_id, chunk, offset, length))
+            sent = True
             await waiter.done.wait()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
             self._waiters.pop(request_id, None)
@@ -398,7 +401,7 @@ class _Connection:
             self.fail(lost)
             raise waiter.error or lost from None
         except BaseException:
-            self._abandon(request_id, waiter)
+            self._abandon(request_id, waiter, sent)
             raise
         return self._result(waiter, dataset_id, chunk, offset, length)
 
@@ -410,16 +413,18 @@ class _Connection:
         self._next_id = (request_id + 1) & protocol.MAX_REQUEST_ID
         return request_id
 
-    def _abandon(self, request_id: int, waiter: _Waiter) -> None:
+    def _abandon(self, request_id: int, waiter: _Waiter, sent: bool) -> None:
         """The caller gave up (timeout, cancellation); a late reply will be dropped."""
-        if waiter.done.is_set() or self.closed:
+        if self.framed.broken:  # cancelled half way through sending the request
+            self._waiters.pop(request_id, None)
+            self.fail(PeerUnavailable(f"a send to peer {self.address} was interrupted"))
+            return
+        if not sent or waiter.done.is_set() or self.closed:  # no reply can come
             self._waiters.pop(request_id, None)
             return
         waiter.abandoned = True
         self._abandoned += 1
-        if self.framed.broken:
-            self.fail(PeerUnavailable(f"a send to peer {self.address} was interrupted"))
-        elif self._abandoned > _MAX_ABANDONED:
+        if self._abandoned > _MAX_ABANDONED:
             self.fail(PeerUnavailable(f"peer {self.address} left {self._abandoned} requests "
                                       "unanswered"))
 
@@ -473,11 +478,13 @@ class _Connection:
                                   f"{msg['code']}: {msg['msg']}")
         if kind not in (protocol.DATA, protocol.MISS, protocol.FAIL):
             raise ProtocolError(f"unexpected {kind} message")
-        waiter = self._waiters.pop(msg["id"], None)
+        # Check before popping: on a ProtocolError, fail() must still find this waiter.
+        waiter = self._waiters.get(msg["id"])
         if waiter is None:
             raise ProtocolError(f"reply for request id {msg['id']}, which is not pending")
         if kind == protocol.DATA and len(msg["data"]) != waiter.length:
             raise ProtocolError(f"{len(msg['data'])} bytes of data for a read of {waiter.length}")
+        del self._waiters[msg["id"]]
         if waiter.abandoned:
             self._abandoned -= 1
             return
