@@ -34,6 +34,7 @@ from dlfsd.stager import DemandChannel
 log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
+_HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 
 
 class ChunkPool:
@@ -125,7 +126,7 @@ class ChunkPool:
         return int(self.datasets[ds].chunk_lengths[chunk])
 
     async def read_staged(self, dataset_id: bytes, chunk: int, offset: int,
-                          length: int) -> bytes | None:
+                          length: int) -> bytes | bytearray | None:
         ds = self._by_id[dataset_id]
         cache = self.caches[ds]
         fd = cache.cached_fd(chunk)
@@ -135,9 +136,23 @@ class ChunkPool:
             if self.owned[ds][chunk]:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
             return None
-        data = await trio.to_thread.run_sync(os.pread, fd, length, CHUNK_HEADER_SIZE + offset)
+        data = _pread_cached(fd, length, CHUNK_HEADER_SIZE + offset)
+        if data is None:  # not in the page cache: read in a thread, never block the loop
+            data = await trio.to_thread.run_sync(os.pread, fd, length, CHUNK_HEADER_SIZE + offset)
         return data if len(data) == length else None
 
     # -- reporting ------------------------------------------------------------------------
     def owned_chunks(self, ds: int) -> np.ndarray:
         return np.flatnonzero(self.owned[ds])
+
+
+def _pread_cached(fd: int, length: int, pos: int) -> bytearray | None:
+    """The bytes if they are all in the page cache (no blocking), else None."""
+    if not _HAVE_NOWAIT:
+        return None
+    buf = bytearray(length)
+    try:
+        got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
+    except OSError:  # BlockingIOError, or a file system without RWF_NOWAIT
+        return None
+    return buf if got == length else None
