@@ -8,7 +8,6 @@ can count exactly how many requests reached the peer.
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 
 import numpy as np
 import pytest
