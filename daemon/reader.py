@@ -14,6 +14,7 @@ import errno
 import logging
 import mmap
 import os
+from time import perf_counter_ns
 
 import trio
 
@@ -21,6 +22,7 @@ from dlfs.directory import display_path
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store import Dataset
+from dlfsd.stats import SOURCE_STORE, NullStats
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class SampleReader:
         d = self.directory
         self._ext_chunk, self._ext_off, self._ext_len = (
             d.ext_chunk_view, d.ext_offset_view, d.ext_length_view)
+        self.stats, self.ds = NullStats(), 0  # set by the Namespace: counters, dataset index
 
     def close(self) -> None:
         self._state.close()
@@ -63,6 +66,12 @@ class SampleReader:
 
     async def read(self, row: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Up to `size` bytes of file `row` at `offset` (short at end of file)."""
+        started = perf_counter_ns()
+        data = await self._read_from_store(row, offset, size)
+        self.stats.record_source(self.ds, SOURCE_STORE, len(data), perf_counter_ns() - started)
+        return data
+
+    async def _read_from_store(self, row: int, offset: int, size: int):
         file_size = self.directory.size(row)
         end = min(offset + size, file_size)
         if offset >= end:

@@ -32,6 +32,9 @@ class MountConfig:
     allow_other: bool = False
     debug: bool = False
     log_file: str | None = None
+    stats: bool = True  # I/O counters and the trace; off (--no-stats) only to measure their cost
+    trace_capacity: int = 1 << 20  # trace records kept (oldest dropped beyond)
+    summary_file: str | None = None  # final counters + text summary, written at unmount
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
