@@ -23,9 +23,11 @@ import trio
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.mountinfo import find_mount
-from dlfs.runtime import DaemonRecord, remove_record, write_record
+from dlfs.runtime import DaemonRecord, control_socket_path, remove_record, write_record
 from dlfs.store import Store
+from dlfsd.controlsock import serve_control
 from dlfsd.namespace import Namespace
+from dlfsd.observe import Observability, ObserveConfig
 from dlfsd.ops import DlfsOperations
 
 log = logging.getLogger("dlfsd")
@@ -64,7 +66,8 @@ def load_namespace(config: MountConfig) -> Namespace:
         raise DlfsError(f"store {config.store} has no datasets (populate one with `dlfs populate`)")
     datasets = [store.open(name) for name in names]
     limiter = trio.CapacityLimiter(config.io_threads)
-    return Namespace(datasets, limiter, verify=config.verify)
+    return Namespace(datasets, limiter, verify=config.verify,
+                     observe=ObserveConfig.from_mount(config))
 
 
 def set_read_ahead(mountpoint: str, kb: int) -> None:
@@ -130,16 +133,21 @@ async def watch_workers(pids: list[int]) -> None:
 
 
 async def serve(config: MountConfig, worker: bool = False,
-                worker_pids: list[int] | None = None) -> bool:
+                worker_pids: list[int] | None = None,
+                observe: Observability | None = None) -> bool:
     """Run the FUSE loop; return True if we stopped on a signal (and must unmount).
 
     With several processes each handles one request at a time (max_tasks 1,
     see start_workers); a single process keeps many requests in flight.
+    The main process also answers `dlfs trace` on the control socket (`observe`).
     """
     signalled = False
     async with trio.open_nursery() as nursery:
         if worker_pids:
             nursery.start_soon(watch_workers, worker_pids)
+        if observe is not None:
+            nursery.start_soon(serve_control, str(control_socket_path(config.mountpoint)),
+                               observe)
 
         async def watch_signals() -> None:
             nonlocal signalled
@@ -189,9 +197,10 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         workers = start_workers(config, namespace)
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
         readiness.send("READY")
-        unmount = trio.run(serve, config, False, workers)
+        unmount = trio.run(serve, config, False, workers, namespace.observe)
     finally:
         stop_workers(workers)
+        namespace.observe.write_summary(config.summary_file)
         pyfuse3.close(unmount=unmount)
         namespace.close()
         remove_record(config.mountpoint, os.getpid())
