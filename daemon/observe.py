@@ -79,10 +79,12 @@ class Observability:
                 "started_ns": dump.started_ns, "stopped_ns": dump.stopped_ns}
 
     def path_of(self, ds: int, row: int) -> str:
+        """Path of a file relative to the mountpoint (the dataset's root is its name)."""
         from dlfs.directory import display_path
 
         d = self.datasets[ds]
-        return f"{d.name}/{display_path(d.directory.path(row))}"
+        path = display_path(d.directory.path(row))
+        return f"{d.name}/{path}" if path else d.name
 
     # -- the end of the job ---------------------------------------------------------------
     def write_summary(self, path: str | None) -> None:
