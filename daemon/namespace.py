@@ -71,6 +71,7 @@ class Namespace:
         self.stats, self.trace, self.control = (
             self.observe.stats, self.observe.trace, self.observe.control)
         self._counting = self.stats.enabled
+        self._tracing = self.trace.flag  # [0] is 1 while tracing (shared by all processes)
         for k, reader in enumerate(self.readers):
             reader.stats, reader.ds = self.stats, k
         self._dirs = [d.directory for d in self.datasets]
@@ -103,7 +104,7 @@ class Namespace:
 
     # -- metadata -------------------------------------------------------------
     def lookup(self, parent: int, name: bytes, caller=None) -> int:
-        if caller is None or not self.trace.on:
+        if caller is None or not self._tracing[0]:
             return self._lookup(parent, name)
         started = perf_counter_ns()
         ino = self._lookup(parent, name)
@@ -130,7 +131,7 @@ class Namespace:
         return self._bases[k] + child
 
     def getattr(self, ino: int, caller=None) -> Attr:
-        if caller is None or not self.trace.on:
+        if caller is None or not self._tracing[0]:
             return self._getattr(ino)
         started = perf_counter_ns()
         attr = self._getattr(ino)
@@ -207,7 +208,7 @@ class Namespace:
         started = perf_counter_ns()
         k, row = self._locate(ino)
         self.stats.record_open(k, row)
-        if caller is None or not self.trace.on:
+        if caller is None or not self._tracing[0]:
             return ino, False
         fh = self.trace.open_handle(ino, caller.pid, caller.uid)
         self.trace.record(OP_OPEN, k, row, 0, 0, perf_counter_ns() - started, caller.pid,
@@ -224,22 +225,23 @@ class Namespace:
         k, row = self._locate(ino)
         if not self._counting:
             return await self.readers[k].read(row, offset, size)
-        stats = self.stats
-        stats.request_sources = 0
+        tracing = self._tracing[0]
+        if tracing:
+            self.stats.request_sources = 0
         started = perf_counter_ns()
         data = await self.readers[k].read(row, offset, size)
         latency = perf_counter_ns() - started
-        stats.record_read(k, row, offset, len(data), latency)
-        if self.trace.on:
+        self.stats.record_read(k, row, offset, len(data), latency)
+        if tracing:
             pid, uid = self.trace.opener(fh)
             self.trace.record(OP_READ, k, row, offset, len(data), latency, pid, uid,
-                              stats.request_sources)
+                              self.stats.request_sources)
         return data
 
     def release(self, fh: int) -> None:
         if fh >= CONTROL_FH:
             self.control.release(fh)
-        elif self.trace.on:
+        elif self._tracing[0]:
             ino = handle_inode(fh) if fh >= TRACED_FH else fh
             k, row = self._locate(ino)
             pid, uid = self.trace.opener(fh)

@@ -98,6 +98,11 @@ class Trace:
     def on(self) -> bool:
         return self._mm[0] == 1
 
+    @property
+    def flag(self) -> mmap.mmap:
+        """Byte 0 is 1 while tracing: `if trace.flag[0]:` is the cheapest test there is."""
+        return self._mm
+
     def start(self) -> None:
         """Empty the rings and start recording."""
         if self.on:

@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the daemon to exit before killing it")
 
     p = _sub(subs, "stats", cmd_stats,
-             "show the I/O counters of a mount (per dataset: opens, reads, bytes, random %, "
+             "show the I/O counters of a mount (per dataset: opens, reads, bytes, random share, "
              "request size, sources, latency)",
              "examples:\n  dlfs stats /mnt/dlfs\n  dlfs stats /mnt/dlfs --watch\n"
              "  dlfs stats /mnt/dlfs --json | jq .datasets\n"
