@@ -9,17 +9,20 @@ BERT-like), through three mounts of the same store:
   stats   dlfs mount                     (the default: counters on, trace off)
   trace   dlfs mount + dlfs trace start  (counters on, every operation traced)
 
-Each round runs the three variants in a rotated order, each on a fresh mount
-(so the mount's page cache is empty) and does two epochs:
+The machine is shared and its speed drifts by tens of percent within
+seconds, so the variants are interleaved finely: each round mounts all three
+side by side (fresh mounts: empty page caches), then reads the shuffled file
+list in batches of --batch files, every batch through each mount in turn
+(the order rotates per batch). Two passes per round:
 
-  daemon  every read reaches the daemon; the store's chunk files stay in the
-          host page cache (no cache drop), so the daemon's CPU per request,
-          where the counters cost most, is what is measured, not disk noise
-  cached  one more epoch: page-cache hits, the daemon sees opens and releases
+  daemon  first read of every file: each read reaches the daemon (the store's
+          chunk files stay in the host page cache, so the daemon's CPU per
+          request, where the counters cost most, is measured, not the disk)
+  cached  second pass: page-cache hits, the daemon sees opens and releases
 
-With --cold the caches are dropped before the first epoch instead (disk-bound,
-noisier). Figures are medians over --rounds; the ratios stats/off and
-trace/off come from the same process, same rounds.
+files/s per variant = files read / time spent reading them, summed over all
+batches and rounds; the ratios stats/off and trace/off come from the same
+batches.
 
 Targets (issue 5): stats/off >= 0.97, trace/off >= 0.85.
 
@@ -31,15 +34,18 @@ examples (from the repository root; run as root for cache drops):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing as mp
+import random
+import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from _common import (
     Target,
     add_common_args,
-    drop_caches,
     formatter,
-    median,
     mounted,
     populate,
     print_table,
@@ -50,7 +56,6 @@ from _common import (
 )
 
 from dlfs.sampledata import generate_tree
-from dlfs.workload import shuffled_epoch
 
 VARIANTS = {"off": ["--no-stats"], "stats": [], "trace": []}
 
@@ -67,14 +72,14 @@ class Tree:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
-    add_common_args(p, rounds=5)
+    add_common_args(p, rounds=3)
     p.add_argument("--large-files", type=int, default=5000,
                    help="files in the ~110 KiB tree (default 5000; --quick: 250)")
     p.add_argument("--small-files", type=int, default=20_000,
                    help="files in the ~2.5 KB tree (default 20000; --quick: 1000)")
     p.add_argument("--workers", type=int, default=2, help="reader processes (default 2)")
-    p.add_argument("--cold", action="store_true",
-                   help="drop the page cache before the first epoch (needs root)")
+    p.add_argument("--batch", type=int, default=200,
+                   help="files per interleaved batch (default 200)")
     args = p.parse_args(argv)
     if args.quick:
         args.large_files = max(1, args.large_files // 20)
@@ -82,30 +87,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-EPOCHS = ("daemon", "cached")
+PASSES = ("daemon", "cached")
 
 
-def one_variant(variant: str, tree: Tree, store: Path, work: Path, args: argparse.Namespace,
-                seed: int, results: dict) -> None:
-    mp = work / "mnt"
-    with mounted(store, mp, VARIANTS[variant], work / "dlfsd.log"):
-        if variant == "trace":
-            run_dlfs(["trace", "start", str(mp)])
-        paths = [str(mp / tree.name / p) for p in tree.paths]
-        if args.cold:
-            drop_caches()
-        first = shuffled_epoch(paths, args.workers, seed=seed)
-        second = shuffled_epoch(paths, args.workers, seed=seed + 1000)
-        if variant == "trace":
-            status = run_dlfs(["trace", "status", str(mp)]).stdout.strip()
-            run_dlfs(["trace", "stop", str(mp), "-o", str(work / "trace.csv")])
-    for temp, r in zip(EPOCHS, (first, second), strict=True):
-        if r.bytes != tree.bytes:
-            raise RuntimeError(f"{variant} {temp} read {r.bytes} bytes, expected {tree.bytes}")
-        results.setdefault((tree.name, temp, variant), []).append(r.files_per_s)
-    extra = f"   [{status}]" if variant == "trace" else ""
-    print(f"  {tree.label:>7} {variant:<5} {EPOCHS[0]} {first.files_per_s:9,.0f} files/s   "
-          f"{EPOCHS[1]} {second.files_per_s:9,.0f} files/s{extra}", flush=True)
+def _read_batch(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 20):
+                total += len(chunk)
+    return total
+
+
+def timed_batch(pool, shards: list[list[str]]) -> tuple[float, int]:
+    started = time.perf_counter()
+    nbytes = sum(pool.map(_read_batch, shards))
+    return time.perf_counter() - started, nbytes
+
+
+def one_round(tree: Tree, store: Path, work: Path, args: argparse.Namespace, rnd: int,
+              pool, seconds: dict) -> None:
+    order = list(tree.paths)
+    random.Random(rnd).shuffle(order)
+    batches = [order[i : i + args.batch] for i in range(0, len(order), args.batch)]
+    with contextlib.ExitStack() as stack:
+        mps = {}
+        for variant, extra in VARIANTS.items():
+            mp = work / f"mnt-{variant}"
+            stack.enter_context(mounted(store, mp, extra, work / f"dlfsd-{variant}.log"))
+            mps[variant] = mp
+        run_dlfs(["trace", "start", str(mps["trace"])])
+        names = list(VARIANTS)
+        for phase in PASSES:
+            for i, batch in enumerate(batches):
+                for variant in names[i % 3:] + names[: i % 3]:
+                    paths = [str(mps[variant] / tree.name / p) for p in batch]
+                    took, nbytes = timed_batch(pool, [paths[j::args.workers]
+                                                      for j in range(args.workers)])
+                    key = (tree.name, phase, variant)
+                    seconds[key] = seconds.get(key, 0.0) + took
+                    bytes_key = (*key, "bytes")
+                    seconds[bytes_key] = seconds.get(bytes_key, 0) + nbytes
+        status = run_dlfs(["trace", "status", str(mps["trace"])]).stdout.strip()
+        run_dlfs(["trace", "stop", str(mps["trace"]), "-o", str(work / "trace.csv")])
+    line = "   ".join(
+        f"{phase} " + " ".join(f"{v} {len(order) * (rnd + 1) / seconds[(tree.name, phase, v)]:,.0f}"
+                                for v in VARIANTS) for phase in PASSES)
+    print(f"  {tree.label:>7} files/s so far: {line}   [trace: {status.split(': ', 1)[-1]}]",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,20 +151,26 @@ def main(argv: list[str] | None = None) -> int:
             took = populate(src, store, tree.name)
             print(f"{tree.name}: {tree.files:,} files, {tree.bytes / (1 << 20):,.1f} MiB; "
                   f"populate {took:.1f} s")
-        results: dict[tuple[str, str, str], list[float]] = {}
-        names = list(VARIANTS)
-        for rnd in range(args.rounds):
-            order = names[rnd % len(names):] + names[: rnd % len(names)]
-            print(f"round {rnd + 1}/{args.rounds} ({', '.join(order)})")
-            for tree in trees:
-                for variant in order:
-                    one_variant(variant, tree, store, work, args, rnd, results)
-
-        label = "cold, then cached" if args.cold else "daemon-bound, then cached"
-        rows, ratios = [], {}
+        seconds: dict = {}
+        ctx = mp.get_context("fork")
+        with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
+            for rnd in range(args.rounds):
+                print(f"round {rnd + 1}/{args.rounds}")
+                for tree in trees:
+                    one_round(tree, store, work, args, rnd, pool, seconds)
         for tree in trees:
-            for temp in EPOCHS:
-                fps = {v: median(results[(tree.name, temp, v)]) for v in names}
+            for phase in PASSES:
+                for variant in VARIANTS:
+                    got = seconds[(tree.name, phase, variant, "bytes")]
+                    if got != tree.bytes * args.rounds:
+                        raise RuntimeError(f"{variant} {phase} read {got} bytes, expected "
+                                           f"{tree.bytes * args.rounds}")
+        rows, ratios = [], {}
+        names = list(VARIANTS)
+        for tree in trees:
+            for temp in PASSES:
+                fps = {v: tree.files * args.rounds / seconds[(tree.name, temp, v)]
+                       for v in names}
                 ratios[(tree.name, temp, "stats")] = fps["stats"] / fps["off"]
                 ratios[(tree.name, temp, "trace")] = fps["trace"] / fps["off"]
                 rows.append((f"{tree.label} {temp}", fps["off"], fps["stats"], fps["trace"],
@@ -143,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                              ratios[(tree.name, temp, "trace")]))
         print_table(("tree / cache", "off files/s", "stats files/s", "trace files/s",
                      "stats/off", "trace/off"), rows,
-                    title=f"medians of {args.rounds} rounds, {args.workers} readers "
-                          f"({label})")
+                    title=f"{args.rounds} rounds, batches of {args.batch} files interleaved, "
+                          f"{args.workers} readers")
         worst_stats = min(v for (_, _, k), v in ratios.items() if k == "stats")
         worst_trace = min(v for (_, _, k), v in ratios.items() if k == "trace")
         print_targets([Target("counters on / off (worst of the four)", worst_stats, ">=", 0.97),

@@ -1,11 +1,16 @@
 """The control socket: how `dlfs trace start|stop|status` reaches a running daemon.
 
 A unix stream socket at `dlfs.runtime.control_socket_path(mountpoint)` (in the
-per-user runtime directory, mode 0600), served by the main daemon process.
-The mount itself stays `ro` for the kernel (a writable control file would
-need a read-write mount, and then permission checks, not EROFS, would answer
-some writes to datasets). Only root and the daemon's own user get an answer
-(checked with SO_PEERCRED, on top of the directory's 0700).
+per-user runtime directory, mode 0600), served by a small process of its own
+that the daemon forks after its workers (ControlServer). Not a task in the
+main process's trio loop: in multi-process mode that process sits in
+pyfuse3's read of /dev/fuse, holding the GIL, whenever another process took
+the request, so nothing else in it runs until FUSE traffic reaches it. The
+control process shares the trace's memory (forked after it was made) and
+never serves FUSE. The mount itself stays `ro` for the kernel (a writable
+control file would need a read-write mount, and then permission checks, not
+EROFS, would answer some writes to datasets). Only root and the daemon's own
+user get an answer (SO_PEERCRED, on top of the directory's 0700).
 
 Protocol (version 1): the client sends one line, `start`, `stop`, `status`
 or `dump`; the daemon answers one JSON line (`{"ok": true, ...}` or
@@ -21,11 +26,12 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import struct
+import time
 
 import numpy as np
-import trio
 
 from dlfsd.observe import Observability
 from dlfsd.stats import SOURCE_NAMES
@@ -38,88 +44,135 @@ REQUEST_TIMEOUT = 10.0
 _MAX_REQUEST = 256
 
 
-async def serve_control(path: str, observe: Observability) -> None:
-    """Answer control requests on `path` until cancelled; removes the socket at the end."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        await sock.bind(path)
-        os.chmod(path, 0o600)
-        sock.listen(8)
-    except OSError as err:
+class ControlServer:
+    """The control socket and the process answering it (main daemon process side)."""
+
+    def __init__(self, path: str, observe: Observability) -> None:
+        self.path = path
+        self.observe = observe
+        self.pid = 0
+
+    def start(self) -> ControlServer:
+        """Bind now (ready before `dlfs mount` returns), answer in a forked process."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, 0o600)
+            sock.listen(8)
+        except OSError as err:
+            sock.close()
+            log.error("no trace control (cannot listen on %s: %s)", self.path,
+                      err.strerror or err)
+            return self
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                _serve(sock, self.observe)
+            except BaseException:
+                log.exception("trace control process failed")
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)
         sock.close()
-        log.error("no trace control (cannot listen on %s: %s)", path, err.strerror or err)
-        return
-    try:
-        await trio.serve_listeners(lambda stream: _handle(stream, observe),
-                                   [trio.SocketListener(sock)])
-    finally:
+        self.pid = pid
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the control process and remove the socket."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while not os.waitpid(self.pid, os.WNOHANG)[0]:
+                if time.monotonic() > deadline:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    break
+                time.sleep(0.01)
+            self.pid = 0
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(self.path)
 
 
-def _peer_uid(stream: trio.SocketStream) -> int:
-    creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                     struct.calcsize("3i"))
+def _serve(sock: socket.socket, observe: Observability) -> None:
+    """Answer one connection at a time until SIGTERM, or until the main process is gone.
+
+    A killed main process sends no SIGTERM; the workers then end with the
+    session, and this process notices its new parent within a second.
+    """
+    parent = os.getppid()
+    sock.settimeout(1.0)
+    while os.getppid() == parent:
+        try:
+            conn, _ = sock.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.settimeout(REQUEST_TIMEOUT)
+            try:
+                _handle(conn, observe)
+            except OSError:
+                pass  # the client went away or timed out; nothing to clean up
+            except Exception:
+                log.exception("control request failed")
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
 
 
-async def _handle(stream: trio.SocketStream, observe: Observability) -> None:
-    async with stream:
-        try:
-            with trio.fail_after(REQUEST_TIMEOUT):
-                if _peer_uid(stream) not in (0, os.getuid()):
-                    await _reply(stream, {"ok": False, "error": "permission denied: only root "
-                                          "and the mount's owner control the trace"})
-                    return
-                command = await _read_line(stream)
-            await _answer(stream, command, observe)
-        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the client went away; nothing to clean up
-        except Exception:
-            log.exception("control request failed")
-
-
-async def _read_line(stream: trio.SocketStream) -> str:
-    data = b""
-    while b"\n" not in data and len(data) < _MAX_REQUEST:
-        chunk = await stream.receive_some(_MAX_REQUEST)
-        if not chunk:
-            break
-        data += chunk
-    return data.split(b"\n", 1)[0].decode("ascii", "replace").strip()
-
-
-async def _reply(stream: trio.SocketStream, message: dict) -> None:
-    await stream.send_all((json.dumps(message) + "\n").encode())
-
-
-async def _answer(stream: trio.SocketStream, command: str, observe: Observability) -> None:
+def _handle(conn: socket.socket, observe: Observability) -> None:
+    if _peer_uid(conn) not in (0, os.getuid()):
+        _reply(conn, {"ok": False, "error": "permission denied: only root and the mount's "
+                                            "owner control the trace"})
+        return
+    command = _read_line(conn)
     if command == "start":
         try:
             observe.start_trace()
         except ValueError as err:
-            await _reply(stream, {"ok": False, "error": str(err)})
+            _reply(conn, {"ok": False, "error": str(err)})
             return
         log.info("trace started (capacity %d records)", observe.trace.capacity)
     elif command == "stop":
         observe.trace.stop()
         log.info("trace stopped")
     elif command == "dump":
-        header, body = await trio.to_thread.run_sync(_dump, observe)
-        await _reply(stream, header)
-        await stream.send_all(body)
+        header, body = _dump(observe)
+        conn.settimeout(None)  # a slow reader of a big dump is not an error
+        _reply(conn, header)
+        conn.sendall(body)
         return
     elif command != "status":
-        await _reply(stream, {"ok": False, "error": f"unknown command {command!r} "
-                                                    "(start, stop, status, dump)"})
+        _reply(conn, {"ok": False, "error": f"unknown command {command!r} "
+                                            "(start, stop, status, dump)"})
         return
-    await _reply(stream, {"ok": True, **observe.trace_status()})
+    _reply(conn, {"ok": True, **observe.trace_status()})
+
+
+def _read_line(conn: socket.socket) -> str:
+    data = b""
+    while b"\n" not in data and len(data) < _MAX_REQUEST:
+        chunk = conn.recv(_MAX_REQUEST)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0].decode("ascii", "replace").strip()
+
+
+def _reply(conn: socket.socket, message: dict) -> None:
+    conn.sendall((json.dumps(message) + "\n").encode())
 
 
 def _dump(observe: Observability) -> tuple[dict, bytes]:
-    """Header and record bytes of the current trace (runs in a thread: paths take time)."""
+    """Header and record bytes of the current trace."""
     dump = observe.trace.dump()
     records = dump.records
     files = records[records["dataset"] >= 0]

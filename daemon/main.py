@@ -25,9 +25,9 @@ from dlfs.errors import DlfsError
 from dlfs.mountinfo import find_mount
 from dlfs.runtime import DaemonRecord, control_socket_path, remove_record, write_record
 from dlfs.store import Store
-from dlfsd.controlsock import serve_control
+from dlfsd.controlsock import ControlServer
 from dlfsd.namespace import Namespace
-from dlfsd.observe import Observability, ObserveConfig
+from dlfsd.observe import ObserveConfig
 from dlfsd.ops import DlfsOperations
 
 log = logging.getLogger("dlfsd")
@@ -133,21 +133,16 @@ async def watch_workers(pids: list[int]) -> None:
 
 
 async def serve(config: MountConfig, worker: bool = False,
-                worker_pids: list[int] | None = None,
-                observe: Observability | None = None) -> bool:
+                worker_pids: list[int] | None = None) -> bool:
     """Run the FUSE loop; return True if we stopped on a signal (and must unmount).
 
     With several processes each handles one request at a time (max_tasks 1,
     see start_workers); a single process keeps many requests in flight.
-    The main process also answers `dlfs trace` on the control socket (`observe`).
     """
     signalled = False
     async with trio.open_nursery() as nursery:
         if worker_pids:
             nursery.start_soon(watch_workers, worker_pids)
-        if observe is not None:
-            nursery.start_soon(serve_control, str(control_socket_path(config.mountpoint)),
-                               observe)
 
         async def watch_signals() -> None:
             nonlocal signalled
@@ -191,15 +186,18 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
              config.mountpoint, names, config.workers)
     unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
     workers: list[int] = []
+    control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe)
     try:
         trio.run(_answer_kernel_init, ops)
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         workers = start_workers(config, namespace)
+        control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
         readiness.send("READY")
-        unmount = trio.run(serve, config, False, workers, namespace.observe)
+        unmount = trio.run(serve, config, False, workers)
     finally:
         stop_workers(workers)
+        control.stop()
         namespace.observe.write_summary(config.summary_file)
         pyfuse3.close(unmount=unmount)
         namespace.close()
