@@ -205,11 +205,12 @@ class Namespace:
             return self.control.open(ino), True
         if not self._counting:
             return ino, False
-        started = perf_counter_ns()
         k, row = self._locate(ino)
-        self.stats.record_open(k, row)
         if caller is None or not self._tracing[0]:
+            self.stats.record_open(k, row)
             return ino, False
+        started = perf_counter_ns()
+        self.stats.record_open(k, row)
         fh = self.trace.open_handle(ino, caller.pid, caller.uid)
         self.trace.record(OP_OPEN, k, row, 0, 0, perf_counter_ns() - started, caller.pid,
                           caller.uid)
