@@ -10,7 +10,8 @@ served with direct_io, so the kernel never caches stale content. Because a
 read may reach any of the daemon's processes, not the one that handled the
 open, the rendered bytes go to a file in a private tmpfs directory that all
 processes share (named after the handle); release removes it, unmount
-removes the directory. Handles are CONTROL_FH | process slot << 40 | counter.
+removes the directory, and the next daemon removes one whose daemon was
+killed. Handles are CONTROL_FH | process slot << 40 | counter.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import weakref
 from collections.abc import Callable
 
 from dlfs.errors import NotADirError, NotFoundError
+from dlfs.runtime import pid_alive
 from dlfsd.slots import ProcessSlot
 
 CONTROL_DIR_NAME = b".dlfs"
@@ -43,6 +45,19 @@ def _content_parent() -> str | None:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK | os.X_OK) else None
 
 
+_PREFIX = "dlfs-views-"
+
+
+def _remove_stale_dirs(parent: str) -> None:
+    """Remove our rendered-file directories left by daemons that were killed (pid gone)."""
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:
+        for entry in entries:
+            pid = entry.name[len(_PREFIX):].split("-", 1)[0]
+            if (entry.name.startswith(_PREFIX) and pid.isdigit() and not pid_alive(int(pid))
+                    and entry.stat(follow_symlinks=False).st_uid == os.getuid()):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def _remove_dir(path: str, owner_pid: int) -> None:
     if os.getpid() == owner_pid:
         shutil.rmtree(path, ignore_errors=True)
@@ -59,7 +74,9 @@ class ControlFiles:
         assert CONTROL_DIR_INODE + len(self.names) <= LAST_CONTROL_INODE
         self.slot = slot
         self.created_ns = time.time_ns()
-        self._dir = tempfile.mkdtemp(prefix="dlfs-views-", dir=_content_parent())
+        parent = _content_parent() or tempfile.gettempdir()
+        _remove_stale_dirs(parent)
+        self._dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent)
         # Removed by close(), or when this object goes away, in the creating process only.
         self._remove_dir = weakref.finalize(self, _remove_dir, self._dir, os.getpid())
         self._opened = 0
