@@ -26,11 +26,18 @@ from dlfs.cluster import resolve_cluster
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.mountinfo import find_mount
-from dlfs.runtime import DaemonRecord, remove_record, status_path, write_record
+from dlfs.runtime import (
+    DaemonRecord,
+    control_socket_path,
+    remove_record,
+    status_path,
+    write_record,
+)
 from dlfs.store import Dataset, Store
+from dlfsd.controlsock import ControlServer
 from dlfsd.namespace import Namespace
+from dlfsd.observe import ObserveConfig
 from dlfsd.ops import DlfsOperations
-from dlfsd.sources import SourceCounters
 from dlfsd.status import build_status, keep_status, write_status
 
 log = logging.getLogger("dlfsd")
@@ -220,11 +227,10 @@ async def supervise(config: MountConfig, worker_pids: list[int], services) -> bo
 class Services:
     """What the main process runs besides FUSE: staging, the peer server, the status file."""
 
-    def __init__(self, config: MountConfig, datasets: list[Dataset], counters: SourceCounters,
-                 pool=None) -> None:
+    def __init__(self, config: MountConfig, datasets: list[Dataset], stats, pool=None) -> None:
         self.config = config
         self.datasets = datasets
-        self.counters = counters
+        self.stats = stats
         self.pool = pool
         self.stager = None
         self.server = None
@@ -240,7 +246,7 @@ class Services:
                 self.server = PeerServer(pool.view.secret, pool, pool.view.me.name)
 
     def status(self) -> dict:
-        return build_status(self.config, self.datasets, self.counters, self.stager,
+        return build_status(self.config, self.datasets, self.stats, self.stager,
                             self.pool, self.server)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -266,11 +272,11 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     try:
         datasets = load_datasets(config)
         pool = load_pool(config, datasets)
-        counters = SourceCounters(len(datasets), config.workers + 1)
         namespace = Namespace(datasets, trio.CapacityLimiter(config.io_threads),
-                              verify=config.verify, pool=pool, counters=counters,
+                              verify=config.verify, observe=ObserveConfig.from_mount(config),
+                              pool=pool,
                               store_rate=config.store_bandwidth)
-        services = Services(config, datasets, counters, pool)
+        services = Services(config, namespace.datasets, namespace.stats, pool)
         ops = DlfsOperations(namespace, config.cache_timeout)
         _raise_fd_limit()
         pyfuse3.init(ops, config.mountpoint, mount_options(config))
@@ -287,16 +293,20 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
              config.mountpoint, names, config.workers)
     unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
     workers: list[int] = []
+    control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe)
     try:
         trio.run(_answer_kernel_init, ops)
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
-        workers = start_workers(config, namespace, counters, pool)
+        workers = start_workers(config, namespace, pool)
+        control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
         write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send("READY")
         unmount = trio.run(supervise, config, workers, services)
     finally:
         stop_workers(workers)
+        control.stop()
+        namespace.observe.write_summary(config.summary_file)
         pyfuse3.close(unmount=unmount)
         namespace.close()
         if pool is not None:
@@ -322,8 +332,7 @@ async def _answer_kernel_init(ops: DlfsOperations) -> None:
             nursery.cancel_scope.cancel()
 
 
-def start_workers(config: MountConfig, namespace: Namespace, counters: SourceCounters,
-                  pool=None) -> list[int]:
+def start_workers(config: MountConfig, namespace: Namespace, pool=None) -> list[int]:
     """Fork config.workers processes serving the same FUSE session (none for 1 worker).
 
     The kernel hands each request to exactly one reader of /dev/fuse, so N
@@ -338,12 +347,11 @@ def start_workers(config: MountConfig, namespace: Namespace, counters: SourceCou
         return []
     namespace.use_inline_io()
     pids = []
-    for index in range(config.workers):
+    for _ in range(config.workers):
         pid = os.fork()
         if pid == 0:  # worker: serve until unmount or SIGTERM, then leave without cleanup
             code = 0
             try:
-                counters.use_slab(index + 1)
                 if pool is not None:
                     pool.after_fork()
                 trio.run(serve_worker, config)

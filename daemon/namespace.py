@@ -1,9 +1,16 @@
 """Namespace: the mount's tree over one or more datasets, addressed by inode.
 
 Inode 1 is the mount root, whose children are the datasets. Inodes 2..1023
-are reserved for control files (`.dlfs/`); dataset k owns the block
-[base_k, base_k + rows_k), with inode = base_k + row. Everything here is plain
-Python over the SampleDirectory arrays: no pyfuse3, so tests drive it directly.
+are reserved for control files (`.dlfs/`, see dlfsd.control; hidden from
+readdir of the root); dataset k owns the block [base_k, base_k + rows_k),
+with inode = base_k + row. Everything here is plain Python over the
+SampleDirectory arrays: no pyfuse3, so tests drive it directly.
+
+File handles: a dataset file's handle is its inode (stateless), except while
+tracing, when it also names the opener (dlfsd.trace); `.dlfs/` files get
+per-open handles (dlfsd.control). Counters and the trace are recorded here,
+the one place that sees (dataset, row) and the caller (`caller`: anything
+with .pid and .uid, pyfuse3's RequestContext in the daemon).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import bisect
 import stat
 import time
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, NamedTuple
 
 import trio
@@ -18,8 +26,18 @@ import trio
 from dlfs.directory import SampleDirectory
 from dlfs.errors import IsADirError, NotADirError, NotFoundError
 from dlfs.store import Dataset
+from dlfsd.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
+from dlfsd.observe import Observability, ObserveConfig
 from dlfsd.reader import SampleReader
-from dlfsd.sources import SourceCounters
+from dlfsd.trace import (
+    OP_GETATTR,
+    OP_LOOKUP,
+    OP_OPEN,
+    OP_READ,
+    OP_RELEASE,
+    TRACED_FH,
+    handle_inode,
+)
 
 if TYPE_CHECKING:
     from dlfsd.pool import ChunkPool
@@ -49,13 +67,20 @@ class Namespace:
     """Maps inodes to (dataset, row) and answers lookup/getattr/readdir/read."""
 
     def __init__(self, datasets: list[Dataset], limiter: trio.CapacityLimiter,
-                 verify: bool = True, pool: ChunkPool | None = None,
-                 counters: SourceCounters | None = None, store_rate: int = 0) -> None:
+                 verify: bool = True, observe: ObserveConfig | None = None,
+                 pool: ChunkPool | None = None, store_rate: int = 0) -> None:
         """Datasets are ordered by name; a pool must index them in that order too."""
         self.datasets = sorted(datasets, key=lambda d: d.name)
-        self.readers = [SampleReader(d, limiter, verify, pool=pool, ds_index=i, counters=counters,
+        self.readers = [SampleReader(d, limiter, verify, pool=pool, ds_index=i,
                                      store_rate=store_rate)
                         for i, d in enumerate(self.datasets)]
+        self.observe = Observability(self.datasets, observe or ObserveConfig())
+        self.stats, self.trace, self.control = (
+            self.observe.stats, self.observe.trace, self.observe.control)
+        self._counting = self.stats.enabled
+        self._tracing = self.trace.flag  # [0] is 1 while tracing (shared by all processes)
+        for k, reader in enumerate(self.readers):
+            reader.stats, reader.ds = self.stats, k
         self._dirs = [d.directory for d in self.datasets]
         self._bases: list[int] = []
         base = FIRST_DATASET_INODE
@@ -74,6 +99,7 @@ class Namespace:
     def close(self) -> None:
         for reader in self.readers:
             reader.close()
+        self.observe.close()
 
     # -- inode arithmetic ---------------------------------------------------
     def _locate(self, ino: int) -> tuple[int, int]:
@@ -84,12 +110,24 @@ class Namespace:
         return k, ino - self._bases[k]
 
     # -- metadata -------------------------------------------------------------
-    def lookup(self, parent: int, name: bytes) -> int:
+    def lookup(self, parent: int, name: bytes, caller=None) -> int:
+        if caller is None or not self._tracing[0]:
+            return self._lookup(parent, name)
+        started = perf_counter_ns()
+        ino = self._lookup(parent, name)
+        self._trace_inode(OP_LOOKUP, ino, caller, started)
+        return ino
+
+    def _lookup(self, parent: int, name: bytes) -> int:
         if parent == ROOT_INODE:
             k = self._by_name.get(name)
             if k is None:
+                if name == CONTROL_DIR_NAME:
+                    return CONTROL_DIR_INODE
                 raise NotFoundError(name)
             return self._bases[k]
+        if self.control.owns(parent):
+            return self.control.lookup(parent, name)
         k, row = self._locate(parent)
         directory = self._dirs[k]
         if not directory.is_dir(row):
@@ -99,9 +137,19 @@ class Namespace:
             raise NotFoundError(name)
         return self._bases[k] + child
 
-    def getattr(self, ino: int) -> Attr:
+    def getattr(self, ino: int, caller=None) -> Attr:
+        if caller is None or not self._tracing[0]:
+            return self._getattr(ino)
+        started = perf_counter_ns()
+        attr = self._getattr(ino)
+        self._trace_inode(OP_GETATTR, ino, caller, started)
+        return attr
+
+    def _getattr(self, ino: int) -> Attr:
         if ino == ROOT_INODE:
             return Attr(ROOT_INODE, ROOT_MODE, 0, self.mounted_ns, 2 + len(self.datasets))
+        if ino < FIRST_DATASET_INODE:
+            return Attr(*self.control.attr(ino))
         k, row = self._locate(ino)
         return _attr(self._dirs[k], self._bases[k], row)
 
@@ -113,14 +161,19 @@ class Namespace:
             raise NotFoundError(f"inode {ino} is not a symlink") from None
 
     def check_dir(self, ino: int) -> None:
-        if ino != ROOT_INODE:
+        if self.control.owns(ino):
+            if not self.control.is_dir(ino):
+                raise NotADirError(ino)
+        elif ino != ROOT_INODE:
             k, row = self._locate(ino)
             if not self._dirs[k].is_dir(row):
                 raise NotADirError(ino)
 
     def check_file(self, ino: int) -> None:
-        if ino == ROOT_INODE:
+        if ino == ROOT_INODE or (self.control.owns(ino) and self.control.is_dir(ino)):
             raise IsADirError(ino)
+        if self.control.owns(ino):
+            return
         k, row = self._locate(ino)
         if self._dirs[k].is_dir(row):
             raise IsADirError(ino)
@@ -135,6 +188,10 @@ class Namespace:
             for i in range(start, len(self.datasets)):
                 yield self.datasets[i].name.encode(), _attr(self._dirs[i], self._bases[i], 0), i + 1
             return
+        if ino == CONTROL_DIR_INODE:
+            for name, attr, next_offset in self.control.readdir(start):
+                yield name, Attr(*attr), next_offset
+            return
         k, row = self._locate(ino)
         d, base = self._dirs[k], self._bases[k]
         kids = d.children(row)
@@ -148,6 +205,61 @@ class Namespace:
         return nbytes, self._end - FIRST_DATASET_INODE + 1
 
     # -- data ------------------------------------------------------------------
-    async def read(self, ino: int, offset: int, size: int):
+    def open(self, ino: int, caller=None) -> tuple[int, bool]:
+        """(handle, direct_io) for a read-only open of `ino` (flags checked by the caller)."""
+        self.check_file(ino)
+        if self.control.owns(ino):
+            return self.control.open(ino), True
+        if not self._counting:
+            return ino, False
         k, row = self._locate(ino)
-        return await self.readers[k].read(row, offset, size)
+        if caller is None or not self._tracing[0]:
+            self.stats.record_open(k, row)
+            return ino, False
+        started = perf_counter_ns()
+        self.stats.record_open(k, row)
+        fh = self.trace.open_handle(ino, caller.pid, caller.uid)
+        self.trace.record(OP_OPEN, k, row, 0, 0, perf_counter_ns() - started, caller.pid,
+                          caller.uid)
+        return fh, False
+
+    async def read(self, fh: int, offset: int, size: int):
+        if fh >= TRACED_FH:
+            if fh >= CONTROL_FH:
+                return self.control.read(fh, offset, size)
+            ino = handle_inode(fh)
+        else:
+            ino = fh
+        k, row = self._locate(ino)
+        if not self._counting:
+            return await self.readers[k].read(row, offset, size)
+        tracing = self._tracing[0]
+        if tracing:
+            self.stats.request_sources = 0
+        started = perf_counter_ns()
+        data = await self.readers[k].read(row, offset, size)
+        latency = perf_counter_ns() - started
+        self.stats.record_read(k, row, offset, len(data), latency)
+        if tracing:
+            pid, uid = self.trace.opener(fh)
+            self.trace.record(OP_READ, k, row, offset, len(data), latency, pid, uid,
+                              self.stats.request_sources)
+        return data
+
+    def release(self, fh: int) -> None:
+        if fh >= CONTROL_FH:
+            self.control.release(fh)
+        elif self._tracing[0]:
+            ino = handle_inode(fh) if fh >= TRACED_FH else fh
+            k, row = self._locate(ino)
+            pid, uid = self.trace.opener(fh)
+            self.trace.record(OP_RELEASE, k, row, 0, 0, 0, pid, uid)
+
+    def _trace_inode(self, op: int, ino: int, caller, started: int) -> None:
+        """Trace a metadata operation on `ino` (dataset -1, row = inode outside datasets)."""
+        if FIRST_DATASET_INODE <= ino < self._end:
+            k, row = self._locate(ino)
+        else:
+            k, row = -1, ino
+        self.trace.record(op, k, row, 0, 0, perf_counter_ns() - started, caller.pid,
+                          caller.uid)

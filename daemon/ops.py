@@ -84,11 +84,11 @@ class DlfsOperations(pyfuse3.Operations):
 
     @errno_boundary
     async def lookup(self, parent_inode, name, ctx=None):
-        return self.entry(self.ns.getattr(self.ns.lookup(parent_inode, name)))
+        return self.entry(self.ns.getattr(self.ns.lookup(parent_inode, name, ctx)))
 
     @errno_boundary
     async def getattr(self, inode, ctx=None):
-        return self.entry(self.ns.getattr(inode))
+        return self.entry(self.ns.getattr(inode, ctx))
 
     @errno_boundary
     async def readlink(self, inode, ctx=None):
@@ -112,17 +112,18 @@ class DlfsOperations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx=None):
         if flags & _WRITE_FLAGS:
             raise ReadOnlyError(inode)
-        self.ns.check_file(inode)
-        # Stateless handle: the inode is all a read needs. Data never changes,
-        # so the kernel may keep its page cache across opens.
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+        # Dataset files: data never changes, so the kernel may keep its page cache
+        # across opens. `.dlfs/` files: rendered per open, never cached (direct_io).
+        fh, direct_io = self.ns.open(inode, ctx)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=not direct_io, direct_io=direct_io)
 
     @errno_boundary
     async def read(self, fh, off, size):
         return await self.ns.read(fh, off, size)
 
+    @errno_boundary
     async def release(self, fh):
-        pass
+        self.ns.release(fh)
 
     async def forget(self, inode_list):
         pass

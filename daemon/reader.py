@@ -29,7 +29,7 @@ from dlfs.directory import display_path
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store import Dataset
-from dlfsd.sources import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, SourceCounters
+from dlfsd.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class SampleReader:
 
     def __init__(self, dataset: Dataset, limiter: trio.CapacityLimiter, verify: bool = True,
                  inline_io: bool = False, pool=None, ds_index: int = 0,
-                 counters: SourceCounters | None = None, store_rate: int = 0):
+                 store_rate: int = 0):
         self.dataset = dataset
         # inline_io: do blocking I/O right in the handler. Used by worker processes,
         # which serve one request at a time like libfuse's threads (see dlfsd.main).
@@ -74,7 +74,7 @@ class SampleReader:
             d.ext_chunk_view, d.ext_offset_view, d.ext_length_view)
         self._ext_sum = d.ext_checksum_view
         self.ds = ds_index
-        self.counters = counters
+        self.stats = NullStats()  # the Namespace sets the mount's counters
         self.pool = pool
         if pool is not None:
             self._cache = pool.caches[ds_index]
@@ -115,12 +115,9 @@ class SampleReader:
             data = await self._read_pooled(ext, rel, length)
             if data is not None:
                 return data
-        if self.counters is None:
-            return await self._read_store(ext, rel, length)
         started = time.perf_counter_ns()
         data = await self._read_store(ext, rel, length)
-        self.counters.record_source(self.ds, SOURCE_STORE, length,
-                                    time.perf_counter_ns() - started)
+        self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
         return data
 
     async def _read_store(self, ext: int, rel: int, length: int):
@@ -162,9 +159,7 @@ class SampleReader:
         return None
 
     def _count(self, source: int, nbytes: int, started: int) -> None:
-        if self.counters is not None:
-            self.counters.record_source(self.ds, source, nbytes,
-                                        time.perf_counter_ns() - started)
+        self.stats.record_source(self.ds, source, nbytes, time.perf_counter_ns() - started)
 
     async def _read_local(self, ext: int, rel: int, length: int, chunk: int):
         fd = self._cache.cached_fd(chunk)

@@ -17,14 +17,27 @@ import trio
 
 from dlfs.config import MountConfig
 from dlfs.store import Dataset
-from dlfsd.sources import SourceCounters
+from dlfsd.stats import SOURCE_NAMES
 
 STATUS_INTERVAL = 1.0
 
 
-def build_status(config: MountConfig, datasets: list[Dataset], counters: SourceCounters,
-                 stager=None, pool=None, server=None) -> dict:
+def _sources(snapshot: dict, name: str) -> dict:
+    """requests, bytes and mean latency per source (local/peer/store) of one dataset."""
+    counted = snapshot.get("datasets", {}).get(name, {}).get("sources", {})
+    out = {}
+    for source in SOURCE_NAMES:
+        c = counted.get(source, {"reads": 0, "bytes": 0, "latency_ns_sum": 0})
+        mean = round(c["latency_ns_sum"] / c["reads"] / 1000, 1) if c["reads"] else 0.0
+        out[source] = {"requests": c["reads"], "bytes": c["bytes"], "mean_latency_us": mean}
+    return out
+
+
+def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=None, pool=None,
+                 server=None) -> dict:
+    """`stats` is the mount's dlfsd.stats.Stats (or NullStats under --no-stats)."""
     progress = stager.progress() if stager is not None else None
+    snapshot = stats.snapshot(top_files=0)
     out: dict = {
         "mountpoint": config.mountpoint,
         "store": config.store,
@@ -39,7 +52,7 @@ def build_status(config: MountConfig, datasets: list[Dataset], counters: SourceC
                    cache_limit=config.cache_limit)
     for ds, dataset in enumerate(datasets):
         entry = {"name": dataset.name, "chunks": dataset.chunk_count,
-                 "bytes": int(dataset.stats["bytes"]), "sources": counters.as_dict(ds)}
+                 "bytes": int(dataset.stats["bytes"]), "sources": _sources(snapshot, dataset.name)}
         if progress is not None:
             p = progress[ds]
             entry["staging"] = {"owned_chunks": p.owned_chunks, "owned_bytes": p.owned_bytes,

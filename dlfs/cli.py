@@ -182,7 +182,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
         cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
         allow_other=args.allow_other, debug=args.debug,
-        log_file=os.path.abspath(args.log_file) if args.log_file else None)
+        log_file=os.path.abspath(args.log_file) if args.log_file else None,
+        stats=not args.no_stats, trace_capacity=args.trace_capacity,
+        summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
     return mount(config, foreground=args.foreground, timeout=args.timeout)
 
 
@@ -223,6 +225,25 @@ def cmd_umount(args: argparse.Namespace) -> int:
     from dlfs.mountctl import umount
 
     return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from dlfs.statsview import show_stats
+
+    return show_stats(args.mountpoint, watch=args.watch, as_json=args.json,
+                      interval=args.interval)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from dlfs.tracefile import run_trace_command
+
+    return run_trace_command(args.action, args.mountpoint, args.output)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dlfs.report import make_report
+
+    return make_report(Path(args.trace), Path(args.output))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -318,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel read-ahead for large sequential reads (default 4096; "
                         "0 keeps the kernel's 128; needs root)")
     p.add_argument("--log-file", help="daemon log file")
+    p.add_argument("--no-stats", action="store_true",
+                   help="switch the I/O counters and the trace off (to measure their cost)")
+    p.add_argument("--trace-capacity", type=_positive, default=MountConfig.trace_capacity,
+                   help="trace records kept while tracing (default 1048576, ~52 MB of "
+                        "shared memory; beyond it the oldest are dropped)")
+    p.add_argument("--summary-file", metavar="PATH",
+                   help="at unmount, write the final I/O counters and a text summary "
+                        "(JSON) to PATH, e.g. for a Slurm epilogue to keep")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
     g = p.add_argument_group(
@@ -374,6 +403,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds to wait for the daemon to exit before killing it")
+
+    p = _sub(subs, "stats", cmd_stats,
+             "show the I/O counters of a mount (per dataset: opens, reads, bytes, random share, "
+             "request size, sources, latency)",
+             "examples:\n  dlfs stats /mnt/dlfs\n  dlfs stats /mnt/dlfs --watch\n"
+             "  dlfs stats /mnt/dlfs --json | jq .datasets\n"
+             "\nReads MOUNTPOINT/.dlfs/stats.json (Prometheus text: MOUNTPOINT/.dlfs/metrics).")
+    p.add_argument("mountpoint")
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="seconds between refreshes with --watch (default 1)")
+    p.add_argument("--json", action="store_true", help="print the raw stats.json")
+
+    p = _sub(subs, "trace", cmd_trace,
+             "record every operation on a mount (time, pid, uid, file, offset, size, latency, "
+             "source)",
+             "examples:\n  dlfs trace start /mnt/dlfs\n  python train.py\n"
+             "  dlfs trace stop /mnt/dlfs -o train-trace.csv\n"
+             "  dlfs report train-trace.csv -o train-report\n"
+             "\nOnly root and the user running the daemon may trace. The trace is a bounded "
+             "ring\n(dlfs mount --trace-capacity): beyond it the oldest records are dropped "
+             "and\ncounted. Format: docs/TRACE.md.")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("mountpoint")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="with stop: the CSV file to write (default dlfs-trace-TIME.csv)")
+
+    p = _sub(subs, "report", cmd_report,
+             "plot a trace: spatial and temporal patterns, request sizes, sources, "
+             "throughput, top files",
+             "example:\n  dlfs report train-trace.csv -o train-report\n"
+             "  (then open train-report/index.html)\n\nNeeds matplotlib: "
+             "pip install 'dlfs[report]'.")
+    p.add_argument("trace", help="a CSV written by `dlfs trace stop`")
+    p.add_argument("-o", "--output", default="dlfs-report", metavar="DIR",
+                   help="directory for the PNGs, index.html and summary.txt "
+                        "(default dlfs-report)")
 
     p = _sub(subs, "demo", cmd_demo,
              "generate a dataset, pack it, mount it, read it like a training epoch, unmount",

@@ -32,6 +32,9 @@ class MountConfig:
     allow_other: bool = False
     debug: bool = False
     log_file: str | None = None
+    stats: bool = True  # I/O counters and the trace; off (--no-stats) only to measure their cost
+    trace_capacity: int = 1 << 20  # trace records kept (oldest dropped beyond)
+    summary_file: str | None = None  # final counters + text summary, written at unmount
     # -- the chunk pool (cluster mode: on when cache_dir is set) --
     cache_dir: str | None = None  # node-local NVMe directory for staged chunks
     nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us

@@ -68,6 +68,11 @@ def default_log_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.log"
 
 
+def control_socket_path(mountpoint: str) -> Path:
+    """The daemon's control socket (`dlfs trace`), next to its record; see dlfsd.controlsock."""
+    return runtime_dir() / f"{_key(mountpoint)}.sock"
+
+
 def write_record(record: DaemonRecord) -> None:
     path = record_path(record.mountpoint)
     tmp = path.with_suffix(".tmp")

@@ -12,7 +12,7 @@ CORE_MODULES = sorted(f"dlfs.{m.name}" for m in pkgutil.iter_modules(dlfs.__path
 # Everything in the daemon but the FUSE adapter and the lifecycle: storage,
 # placement and protocol code never import pyfuse3.
 PURE_DAEMON_MODULES = ["dlfsd.namespace", "dlfsd.reader", "dlfsd.peer", "dlfsd.pool",
-                       "dlfsd.stager", "dlfsd.chunkcache", "dlfsd.sources", "dlfsd.status",
+                       "dlfsd.stager", "dlfsd.chunkcache", "dlfsd.stats", "dlfsd.status",
                        "dlfsd.throttle"]
 
 

@@ -19,8 +19,9 @@ from dlfs.store import Store
 from dlfsd.peer import PeerServer
 from dlfsd.pool import ChunkPool
 from dlfsd.reader import SampleReader
-from dlfsd.sources import SOURCE_PEER, SOURCE_STORE, SourceCounters
+from dlfsd.slots import ProcessSlot
 from dlfsd.stager import Stager
+from dlfsd.stats import Stats
 
 
 @pytest.fixture
@@ -53,8 +54,9 @@ async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset
         port = await nursery.start(server.serve, "127.0.0.1", 0)
         reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
         reader_pool.caches[0].scan()
-        counters = SourceCounters(1, 1)
-        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool, counters=counters)
+        stats = Stats(["ds"], [ds.directory], ProcessSlot(1))
+        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
+        reader.stats = stats
         d = ds.directory
         remote_files = [name for name in sorted(p.name for p in src.iterdir())
                         if all(holder.owned[0][d.ext_chunk_view[e]]
@@ -76,13 +78,14 @@ async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset
         for name in remote_files:  # every remote file, whole, from the peer
             row = d.resolve(name.encode())
             assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
-        totals = counters.totals()[0]
-        assert totals[SOURCE_STORE, 0] == 0 and totals[SOURCE_PEER, 0] > 0
+        sources = stats.snapshot()["datasets"]["ds"]["sources"]
+        assert sources["store"]["reads"] == 0 and sources["peer"]["reads"] > 0
         await reader_pool.aclose()
         nursery.cancel_scope.cancel()
     reader.close()
     reader_pool.close()
     holder.close()
+    stats.close()
 
 
 async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path):
