@@ -25,7 +25,7 @@ from dlfs.errors import DlfsError
 from dlfs.mountinfo import find_mount
 from dlfs.runtime import DaemonRecord, remove_record, write_record
 from dlfs.store import Store
-from dlfsd.namespace import Namespace
+from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.ops import DlfsOperations
 
 log = logging.getLogger("dlfsd")
@@ -36,8 +36,8 @@ INIT_TIMEOUT = 60.0  # seconds the kernel may take to send FUSE INIT after mount
 
 def mount_options(config: MountConfig) -> set[str]:
     options = {"fsname=dlfs", "subtype=dlfs", "ro", "default_permissions", "noatime"}
-    if config.allow_other:
-        options.add("allow_other")
+    if config.allow_other or config.uid is not None:
+        options.add("allow_other")  # a root-made mount for one user: 0700 root keeps others out
     if config.debug:
         options.add("debug")
     return options
@@ -64,7 +64,8 @@ def load_namespace(config: MountConfig) -> Namespace:
         raise DlfsError(f"store {config.store} has no datasets (populate one with `dlfs populate`)")
     datasets = [store.open(name) for name in names]
     limiter = trio.CapacityLimiter(config.io_threads)
-    return Namespace(datasets, limiter, verify=config.verify)
+    root_mode = ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE
+    return Namespace(datasets, limiter, verify=config.verify, root_mode=root_mode)
 
 
 def set_read_ahead(mountpoint: str, kb: int) -> None:
@@ -167,7 +168,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     configure_logging(config)
     try:
         namespace = load_namespace(config)
-        ops = DlfsOperations(namespace, config.cache_timeout)
+        ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
         _raise_fd_limit()
         pyfuse3.init(ops, config.mountpoint, mount_options(config))
     except DlfsError as err:

@@ -23,6 +23,7 @@ from dlfsd.reader import SampleReader
 ROOT_INODE = 1
 FIRST_DATASET_INODE = 1024
 ROOT_MODE = stat.S_IFDIR | 0o555
+PRIVATE_ROOT_MODE = stat.S_IFDIR | 0o700  # a mount for one user (dlfs mount --uid)
 
 
 class Attr(NamedTuple):
@@ -45,7 +46,8 @@ class Namespace:
     """Maps inodes to (dataset, row) and answers lookup/getattr/readdir/read."""
 
     def __init__(self, datasets: list[Dataset], limiter: trio.CapacityLimiter,
-                 verify: bool = True) -> None:
+                 verify: bool = True, root_mode: int = ROOT_MODE) -> None:
+        self.root_mode = root_mode
         self.datasets = sorted(datasets, key=lambda d: d.name)
         self.readers = [SampleReader(d, limiter, verify) for d in self.datasets]
         self._dirs = [d.directory for d in self.datasets]
@@ -93,7 +95,7 @@ class Namespace:
 
     def getattr(self, ino: int) -> Attr:
         if ino == ROOT_INODE:
-            return Attr(ROOT_INODE, ROOT_MODE, 0, self.mounted_ns, 2 + len(self.datasets))
+            return Attr(ROOT_INODE, self.root_mode, 0, self.mounted_ns, 2 + len(self.datasets))
         k, row = self._locate(ino)
         return _attr(self._dirs[k], self._bases[k], row)
 

@@ -61,6 +61,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _id(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a numeric id, got {text!r}")
+    return int(text)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -150,15 +156,34 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """`mount --slurm`: take this job's node list, this node and its port from the
+    environment (dlfs.slurm), and expand %j/%n in the paths, before anything else
+    looks at the flags."""
+    from dlfs.slurm import expand_pattern, job_from_env, peer_nodes
+
+    job = job_from_env(env)
+    peers = peer_nodes(job, args.port_base, args.node_host)
+    args.mountpoint = expand_pattern(args.mountpoint, job.job_id, job.node)
+    if args.log_file:
+        args.log_file = expand_pattern(args.log_file, job.job_id, job.node)
+    args.slurm_nodes = ",".join(peer.spec() for peer in peers)
+    args.slurm_node = job.node
+    logging.getLogger("dlfs").info("slurm job %s: node %s of %s", job.job_id, job.node,
+                                   args.slurm_nodes)
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     from dlfs.mountctl import mount
 
+    if args.slurm:
+        apply_slurm(args, dict(os.environ))
     config = MountConfig(
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
         workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
         cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
-        allow_other=args.allow_other, debug=args.debug,
+        allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None)
     return mount(config, foreground=args.foreground, timeout=args.timeout)
 
@@ -236,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
              "examples:\n  dlfs mount /mnt/dlfs --store /lustre/store\n"
              "  dlfs mount /mnt/dlfs --store /lustre/store --dataset imagenet --dataset bert\n"
              "  dlfs mount /mnt/dlfs --store /lustre/store --foreground --debug\n"
+             "  dlfs mount '/mnt/dlfs/%j' --slurm --store /lustre/store --uid 1000 --gid 100\n"
              "\nWithout --foreground this returns once the mount answers; the daemon keeps "
              "running\nin its own session and logs to --log-file (default: "
              "/run/dlfs/<id>.log for root).")
@@ -249,6 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not check checksums on first read (trusts the store)")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other for non-root)")
+    p.add_argument("--uid", type=_id,
+                   help="show every file as owned by this user and let only them (and root) "
+                        "enter: root dir 0700, allow_other (the Slurm prolog mounts for the "
+                        "job's user)")
+    p.add_argument("--gid", type=_id, help="group shown for every file (with --uid)")
+    p.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm job or prolog: nodes, this node and its port from "
+                        "the job's environment; %%j (job id) and %%n (node) in paths expand")
+    p.add_argument("--port-base", type=_positive, default=7000,
+                   help="with --slurm: node i of the job listens on PORT_BASE + i "
+                        "(default 7000)")
+    p.add_argument("--node-host", default="%n", metavar="PATTERN",
+                   help="with --slurm: address of each node, %%n = node name (default %%n; "
+                        "127.0.0.1 for simulated nodes on one host)")
     p.add_argument("--workers", type=_positive, default=default_workers(),
                    help="daemon processes serving requests (default: cores, at least 4, "
                         "at most 8)")
