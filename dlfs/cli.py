@@ -188,6 +188,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return mount(config, foreground=args.foreground, timeout=args.timeout)
 
 
+def cmd_slurm_secret(args: argparse.Namespace) -> int:
+    from dlfs.slurm import derive_job_secret, read_site_key, write_secret_file
+
+    secret = derive_job_secret(read_site_key(args.key_file), str(args.job_id))
+    write_secret_file(args.out, secret, args.uid, args.gid)
+    return EXIT_OK
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     from dlfs.mountctl import umount
 
@@ -312,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds to wait for the daemon to exit before killing it")
+
+    p = _sub(subs, "slurm-secret", cmd_slurm_secret,
+             "write a job's secret (HMAC of the site key and the job id) 0600 for its user",
+             "example (in the prolog, as root):\n"
+             "  dlfs slurm-secret --key-file /etc/dlfs/site.key --job-id $SLURM_JOB_ID \\\n"
+             "      --out /run/dlfs-slurm/$SLURM_JOB_ID/secret --uid $SLURM_JOB_UID "
+             "--gid $SLURM_JOB_GID\n"
+             "\nEvery node of a job derives the same secret; no node needs to talk to another.")
+    p.add_argument("--key-file", required=True, help="site key (root-only, mode 0600)")
+    p.add_argument("--job-id", required=True, type=_id, help="the Slurm job id")
+    p.add_argument("--out", required=True, help="secret file to write (replaced atomically)")
+    p.add_argument("--uid", type=_id, help="owner of the secret file (the job's user)")
+    p.add_argument("--gid", type=_id, help="group of the secret file")
 
     p = _sub(subs, "demo", cmd_demo,
              "generate a dataset, pack it, mount it, read it like a training epoch, unmount",
