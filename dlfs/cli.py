@@ -19,7 +19,14 @@ from pathlib import Path
 from dlfs import __version__
 from dlfs.config import MountConfig, default_workers
 from dlfs.directory import display_path
-from dlfs.errors import EXIT_CORRUPT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DlfsError
+from dlfs.errors import (
+    EXIT_CORRUPT,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    DlfsError,
+)
 from dlfs.format import DEFAULT_CHUNK_SIZE
 from dlfs.populate import PopulateOptions
 from dlfs.sizes import format_size, parse_size
@@ -79,12 +86,21 @@ def _positive(text: str) -> int:
 
 # -- subcommands ---------------------------------------------------------------
 def cmd_populate(args: argparse.Namespace) -> int:
+    from dlfs.mpi_populate import FailedElsewhere, launched_by_mpi, mpi_populate
     from dlfs.populate import populate
 
     options = PopulateOptions(chunk_size=args.chunk_size, jobs=args.jobs, force=args.force,
                               fsync=not args.no_fsync)
     started = time.monotonic()
-    dataset = populate(Path(args.source), Store(args.store), args.name, options)
+    if args.mpi or launched_by_mpi(os.environ):
+        try:
+            dataset = mpi_populate(Path(args.source), Store(args.store), args.name, options)
+        except FailedElsewhere:
+            return EXIT_ERROR  # rank 0 prints the one line
+        if dataset is None:
+            return EXIT_OK  # not rank 0: rank 0 reports
+    else:
+        dataset = populate(Path(args.source), Store(args.store), args.name, options)
     took = time.monotonic() - started
     s = dataset.stats
     print(f"published {dataset.name}: {s['files']} files, {format_size(s['bytes'])} in "
@@ -229,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "populate", cmd_populate, "pack a directory tree into a new dataset",
              "examples:\n  dlfs populate ./imagenet --store /lustre/store --name imagenet\n"
              "  dlfs populate ./bert --store /lustre/store --name bert --chunk-size 256M -j 32\n"
+             "  mpirun -n 16 dlfs populate /lustre/imagenet --store /lustre/store --name imagenet\n"
              "\nThe dataset appears atomically when complete; an interrupted run publishes "
              "nothing.")
     p.add_argument("source", help="directory to pack (read, never modified)")
@@ -242,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing dataset NAME")
     p.add_argument("--no-fsync", action="store_true",
                    help="skip fsync before publishing (faster; for scratch stores only)")
+    p.add_argument("--mpi", action="store_true",
+                   help="share the work among MPI ranks (automatic under mpirun/srun with "
+                        "more than one rank; needs mpi4py)")
 
     p = _sub(subs, "ls", cmd_ls, "list the datasets of a store",
              "example:\n  dlfs ls --store /lustre/store")
