@@ -14,19 +14,24 @@ import logging
 import os
 import resource
 import signal
+import socket
 import sys
 import time
+from pathlib import Path
 
 import pyfuse3
 import trio
 
+from dlfs.cluster import resolve_cluster
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.mountinfo import find_mount
-from dlfs.runtime import DaemonRecord, remove_record, write_record
-from dlfs.store import Store
+from dlfs.runtime import DaemonRecord, remove_record, status_path, write_record
+from dlfs.store import Dataset, Store
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.ops import DlfsOperations
+from dlfsd.sources import SourceCounters
+from dlfsd.status import build_status, keep_status, write_status
 
 log = logging.getLogger("dlfsd")
 
@@ -57,15 +62,44 @@ def configure_logging(config: MountConfig) -> None:
         logging.getLogger("pyfuse3").setLevel(logging.WARNING)
 
 
-def load_namespace(config: MountConfig) -> Namespace:
+def load_datasets(config: MountConfig) -> list[Dataset]:
     store = Store(config.store).require()
     names = list(config.datasets) or store.dataset_names()
     if not names:
         raise DlfsError(f"store {config.store} has no datasets (populate one with `dlfs populate`)")
-    datasets = [store.open(name) for name in names]
-    limiter = trio.CapacityLimiter(config.io_threads)
-    root_mode = ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE
-    return Namespace(datasets, limiter, verify=config.verify, root_mode=root_mode)
+    return sorted((store.open(name) for name in names), key=lambda d: d.name)
+
+
+def load_pool(config: MountConfig, datasets: list[Dataset]):
+    """The chunk pool of a cluster-mode mount (None without --cache-dir)."""
+    if not config.pooled:
+        return None
+    from dlfsd.pool import ChunkPool  # cluster mode only
+
+    view = resolve_cluster(config.nodes, config.node, config.replicas, config.secret_file)
+    if len(view.nodes) > 1:
+        check_port_free(view.me.host, view.me.port)
+    cache_root = Path(config.cache_dir)
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
+    pool = ChunkPool(view, datasets, cache_root, config.peer_timeout)
+    adopted = pool.scan_caches()
+    log.info("chunk pool: node %s of %d, %d replicas, cache %s (%d staged chunks reused)",
+             view.me.name, len(view.nodes), view.replicas, cache_root, adopted)
+    return pool
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail the mount now, with a clear line, if the peer port is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise DlfsError(f"cannot listen for peers on {host}:{port}: {err.strerror}; "
+                            "pick another port in --nodes") from None
 
 
 def set_read_ahead(mountpoint: str, kb: int) -> None:
@@ -109,12 +143,14 @@ class Readiness:
         self.fd = None
 
 
-async def watch_workers(pids: list[int]) -> None:
+async def watch_workers(pids: list[int]) -> bool:
     """Reap worker processes as they exit; log loudly one that dies while mounted.
 
     The others keep serving, but a request the dead one held stays unanswered,
     so an operator must hear about it. Exit code 0 is a normal end (unmounted).
+    Returns once all are gone: True if every one ended normally.
     """
+    clean = True
     with trio.open_signal_receiver(signal.SIGCHLD) as sigs:
         while pids:
             for pid in list(pids):
@@ -123,43 +159,104 @@ async def watch_workers(pids: list[int]) -> None:
                     continue
                 pids.remove(pid)
                 if os.WIFSIGNALED(status) or os.WEXITSTATUS(status) != 0:
+                    clean = False
                     how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
                            if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
                     log.error("worker process %d died (%s); %d processes still serve; a "
-                              "request it held may hang: remount soon", pid, how, len(pids) + 1)
-            await sigs.__anext__()
+                              "request it held may hang: remount soon", pid, how, len(pids))
+            if pids:
+                await sigs.__anext__()
+    return clean
 
 
-async def serve(config: MountConfig, worker: bool = False,
-                worker_pids: list[int] | None = None) -> bool:
-    """Run the FUSE loop; return True if we stopped on a signal (and must unmount).
-
-    With several processes each handles one request at a time (max_tasks 1,
-    see start_workers); a single process keeps many requests in flight.
-    """
-    signalled = False
+async def serve_worker(config: MountConfig) -> None:
+    """A forked worker: one FUSE request at a time until unmount or SIGTERM."""
     async with trio.open_nursery() as nursery:
-        if worker_pids:
-            nursery.start_soon(watch_workers, worker_pids)
 
         async def watch_signals() -> None:
-            nonlocal signalled
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-                async for signum in sigs:
-                    if not worker:
-                        log.info("got %s; unmounting %s", signal.Signals(signum).name,
-                                 config.mountpoint)
-                    signalled = True
+                async for _ in sigs:
                     pyfuse3.terminate()
                     return
 
         nursery.start_soon(watch_signals)
-        if config.workers > 1:
-            await pyfuse3.main(min_tasks=1, max_tasks=1)
+        await pyfuse3.main(min_tasks=1, max_tasks=1)
+        nursery.cancel_scope.cancel()
+
+
+async def supervise(config: MountConfig, worker_pids: list[int], services) -> bool:
+    """The main process: run the background services (stager, peer server, status) and
+    either serve FUSE itself (single-process mode) or watch the workers that do.
+
+    Returns True if the mount must be unmounted by us (signal, or workers died).
+    """
+    must_unmount = False
+    async with trio.open_nursery() as nursery:
+        await nursery.start(services.run)
+
+        async def watch_signals() -> None:
+            nonlocal must_unmount
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for signum in sigs:
+                    log.info("got %s; unmounting %s", signal.Signals(signum).name,
+                             config.mountpoint)
+                    must_unmount = True
+                    if worker_pids:
+                        nursery.cancel_scope.cancel()
+                    else:
+                        pyfuse3.terminate()
+                    return
+
+        nursery.start_soon(watch_signals)
+        if worker_pids:
+            if not await watch_workers(worker_pids):
+                must_unmount = True
         else:
             await pyfuse3.main(min_tasks=2, max_tasks=config.max_tasks)
         nursery.cancel_scope.cancel()
-    return signalled
+    return must_unmount
+
+
+class Services:
+    """What the main process runs besides FUSE: staging, the peer server, the status file."""
+
+    def __init__(self, config: MountConfig, datasets: list[Dataset], counters: SourceCounters,
+                 pool=None) -> None:
+        self.config = config
+        self.datasets = datasets
+        self.counters = counters
+        self.pool = pool
+        self.stager = None
+        self.server = None
+        if pool is not None:
+            from dlfsd.stager import Stager
+
+            self.stager = Stager(datasets, pool.caches, pool.owned, pool.demand,
+                                 jobs=config.stage_jobs, cache_limit=config.cache_limit,
+                                 store_rate=config.store_bandwidth)
+            if len(pool.view.nodes) > 1:
+                from dlfsd.peer import PeerServer
+
+                self.server = PeerServer(pool.view.secret, pool, pool.view.me.name)
+
+    def status(self) -> dict:
+        return build_status(self.config, self.datasets, self.counters, self.stager,
+                            self.pool, self.server)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                if self.server is not None:
+                    me = self.pool.view.me
+                    await nursery.start(self.server.serve, me.host, me.port)
+                if self.stager is not None:
+                    nursery.start_soon(self.stager.run)
+                nursery.start_soon(keep_status, status_path(self.config.mountpoint), self.status)
+                task_status.started()
+        finally:
+            if self.pool is not None:
+                with trio.CancelScope(shield=True):
+                    await self.pool.aclose()
 
 
 def run(config: MountConfig, readiness: Readiness | None = None) -> int:
@@ -167,7 +264,14 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     readiness = readiness or Readiness()
     configure_logging(config)
     try:
-        namespace = load_namespace(config)
+        datasets = load_datasets(config)
+        pool = load_pool(config, datasets)
+        counters = SourceCounters(len(datasets), config.workers + 1)
+        namespace = Namespace(datasets, trio.CapacityLimiter(config.io_threads),
+                              verify=config.verify, pool=pool, counters=counters,
+                              store_rate=config.store_bandwidth,
+                              root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE)
+        services = Services(config, datasets, counters, pool)
         ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
         _raise_fd_limit()
         pyfuse3.init(ops, config.mountpoint, mount_options(config))
@@ -187,14 +291,17 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     try:
         trio.run(_answer_kernel_init, ops)
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
-        workers = start_workers(config, namespace)
+        workers = start_workers(config, namespace, counters, pool)
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
+        write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send("READY")
-        unmount = trio.run(serve, config, False, workers)
+        unmount = trio.run(supervise, config, workers, services)
     finally:
         stop_workers(workers)
         pyfuse3.close(unmount=unmount)
         namespace.close()
+        if pool is not None:
+            pool.close()
         remove_record(config.mountpoint, os.getpid())
         log.info("unmounted %s; daemon exits", config.mountpoint)
     return 0
@@ -216,26 +323,31 @@ async def _answer_kernel_init(ops: DlfsOperations) -> None:
             nursery.cancel_scope.cancel()
 
 
-def start_workers(config: MountConfig, namespace: Namespace) -> list[int]:
-    """Fork config.workers - 1 more processes serving the same FUSE session.
+def start_workers(config: MountConfig, namespace: Namespace, counters: SourceCounters,
+                  pool=None) -> list[int]:
+    """Fork config.workers processes serving the same FUSE session (none for 1 worker).
 
     The kernel hands each request to exactly one reader of /dev/fuse, so N
     processes serve N requests at once on N cores. With several processes a
     blocked read() of /dev/fuse must never strand an unfinished request, so
     every process then handles one request at a time with blocking I/O (the
     libfuse multi-thread model); data is immutable and handles are
-    stateless, so no state needs sharing.
+    stateless, so no state needs sharing. The main process then only
+    supervises and runs the services (see supervise).
     """
     if config.workers <= 1:
         return []
     namespace.use_inline_io()
     pids = []
-    for _ in range(config.workers - 1):
+    for index in range(config.workers):
         pid = os.fork()
         if pid == 0:  # worker: serve until unmount or SIGTERM, then leave without cleanup
             code = 0
             try:
-                trio.run(serve, config, True)
+                counters.use_slab(index + 1)
+                if pool is not None:
+                    pool.after_fork()
+                trio.run(serve_worker, config)
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
                 code = 1

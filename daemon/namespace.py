@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import stat
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
@@ -19,6 +19,10 @@ from dlfs.directory import SampleDirectory
 from dlfs.errors import IsADirError, NotADirError, NotFoundError
 from dlfs.store import Dataset
 from dlfsd.reader import SampleReader
+from dlfsd.sources import SourceCounters
+
+if TYPE_CHECKING:
+    from dlfsd.pool import ChunkPool
 
 ROOT_INODE = 1
 FIRST_DATASET_INODE = 1024
@@ -46,10 +50,15 @@ class Namespace:
     """Maps inodes to (dataset, row) and answers lookup/getattr/readdir/read."""
 
     def __init__(self, datasets: list[Dataset], limiter: trio.CapacityLimiter,
-                 verify: bool = True, root_mode: int = ROOT_MODE) -> None:
+                 verify: bool = True, pool: ChunkPool | None = None,
+                 counters: SourceCounters | None = None, store_rate: int = 0,
+                 root_mode: int = ROOT_MODE) -> None:
+        """Datasets are ordered by name; a pool must index them in that order too."""
         self.root_mode = root_mode
         self.datasets = sorted(datasets, key=lambda d: d.name)
-        self.readers = [SampleReader(d, limiter, verify) for d in self.datasets]
+        self.readers = [SampleReader(d, limiter, verify, pool=pool, ds_index=i, counters=counters,
+                                     store_rate=store_rate)
+                        for i, d in enumerate(self.datasets)]
         self._dirs = [d.directory for d in self.datasets]
         self._bases: list[int] = []
         base = FIRST_DATASET_INODE

@@ -1,5 +1,11 @@
 """SampleReader: file bytes of one dataset, read from its chunk files.
 
+Where the bytes come from: with a chunk pool (cluster mode), a chunk staged
+on local NVMe is read there, else from an owner peer (the extent's byte
+range, checked against its checksum), else from the store (and the chunk is
+demanded from the stager if this node owns it). Without a pool, from the
+store only.
+
 The hot path: a read of cached data is served inline with preadv(RWF_NOWAIT)
 and never leaves the trio loop; anything that could block (a disk read, the
 first open of a chunk, hashing a large extent) goes to a bounded thread pool,
@@ -14,6 +20,8 @@ import errno
 import logging
 import mmap
 import os
+import time
+from collections import OrderedDict
 
 import trio
 
@@ -21,19 +29,26 @@ from dlfs.directory import display_path
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store import Dataset
+from dlfsd.sources import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, SourceCounters
+from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 
 _HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 
-UNCHECKED, VERIFIED, CORRUPT = 0, 1, 2
+# Per-extent state bits, shared by all processes of the mount.
+STORE_OK = 1  # the store copy was read whole and matched its checksum
+LOCAL_OK = 2  # the staged copy on local NVMe did
+STORE_BAD = 4  # the store copy did not (logged once)
+PEER_CACHE_BYTES = 64 << 20  # per process: whole extents fetched for partial reads
 
 
 class SampleReader:
     """Reads (row, offset, size) of one dataset; verifies extents on first touch."""
 
     def __init__(self, dataset: Dataset, limiter: trio.CapacityLimiter, verify: bool = True,
-                 inline_io: bool = False):
+                 inline_io: bool = False, pool=None, ds_index: int = 0,
+                 counters: SourceCounters | None = None, store_rate: int = 0):
         self.dataset = dataset
         # inline_io: do blocking I/O right in the handler. Used by worker processes,
         # which serve one request at a time like libfuse's threads (see dlfsd.main).
@@ -41,18 +56,31 @@ class SampleReader:
         self.directory = dataset.directory
         self._limiter = limiter
         self._fds: list[int] = [-1] * dataset.chunk_count
-        # One byte per extent: UNCHECKED, VERIFIED or CORRUPT (already logged). An
-        # anonymous shared mapping, so worker processes forked later share it: an
-        # extent is verified once per mount and a corrupt one logged once.
+        # One byte of state bits per extent in an anonymous shared mapping, so
+        # worker processes forked later share it: an extent is verified once per
+        # copy per mount and a corrupt one logged once.
         self._state = mmap.mmap(-1, max(1, self.directory.extent_count))
         if not verify:
-            self._state.write(bytes([VERIFIED]) * self.directory.extent_count)
-        self._loading: dict[int, trio.Event] = {}
+            self._state.write(bytes([STORE_OK | LOCAL_OK]) * self.directory.extent_count)
+        self._loading: dict[tuple[int, int], trio.Event] = {}
         self._unusable_chunks: set[int] = set()  # logged already
-        self._nowait = _HAVE_NOWAIT
+        # A throttled store (benchmarks) must not be bypassed through the page cache.
+        self._nowait = _HAVE_NOWAIT and not store_rate
+        self._store_rate = store_rate
         d = self.directory
         self._ext_chunk, self._ext_off, self._ext_len = (
             d.ext_chunk_view, d.ext_offset_view, d.ext_length_view)
+        self._ext_sum = d.ext_checksum_view
+        self.ds = ds_index
+        self.counters = counters
+        self.pool = pool
+        if pool is not None:
+            self._cache = pool.caches[ds_index]
+            self._remote = pool.remote_owners[ds_index]
+            self._owned = memoryview(pool.owned[ds_index].view("u1"))
+            self._by_chunk = d.extents_by_chunk(dataset.chunk_count)
+        self._peer_cache: OrderedDict[int, bytes] = OrderedDict()
+        self._peer_cache_bytes = 0
 
     def close(self) -> None:
         self._state.close()
@@ -81,18 +109,143 @@ class SampleReader:
         return b"".join(parts)
 
     async def _read_extent(self, ext: int, rel: int, length: int):
-        if self._state[ext] != VERIFIED:
+        if self.pool is not None:
+            data = await self._read_pooled(ext, rel, length)
+            if data is not None:
+                return data
+        if self.counters is None:
+            return await self._read_store(ext, rel, length)
+        started = time.perf_counter_ns()
+        data = await self._read_store(ext, rel, length)
+        self.counters.record_source(self.ds, SOURCE_STORE, length,
+                                    time.perf_counter_ns() - started)
+        return data
+
+    async def _read_store(self, ext: int, rel: int, length: int):
+        if not self._state[ext] & STORE_OK:
             data = await self._load_verified(ext)
             if data is not None:
-                return data if rel == 0 and length == len(data) else \
-                    memoryview(data)[rel : rel + length]
+                return _slice(data, rel, length)
         fd = await self._fd(self._ext_chunk[ext])
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
+        return await self._pread(fd, length, pos, self._store_rate)
+
+    async def _pread(self, fd: int, length: int, pos: int, rate: int = 0):
+        """Read verified bytes: inline from the page cache if possible, else may block."""
         if self._nowait and not self.inline_io:  # inline callers may block anyway
             buf = self._pread_cached(fd, length, pos)
             if buf is not None:
                 return buf
+        if rate:
+            return await self._blocking(_pread_paced, fd, length, pos, rate)
         return await self._blocking(_pread_exact, fd, length, pos)
+
+    # -- the chunk pool: local NVMe, then peers -----------------------------------------
+    async def _read_pooled(self, ext: int, rel: int, length: int):
+        """From the staged copy or an owner peer; None: go to the store."""
+        chunk = self._ext_chunk[ext]
+        started = time.perf_counter_ns()
+        if self._cache.is_staged(chunk):
+            data = await self._read_local(ext, rel, length, chunk)
+            if data is not None:
+                self._count(SOURCE_LOCAL, length, started)
+                return data
+        if self._remote[chunk]:
+            data = await self._read_peer(ext, rel, length, chunk)
+            if data is not None:
+                self._count(SOURCE_PEER, length, started)
+                return data
+        if self._owned[chunk]:
+            self.pool.demand.send(self.ds, chunk)  # we read it from the store: stage it next
+        return None
+
+    def _count(self, source: int, nbytes: int, started: int) -> None:
+        if self.counters is not None:
+            self.counters.record_source(self.ds, source, nbytes,
+                                        time.perf_counter_ns() - started)
+
+    async def _read_local(self, ext: int, rel: int, length: int, chunk: int):
+        fd = self._cache.cached_fd(chunk)
+        if fd < 0:
+            fd = await self._blocking(self._cache.open_fd, chunk)
+            if fd < 0:
+                return None
+        if self._state[ext] & LOCAL_OK:
+            try:
+                return await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
+            except CorruptDataError:  # truncated copy
+                self._evict(chunk, "truncated")
+                return None
+        data = await self._single_flight((LOCAL_OK, ext), self._verify_local, ext, fd, chunk)
+        if data is None:
+            if self._state[ext] & LOCAL_OK:  # a concurrent first read verified it
+                return await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
+            return None
+        return _slice(data, rel, length)
+
+    async def _verify_local(self, ext: int, fd: int, chunk: int) -> bytes | None:
+        try:
+            data, digest = await self._blocking(
+                _pread_and_hash, fd, self._ext_len[ext], CHUNK_HEADER_SIZE + self._ext_off[ext])
+        except CorruptDataError:
+            digest, data = None, None
+        if digest != self._ext_sum[ext]:
+            self._evict(chunk, "checksum mismatch")
+            return None
+        self._state[ext] |= LOCAL_OK
+        return data
+
+    def _evict(self, chunk: int, what: str) -> None:
+        """A staged copy is bad: stop using it, clear its extents' marks, stage it again."""
+        if not self._cache.is_staged(chunk):
+            return
+        log.error("%s in staged chunk %d of dataset %s (%s); evicted, re-staging; reads "
+                  "go to peers or the store", what, chunk, self.dataset.name,
+                  self._cache.path(chunk))
+        self._cache.evict(chunk)
+        order, bounds = self._by_chunk
+        for e in order[bounds[chunk] : bounds[chunk + 1]]:
+            self._state[e] &= ~LOCAL_OK & 0xFF
+        if self._owned[chunk]:
+            self.pool.demand.send(self.ds, chunk)
+
+    async def _read_peer(self, ext: int, rel: int, length: int, chunk: int):
+        """The whole extent from an owner (checked by the pool), kept for partial reads."""
+        whole = self._ext_len[ext]
+        data = self._peer_cache.get(ext)
+        if data is None:
+            data = await self._single_flight((SOURCE_PEER, ext), self.pool.fetch, self.ds,
+                                             chunk, self._ext_off[ext], whole, self._ext_sum[ext])
+            if data is None:
+                data = self._peer_cache.get(ext)  # a concurrent fetch got it
+                if data is None:
+                    return None
+            if length < whole:
+                self._remember_peer_extent(ext, data)
+        else:
+            self._peer_cache.move_to_end(ext)
+        return _slice(data, rel, length)
+
+    def _remember_peer_extent(self, ext: int, data: bytes) -> None:
+        self._peer_cache[ext] = data
+        self._peer_cache_bytes += len(data)
+        while self._peer_cache_bytes > PEER_CACHE_BYTES:
+            _, old = self._peer_cache.popitem(last=False)
+            self._peer_cache_bytes -= len(old)
+
+    async def _single_flight(self, key: tuple[int, int], load, *args):
+        """Run `load(*args)` once for concurrent callers with the same key; the others
+        get None and retry from the shared state (or fall through to the next source)."""
+        pending = self._loading.get(key)
+        if pending is not None:
+            await pending.wait()
+            return None
+        done = self._loading[key] = trio.Event()
+        try:
+            return await load(*args)
+        finally:
+            del self._loading[key]
+            done.set()
 
     async def _blocking(self, fn, *args):
         """Run a call that may block: inline in worker processes, else in the thread pool."""
@@ -116,35 +269,35 @@ class SampleReader:
 
     async def _load_verified(self, ext: int) -> bytes | None:
         """Load and check a whole extent once; None if another task checked it meanwhile."""
-        while self._state[ext] != VERIFIED:
-            pending = self._loading.get(ext)
+        while not self._state[ext] & STORE_OK:
+            pending = self._loading.get((STORE_OK, ext))
             if pending is not None:
                 await pending.wait()
                 continue
-            done = self._loading[ext] = trio.Event()
+            done = self._loading[(STORE_OK, ext)] = trio.Event()
             try:
                 fd = await self._fd(self._ext_chunk[ext])
                 try:
                     data, digest = await self._blocking(
                         _pread_and_hash, fd, self._ext_len[ext],
-                        CHUNK_HEADER_SIZE + self._ext_off[ext])
+                        CHUNK_HEADER_SIZE + self._ext_off[ext], self._store_rate)
                 except CorruptDataError as err:
                     self._report_corrupt(ext, str(err))
                     raise
-                if digest != self.directory.ext_checksum_view[ext]:
+                if digest != self._ext_sum[ext]:
                     self._report_corrupt(ext, "checksum mismatch")
                     raise CorruptDataError(f"checksum mismatch in extent {ext}")
-                self._state[ext] = VERIFIED
+                self._state[ext] |= STORE_OK
                 return data
             finally:
-                del self._loading[ext]
+                del self._loading[(STORE_OK, ext)]
                 done.set()
         return None
 
     def _report_corrupt(self, ext: int, what: str) -> None:
-        if self._state[ext] == CORRUPT:
+        if self._state[ext] & STORE_BAD:
             return
-        self._state[ext] = CORRUPT
+        self._state[ext] |= STORE_BAD
         row = self.directory.row_of_extent(ext)
         log.error("%s: dataset %s, file %s, chunk %d (%s); reads return EIO",
                   what, self.dataset.name, display_path(self.directory.path(row)),
@@ -176,9 +329,20 @@ def _pread_exact(fd: int, length: int, pos: int) -> bytes:
     return data
 
 
-def _pread_and_hash(fd: int, length: int, pos: int) -> tuple[bytes, int]:
+def _pread_paced(fd: int, length: int, pos: int, rate: int) -> bytes:
+    started = time.monotonic()
     data = _pread_exact(fd, length, pos)
+    pace(rate, length, started)
+    return data
+
+
+def _pread_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes, int]:
+    data = _pread_paced(fd, length, pos, rate) if rate else _pread_exact(fd, length, pos)
     return data, checksum(data)
+
+
+def _slice(data, rel: int, length: int):
+    return data if rel == 0 and length == len(data) else memoryview(data)[rel : rel + length]
 
 
 def _open_chunk(path, index: int, dataset_uuid: bytes) -> int:

@@ -26,6 +26,7 @@ from dlfs.errors import (
     EXIT_OK,
     EXIT_USAGE,
     DlfsError,
+    UsageError,
 )
 from dlfs.format import DEFAULT_CHUNK_SIZE
 from dlfs.populate import PopulateOptions
@@ -173,20 +174,45 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
-    """`mount --slurm`: take this job's node list, this node and its port from the
-    environment (dlfs.slurm), and expand %j/%n in the paths, before anything else
-    looks at the flags."""
+    """`mount --slurm`: fill the cluster flags from the job's environment (dlfs.slurm):
+    every node of the job with its port, this node's name, and %j/%n expanded in the
+    paths. Without --cache-dir there is no pool, so only the paths change."""
     from dlfs.slurm import expand_pattern, job_from_env, peer_nodes
 
+    if args.nodes or args.nodes_file or args.node:
+        raise UsageError("--slurm takes the nodes from the job; drop --nodes, --nodes-file "
+                         "and --node")
     job = job_from_env(env)
-    peers = peer_nodes(job, args.port_base, args.node_host)
-    args.mountpoint = expand_pattern(args.mountpoint, job.job_id, job.node)
-    if args.log_file:
-        args.log_file = expand_pattern(args.log_file, job.job_id, job.node)
-    args.slurm_nodes = ",".join(peer.spec() for peer in peers)
-    args.slurm_node = job.node
-    logging.getLogger("dlfs").info("slurm job %s: node %s of %s", job.job_id, job.node,
-                                   args.slurm_nodes)
+    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file"):
+        value = getattr(args, flag)
+        if value:
+            setattr(args, flag, expand_pattern(value, job.job_id, job.node))
+    if args.cache_dir:
+        peers = peer_nodes(job, args.port_base, args.node_host)
+        args.nodes = [",".join(peer.spec() for peer in peers)]
+        args.node = job.node
+
+
+def _cluster_settings(args: argparse.Namespace) -> dict:
+    """The chunk-pool flags of `mount`, validated here so mistakes fail before any daemon starts."""
+    from dlfs.cluster import read_nodes_file, resolve_cluster
+
+    nodes = list(args.nodes or ())
+    if args.nodes_file:
+        nodes += read_nodes_file(args.nodes_file)
+    wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit)
+    if wants_pool and not args.cache_dir:
+        raise UsageError("--nodes, --node, --secret-file and --cache-limit need --cache-dir "
+                         "(the node-local directory chunks are staged into)")
+    if not args.cache_dir:
+        return {}
+    view = resolve_cluster(tuple(nodes), args.node, args.replicas, args.secret_file)
+    return dict(cache_dir=os.path.abspath(args.cache_dir), nodes=tuple(str(n) for n in view.nodes)
+                if nodes else (), node=view.me.name if nodes else args.node,
+                replicas=args.replicas,
+                secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
+                cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
+                peer_timeout=args.peer_timeout, store_bandwidth=args.store_bandwidth or 0)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -195,6 +221,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.slurm:
         apply_slurm(args, dict(os.environ))
     config = MountConfig(
+        **_cluster_settings(args),
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
         workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
@@ -210,6 +237,39 @@ def cmd_slurm_secret(args: argparse.Namespace) -> int:
     secret = derive_job_secret(read_site_key(args.key_file), str(args.job_id))
     write_secret_file(args.out, secret, args.uid, args.gid)
     return EXIT_OK
+
+
+def cmd_placement(args: argparse.Namespace) -> int:
+    from dlfs.cluster import parse_nodes, read_nodes_file
+    from dlfs.placement import owners, summary
+
+    items = list(args.nodes or ()) + (read_nodes_file(args.nodes_file) if args.nodes_file else [])
+    nodes = parse_nodes(items) if items else []
+    if not nodes:
+        raise UsageError("give the job's nodes with --nodes or --nodes-file")
+    if not 1 <= args.replicas <= len(nodes):
+        raise UsageError(f"--replicas must be between 1 and {len(nodes)} (the nodes listed)")
+    d = Store(args.store).open(args.name)
+    table = owners(d.uuid, d.chunk_count, [n.name for n in nodes], args.replicas)
+    rows = [("NODE", "PRIMARY", "CHUNKS", "BYTES", "SHARE")]
+    total = int(d.chunk_lengths.sum()) or 1
+    for node, (primary, held, nbytes) in zip(nodes, summary(table, d.chunk_lengths, len(nodes)),
+                                             strict=True):
+        rows.append((node.name, str(primary), str(held), format_size(nbytes),
+                     f"{100 * nbytes / total:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(f"{d.name}: {d.chunk_count} chunks, {format_size(total)}, {len(nodes)} nodes, "
+          f"{args.replicas} replica(s) per chunk")
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dlfs.statusview import show_status
+
+    return show_status(args.mountpoint, watch=args.watch, as_json=args.json,
+                       interval=args.interval)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -308,15 +368,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "enter: root dir 0700, allow_other (the Slurm prolog mounts for the "
                         "job's user)")
     p.add_argument("--gid", type=_id, help="group shown for every file (with --uid)")
-    p.add_argument("--slurm", action="store_true",
-                   help="inside a Slurm job or prolog: nodes, this node and its port from "
-                        "the job's environment; %%j (job id) and %%n (node) in paths expand")
-    p.add_argument("--port-base", type=_positive, default=7000,
-                   help="with --slurm: node i of the job listens on PORT_BASE + i "
-                        "(default 7000)")
-    p.add_argument("--node-host", default="%n", metavar="PATTERN",
-                   help="with --slurm: address of each node, %%n = node name (default %%n; "
-                        "127.0.0.1 for simulated nodes on one host)")
     p.add_argument("--workers", type=_positive, default=default_workers(),
                    help="daemon processes serving requests (default: cores, at least 4, "
                         "at most 8)")
@@ -332,6 +383,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-file", help="daemon log file")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
+    g = p.add_argument_group(
+        "chunk pool (cluster mode)",
+        "With --cache-dir, each daemon stages its share of the chunks onto node-local\n"
+        "storage in the background while reads are already served, and reads a chunk\n"
+        "from local NVMe, else from the peer that owns it, else from the store.\n"
+        "Every daemon of a job gets the same --nodes list and secret.")
+    g.add_argument("--cache-dir", help="node-local directory (NVMe) for staged chunks; "
+                                       "turns the chunk pool on")
+    g.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
+                   help="every daemon of the job (repeatable or comma-separated)")
+    g.add_argument("--nodes-file", help="file with one NAME=HOST:PORT per line")
+    g.add_argument("--node", help="this daemon's NAME in the list (default: this host's "
+                                  "short name)")
+    g.add_argument("--replicas", type=_positive, default=1,
+                   help="nodes that stage each chunk (default 1; 2 survives a lost node "
+                        "without going to the store)")
+    g.add_argument("--secret-file", help="per-job secret peers authenticate with; must be "
+                                         "mode 0600 (required with several nodes)")
+    g.add_argument("--cache-limit", type=_size, help="stage at most this much, e.g. 500G "
+                                                     "(default: no limit)")
+    g.add_argument("--stage-jobs", type=_positive, default=2,
+                   help="chunks copied from the store at once (default 2)")
+    g.add_argument("--peer-timeout", type=float, default=5.0,
+                   help="seconds before a silent peer is skipped (default 5)")
+    g.add_argument("--store-bandwidth", type=_size, help=argparse.SUPPRESS)  # benchmarks only
+    g.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm job or prolog: --nodes and --node from the job's "
+                        "environment; %%j (job id) and %%n (node) expand in the mountpoint, "
+                        "--cache-dir, --secret-file, --log-file")
+    g.add_argument("--port-base", type=_positive, default=7000,
+                   help="with --slurm: node i of the job listens on PORT_BASE + i "
+                        "(default 7000)")
+    g.add_argument("--node-host", default="%n", metavar="PATTERN",
+                   help="with --slurm: address of each node, %%n = node name (default %%n; "
+                        "127.0.0.1 for simulated nodes on one host)")
+
+    p = _sub(subs, "placement", cmd_placement,
+             "show how many chunks and bytes of a dataset each node of a job would own",
+             "examples:\n  dlfs placement --store /lustre/store imagenet --nodes "
+             "n1=10.0.0.1:7100,n2=10.0.0.2:7100\n"
+             "  dlfs placement --store /lustre/store imagenet --nodes-file nodes.txt "
+             "--replicas 2")
+    p.add_argument("--store", required=True)
+    p.add_argument("name")
+    p.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...")
+    p.add_argument("--nodes-file")
+    p.add_argument("--replicas", type=_positive, default=1)
+
+    p = _sub(subs, "status", cmd_status,
+             "show a mount's staging progress and where its reads were served from",
+             "examples:\n  dlfs status /mnt/dlfs\n  dlfs status /mnt/dlfs --watch\n"
+             "  dlfs status /mnt/dlfs --json")
+    p.add_argument("mountpoint")
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
 
     p = _sub(subs, "umount", cmd_umount,
              "unmount and wait for the daemon to exit (also cleans a dead daemon's mount)",

@@ -34,6 +34,20 @@ class MountConfig:
     gid: int | None = None
     debug: bool = False
     log_file: str | None = None
+    # -- the chunk pool (cluster mode: on when cache_dir is set) --
+    cache_dir: str | None = None  # node-local NVMe directory for staged chunks
+    nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us
+    node: str | None = None  # our entry in `nodes` (default: this host's short name)
+    replicas: int = 1  # owners per chunk
+    secret_file: str | None = None  # per-job secret (mode 0600) peers authenticate with
+    cache_limit: int = 0  # bytes of staged chunks at most (0: no limit)
+    stage_jobs: int = 2  # chunks copied from the store at once
+    peer_timeout: float = 5.0  # seconds per peer call before trying elsewhere
+    store_bandwidth: int = 0  # bytes/s per store read stream; only to model a slow store
+
+    @property
+    def pooled(self) -> bool:
+        return self.cache_dir is not None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -42,4 +56,5 @@ class MountConfig:
     def from_json(cls, text: str) -> MountConfig:
         data = json.loads(text)
         data["datasets"] = tuple(data.get("datasets", ()))
+        data["nodes"] = tuple(data.get("nodes", ()))
         return cls(**data)

@@ -169,6 +169,16 @@ class SampleDirectory:
     def row_of_extent(self, extent: int) -> int:
         return int(np.searchsorted(self.arrays["ext_start"], extent, side="right")) - 1
 
+    def extents_by_chunk(self, chunk_count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order, bounds): extents of chunk c are order[bounds[c]:bounds[c + 1]].
+
+        For work done a chunk at a time (staging, evicting a corrupt copy).
+        """
+        chunks = self.arrays["ext_chunk"]
+        order = np.argsort(chunks, kind="stable")
+        bounds = np.searchsorted(chunks[order], np.arange(chunk_count + 1), side="left")
+        return order, bounds
+
     # -- (de)serialization --------------------------------------------------
     def to_manifest(self) -> dict:
         return {

@@ -59,6 +59,11 @@ def record_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.json"
 
 
+def status_path(mountpoint: str) -> Path:
+    """Where the daemon of a mountpoint keeps its live status (for `dlfs status`)."""
+    return runtime_dir() / f"{_key(mountpoint)}.status.json"
+
+
 def default_log_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.log"
 

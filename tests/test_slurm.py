@@ -65,6 +65,7 @@ class Site:
             "DLFS_SITE_KEY": str(self.base / "site" / "site.key"),
             "DLFS_PORT_BASE": str(PORT_BASE),
             "DLFS_NODE_HOST": "127.0.0.1",
+            "DLFS_REPLICAS": "2",
             "DLFS_OPT_IN": "comment constraint",
             "DLFS_FEATURE": "dlfs",
             "DLFS_MOUNT_ARGS": "--workers 2",
@@ -176,7 +177,8 @@ def test_opted_in_job_reads_the_dataset_on_every_node(site):
     expected = _source_sums(site.source)
     for node in SIM_NODES:
         assert site.out(f"{job}-{node}.sums").read_text() == expected, node
-        assert "mounted" in site.log(job, node).read_text()
+        log = site.log(job, node).read_text()
+        assert "mounted" in log and f"chunk pool: node {node} of 3, 2 replicas" in log, log
     _assert_cleaned(site, job, SIM_NODES)
 
 

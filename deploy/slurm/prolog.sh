@@ -47,12 +47,16 @@ out=$("$DLFS_BIN" slurm-secret --key-file "$DLFS_SITE_KEY" --job-id "$JOB" \
       --out "$RUN_DIR/secret" --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
       </dev/null 2>&1) || fail "${out:-cannot write the job secret}"
 
+replicas=${DLFS_REPLICAS:-1}
+[ "$replicas" -gt "${SLURM_JOB_NUM_NODES:-1}" ] && replicas=${SLURM_JOB_NUM_NODES:-1}
+
 # `dlfs mount` starts the daemon in its own session with stdio on the log and
 # returns only once the mount answers, so nothing can outlive us half-started
 # and nothing holds our stdout (slurmd would wait for it).
 # shellcheck disable=SC2086
 out=$("$DLFS_BIN" mount "$MOUNT" --slurm --store "$DLFS_STORE" \
       --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
+      --cache-dir "$CACHE" --secret-file "$RUN_DIR/secret" --replicas "$replicas" \
       --port-base "$DLFS_PORT_BASE" --node-host "$DLFS_NODE_HOST" \
       --log-file "$LOG" --timeout "$DLFS_MOUNT_TIMEOUT" $DLFS_MOUNT_ARGS \
       </dev/null 2>&1) || fail "mount failed: $(printf '%s' "$out" | tail -n 1)"

@@ -1,0 +1,134 @@
+"""Random reads of ~110 KiB files whose chunks live on a peer vs on the local node.
+
+One store, one dataset (dlfs.sampledata.generate_tree). Two set-ups, mounted
+fresh for every measurement and alternating each round:
+
+  local   one daemon with --cache-dir, everything staged on its own cache dir
+  remote  two daemons on loopback, --replicas 2 so both own every chunk; the
+          reader's daemon gets --cache-limit 1 (stages nothing), so every
+          read is served by the peer daemon's staged copy over TCP
+
+Each side reads one shuffled epoch (every file once, --workers processes,
+dlfs.workload.shuffled_epoch) after the page cache was dropped ("cold": the
+staged chunk files come from disk) and one more on a fresh mount without a
+drop ("hot": chunk files in the page cache, FUSE cache empty). The counters
+(`dlfs status`) confirm where the bytes came from.
+
+Target (issue #3): remote/local files/s >= 0.7.
+
+examples (from the repository root, as root):
+  .venv/bin/python bench/pool_read.py --quick
+  .venv/bin/python bench/pool_read.py --files 20000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+
+from _common import (
+    Target,
+    add_common_args,
+    drop_caches,
+    formatter,
+    median,
+    mounted,
+    populate,
+    print_table,
+    print_targets,
+    run_main,
+    workdir,
+)
+from _pool import free_ports, source_counts, wait_staged, write_secret
+
+from dlfs.sampledata import generate_tree
+from dlfs.workload import shuffled_epoch
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
+    add_common_args(p)
+    p.add_argument("--files", type=int, default=10_000, help="files (default 10000; --quick 1000)")
+    p.add_argument("--workers", type=int, default=4, help="reader processes (default 4)")
+    p.add_argument("--mount-args", default="", help="extra `dlfs mount` arguments for both sides")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.files = max(100, args.files // 10)
+    return args
+
+
+@contextlib.contextmanager
+def local_side(store: Path, work: Path, extra: list[str]):
+    cache = work / "cache-local"
+    with mounted(store, work / "mnt-local", ["--cache-dir", str(cache), *extra],
+                 work / "local.log") as mp:
+        wait_staged(mp)
+        yield mp
+
+
+@contextlib.contextmanager
+def remote_side(store: Path, work: Path, extra: list[str]):
+    ports = free_ports(2)
+    nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    secret = write_secret(work / "secret")
+    common = ["--nodes", nodes, "--replicas", "2", "--secret-file", str(secret), *extra]
+    with mounted(store, work / "mnt-holder",
+                 ["--cache-dir", str(work / "cache-holder"), "--node", "holder", *common],
+                 work / "holder.log") as holder, \
+         mounted(store, work / "mnt-reader",
+                 ["--cache-dir", str(work / "cache-reader"), "--node", "reader",
+                  "--cache-limit", "1", *common], work / "reader.log") as reader:
+        wait_staged(holder)
+        yield reader
+
+
+def measure(side: str, ctx, paths: list[str], nbytes: int, workers: int, seed: int,
+            results: dict) -> None:
+    for temp in ("cold", "hot"):
+        with ctx() as mp:
+            if temp == "cold":
+                drop_caches()
+            r = shuffled_epoch([str(mp / "ds" / p) for p in paths], workers, seed=seed)
+            if r.bytes != nbytes:
+                raise RuntimeError(f"{side} read {r.bytes} bytes, expected {nbytes}")
+            counts = source_counts(mp)
+        results.setdefault((side, temp), []).append(r.files_per_s)
+        where = ", ".join(f"{k} {v['bytes'] / (1 << 20):.0f} MiB" for k, v in counts.items()
+                          if v["bytes"])
+        print(f"  {side:<6} {temp:<4} {r.files_per_s:9,.0f} files/s {r.mib_per_s:8,.1f} MiB/s"
+              f"   (from {where})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    extra = args.mount_args.split()
+    with workdir(args.workdir, args.keep, "pool-read") as work:
+        summary = generate_tree(work / "src", args.files, 110 << 10, seed=1)
+        paths = [str(p.relative_to(work / "src")) for p in summary.paths]
+        took = populate(work / "src", work / "store", "ds", ["--no-fsync"])
+        print(f"{args.files:,} files, {summary.bytes / (1 << 20):,.1f} MiB; populate {took:.1f} s;"
+              f" {args.workers} reader processes")
+        results: dict = {}
+        sides = {"local": lambda: local_side(work / "store", work, extra),
+                 "remote": lambda: remote_side(work / "store", work, extra)}
+        for rnd in range(args.rounds):
+            order = ("local", "remote") if rnd % 2 == 0 else ("remote", "local")
+            print(f"round {rnd + 1}/{args.rounds}")
+            for side in order:
+                measure(side, sides[side], paths, summary.bytes, args.workers, rnd, results)
+        rows = []
+        ratios = {}
+        for temp in ("cold", "hot"):
+            local, remote = median(results[("local", temp)]), median(results[("remote", temp)])
+            ratios[temp] = remote / local if local else float("nan")
+            rows.append((temp, local, remote, ratios[temp]))
+        print_table(("chunk files", "local files/s", "remote files/s", "remote/local"), rows,
+                    title=f"medians of {args.rounds} rounds")
+        print_targets([Target("cold remote/local files/s", ratios["cold"], ">=", 0.7),
+                       Target("hot remote/local files/s", ratios["hot"], ">=", 0.7)], args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,160 @@
+"""ChunkCache: this node's staged copies of one dataset's chunks on local NVMe.
+
+Layout: CACHE_DIR/<dataset uuid hex>/<index>.chunk, byte-identical copies of
+the store's chunk files (header included), written under a temporary name and
+renamed into place. Which chunks are staged lives in an anonymous shared
+mapping (one byte per chunk: 0 = absent, else a generation number), so the
+stager in the main process and the readers in forked workers agree without
+messages; a reader reopens its file descriptor when the generation changed
+(the chunk was evicted as corrupt and staged again).
+
+A re-mount reuses what a previous mount staged: files whose header and size
+are right count as staged; their bytes are checked on first read like any
+other, and a chunk that fails that check is evicted and staged again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from dlfs.errors import FormatError
+from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, chunk_filename
+from dlfs.store import Dataset
+
+log = logging.getLogger(__name__)
+
+TEMP_PREFIX = ".tmp-"
+
+
+class ChunkCache:
+    """Staged chunk files of one dataset in a node-local directory."""
+
+    def __init__(self, cache_root: Path, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.dir = Path(cache_root) / dataset.uuid.hex()
+        self.lengths = dataset.chunk_lengths
+        count = dataset.chunk_count
+        self._state = mmap.mmap(-1, max(1, count))  # shared with forked workers
+        self._view = np.frombuffer(self._state, dtype=np.uint8)[:count]
+        self._fds = [-1] * count  # per process
+        self._fd_gen = bytearray(count)
+
+    # -- state shared by all processes ----------------------------------------
+    def is_staged(self, chunk: int) -> bool:
+        return self._state[chunk] != 0
+
+    def staged_mask(self) -> np.ndarray:
+        return self._view != 0
+
+    def staged_bytes(self) -> int:
+        return int(self.lengths[self.staged_mask()].sum())
+
+    def path(self, chunk: int) -> Path:
+        return self.dir / chunk_filename(chunk)
+
+    def temp_path(self, chunk: int) -> Path:
+        return self.dir / f"{TEMP_PREFIX}{chunk_filename(chunk)}.{os.getpid()}"
+
+    def publish(self, chunk: int, temp: Path) -> None:
+        """Rename a fully written, verified copy into place and mark it staged."""
+        os.rename(temp, self.path(chunk))
+        self._state[chunk] = self._state[chunk] % 255 + 1 if self._state[chunk] else 1
+
+    def evict(self, chunk: int) -> None:
+        """Forget a staged copy (it failed a checksum): readers stop using it."""
+        gen = self._state[chunk]
+        if gen == 0:
+            return
+        self._state[chunk] = 0
+        with contextlib.suppress(FileNotFoundError):
+            self.path(chunk).unlink()
+
+    # -- mount time -------------------------------------------------------------
+    def scan(self) -> int:
+        """Adopt copies a previous mount staged (right header and size); drop the rest.
+
+        Returns the number of chunks adopted. Runs before the workers fork.
+        """
+        self.dir.mkdir(parents=True, exist_ok=True)
+        adopted = 0
+        for entry in os.scandir(self.dir):
+            if entry.name.startswith(TEMP_PREFIX):
+                _remove(entry.path)
+                continue
+            chunk = _chunk_index(entry.name)
+            if chunk is None or chunk >= self.dataset.chunk_count:
+                continue
+            if self._valid_copy(Path(entry.path), chunk):
+                self._state[chunk] = 1
+                adopted += 1
+            else:
+                log.warning("dropping unusable staged copy %s", entry.path)
+                _remove(entry.path)
+        return adopted
+
+    def _valid_copy(self, path: Path, chunk: int) -> bool:
+        try:
+            with open(path, "rb") as f:
+                length = check_chunk_header(f.read(CHUNK_HEADER_SIZE), path, chunk,
+                                            self.dataset.uuid)
+                size = os.fstat(f.fileno()).st_size
+        except (OSError, FormatError):
+            return False
+        return length == self.lengths[chunk] and size == CHUNK_HEADER_SIZE + length
+
+    # -- per-process file descriptors -------------------------------------------
+    def cached_fd(self, chunk: int) -> int:
+        """The open fd of the current staged copy, or -1 (absent, or must be opened)."""
+        gen = self._state[chunk]
+        if gen != 0 and self._fd_gen[chunk] == gen:
+            return self._fds[chunk]
+        return -1
+
+    def open_fd(self, chunk: int) -> int:
+        """Open (or reopen) the current staged copy; -1 if it is not staged. May block."""
+        gen = self._state[chunk]
+        if gen == 0:
+            return -1
+        if self._fds[chunk] >= 0:
+            os.close(self._fds[chunk])
+            self._fds[chunk] = -1
+        try:
+            fd = os.open(self.path(chunk), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return -1
+        self._fds[chunk] = fd
+        self._fd_gen[chunk] = gen
+        return fd
+
+    def close(self) -> None:
+        for i, fd in enumerate(self._fds):
+            if fd >= 0:
+                os.close(fd)
+                self._fds[i] = -1
+        self._view = None  # release the export before closing the mapping
+        self._state.close()
+
+    def remove_all(self) -> None:
+        """Delete every staged file of this dataset (the epilogue's wipe, tests)."""
+        for entry in os.scandir(self.dir):
+            _remove(entry.path)
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
+
+
+def _chunk_index(filename: str) -> int | None:
+    stem, _, ext = filename.partition(".")
+    if ext != "chunk" or not stem.isdigit():
+        return None
+    return int(stem)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

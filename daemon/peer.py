@@ -1,0 +1,642 @@
+"""Peer server and client of the chunk pool: byte ranges of staged chunks over TCP.
+
+Each daemon of a job runs one PeerServer that serves ranges of the chunks it
+has staged on local NVMe, and keeps PeerClients to the other daemons. The wire
+format and every validity rule live in dlfs.protocol (docs/PROTOCOL.md); this
+module adds sockets, timeouts and concurrency:
+
+* Nothing but the handshake is answered before a peer proved it holds the job
+  secret, and the server never accepts a frame larger than a request.
+* A bad request (unknown chunk, range out of bounds) costs one FAIL reply; a
+  malformed frame costs the connection; nothing costs the server.
+* Requests are pipelined: a client tags each READ with an id, the server answers
+  them as they complete, a bounded number at a time per connection.
+* Every client call has a deadline, and every way a peer can go wrong (refused,
+  silent, wrong secret, dead mid-request, talking nonsense) surfaces as
+  PeerUnavailable, so the caller can mark the peer down and read elsewhere.
+
+Nothing here imports pyfuse3 or touches a path: the provider maps
+(dataset uuid, chunk) to bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import typing
+
+import trio
+
+from dlfs import protocol
+from dlfs.errors import DlfsError
+from dlfs.protocol import Message, ProtocolError
+
+log = logging.getLogger(__name__)
+
+_RECEIVE_SIZE = 256 << 10
+# A client gives up on a connection whose peer left this many timed-out requests
+# unanswered: their ids stay reserved (a late reply must never be mistaken for
+# the answer to a newer request), so they must not pile up without bound.
+_MAX_ABANDONED = 64
+
+
+class PeerError(DlfsError):
+    """A read from a peer daemon did not return the bytes."""
+
+
+class PeerUnavailable(PeerError):
+    """The peer cannot be used now (down, silent, wrong secret, broken connection).
+
+    The caller should mark the peer down and read from a replica or the store.
+    """
+
+
+class PeerMiss(PeerError):
+    """The peer does not have the chunk staged (or could not read its own copy)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerRefused(PeerError):
+    """The peer refused the range as out of bounds: a caller bug or another dataset version."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ChunkProvider(typing.Protocol):
+    """What the server needs from the daemon: chunk sizes and staged bytes."""
+
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
+        """Data length of the chunk, or None if the dataset or chunk index is unknown."""
+        ...
+
+    async def read_staged(self, dataset_id: bytes, chunk: int, offset: int,
+                          length: int) -> bytes | None:
+        """`length` bytes at `offset` of the chunk's data, or None if not staged here.
+
+        Called only with ranges already checked against chunk_limit.
+        """
+        ...
+
+
+class _FramedStream:
+    """A trio stream speaking frames: receive() one message, send() one message.
+
+    Sends are serialized by a lock (trio streams allow one send at a time). A
+    send interrupted half way would leave a partial frame on the wire, so the
+    stream marks itself broken and refuses further sends.
+    """
+
+    def __init__(self, stream: trio.abc.Stream, max_frame: int) -> None:
+        self.stream = stream
+        self.broken = False
+        self._decoder = protocol.FrameDecoder(max_frame)
+        self._received: collections.deque[Message] = collections.deque()
+        self._send_lock = trio.Lock()
+
+    async def receive(self) -> Message | None:
+        """The next message; None at a clean end of stream."""
+        while not self._received:
+            chunk = await self.stream.receive_some(_RECEIVE_SIZE)
+            if not chunk:
+                if self._decoder.buffered:
+                    raise ProtocolError("connection closed in the middle of a frame")
+                return None
+            self._received.extend(self._decoder.feed(chunk))
+        return self._received.popleft()
+
+    async def send(self, msg: Message) -> None:
+        frame = protocol.encode(msg)
+        async with self._send_lock:
+            if self.broken:
+                raise trio.ClosedResourceError("an earlier send was interrupted")
+            try:
+                await self.stream.send_all(frame)
+            except BaseException:
+                self.broken = True
+                raise
+
+
+def _byte_size(payload: object) -> int | None:
+    """Size of a bytes-like payload; None for anything else (a provider bug)."""
+    if isinstance(payload, memoryview):
+        return payload.nbytes
+    return len(payload) if isinstance(payload, (bytes, bytearray)) else None
+
+
+def _address(stream: trio.abc.Stream) -> str:
+    try:
+        host, port, *_ = stream.socket.getpeername()
+    except (AttributeError, OSError):
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# -- server ------------------------------------------------------------------
+
+class PeerServer:
+    """Serves byte ranges of locally staged chunks to authenticated peers.
+
+    Run `serve()` in a nursery; cancel it to stop (all connections close). The
+    counters are plain ints for the daemon's stats files.
+    """
+
+    def __init__(self, secret: bytes, provider: ChunkProvider, node_name: str, *,
+                 handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
+                 max_connections: int = 256, max_in_flight: int = 16) -> None:
+        self._secret = protocol.check_secret(secret)
+        self.provider = provider
+        self.node_name = node_name
+        self.handshake_timeout = handshake_timeout
+        # Also the limit for a peer to take a reply: one that stops reading is dropped.
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.max_in_flight = max_in_flight
+        self.connections_accepted = 0
+        self.connections_rejected = 0  # over max_connections
+        self.connections_open = 0
+        self.auth_failures = 0
+        self.protocol_errors = 0  # including version mismatches and handshake timeouts
+        self.reads_served = 0
+        self.reads_missed = 0
+        self.reads_refused = 0
+        self.read_errors = 0  # the provider raised or returned the wrong size
+        self.bytes_served = 0
+
+    async def serve(self, host: str, port: int, *,
+                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on host:port until cancelled; `task_status.started(port)` gives the bound port.
+
+        Give a numeric host (a name may resolve to several addresses, and with
+        port 0 each listener would get a different port).
+        """
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()[1]
+        log.info("peer server of %s listening on %s:%d", self.node_name, host, bound)
+        task_status.started(bound)
+        await trio.serve_listeners(self._handle_connection, listeners)
+
+    async def _handle_connection(self, stream: trio.SocketStream) -> None:
+        """Run one connection to its end; nothing that happens here may escape."""
+        peer = _address(stream)
+        if self.connections_open >= self.max_connections:
+            self.connections_rejected += 1
+            log.warning("peer %s: connection refused, %d already open (max_connections)",
+                        peer, self.connections_open)
+            await trio.aclose_forcefully(stream)
+            return
+        self.connections_accepted += 1
+        self.connections_open += 1
+        conn = _FramedStream(stream, protocol.MAX_CONTROL_FRAME)
+        try:
+            await self._serve_connection(conn, peer)
+        except ProtocolError as error:
+            self.protocol_errors += 1
+            log.warning("peer %s: protocol error: %s; closing the connection", peer, error)
+            await self._send_goodbye(conn, protocol.err(protocol.ERR_PROTOCOL, str(error)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            log.debug("peer %s: connection lost: %r", peer, error)
+        except Exception:
+            log.exception("peer %s: unexpected error; closing the connection", peer)
+        finally:
+            self.connections_open -= 1
+            await trio.aclose_forcefully(stream)
+
+    async def _serve_connection(self, conn: _FramedStream, peer: str) -> None:
+        with trio.move_on_after(self.handshake_timeout) as handshake:
+            authenticated = await self._handshake(conn, peer)
+        if handshake.cancelled_caught:
+            self.protocol_errors += 1
+            log.warning("peer %s: no handshake within %.1f s; closing the connection",
+                        peer, self.handshake_timeout)
+            return
+        if authenticated:
+            await self._serve_requests(conn, peer)
+
+    async def _handshake(self, conn: _FramedStream, peer: str) -> bool:
+        """HELLO -> CHALLENGE -> AUTH -> OK; True once the peer proved the secret."""
+        hello = await conn.receive()
+        if hello is None:
+            return False
+        if hello["t"] != protocol.HELLO:
+            raise ProtocolError(f"expected hello, got {hello['t']}")
+        if hello["v"] != protocol.PROTOCOL_VERSION:
+            self.protocol_errors += 1
+            log.warning("peer %s (node %r): protocol version %d, this daemon speaks %d; "
+                        "closing the connection", peer, hello["node"], hello["v"],
+                        protocol.PROTOCOL_VERSION)
+            await self._send_goodbye(conn, protocol.err(
+                protocol.ERR_VERSION, f"node {self.node_name} speaks protocol version "
+                f"{protocol.PROTOCOL_VERSION}, not {hello['v']}"))
+            return False
+        server_nonce = protocol.new_nonce()
+        await conn.send(protocol.challenge(server_nonce, protocol.server_proof(
+            self._secret, hello["nonce"], server_nonce)))
+        answer = await conn.receive()
+        if answer is None:
+            return False
+        if answer["t"] == protocol.ERR:
+            # The client found our proof wrong: one of us has another job's secret.
+            self.auth_failures += 1
+            log.warning("peer %s (node %r) rejected this server's proof (%s): the two "
+                        "daemons have different job secrets", peer, hello["node"], answer["msg"])
+            return False
+        if answer["t"] != protocol.AUTH:
+            raise ProtocolError(f"expected auth, got {answer['t']}")
+        expected = protocol.client_proof(self._secret, server_nonce, hello["nonce"])
+        if not protocol.proof_matches(expected, answer["proof"]):
+            self.auth_failures += 1
+            log.warning("peer %s (node %r): authentication failed (wrong job secret); "
+                        "closing the connection", peer, hello["node"])
+            await self._send_goodbye(conn, protocol.err(protocol.ERR_AUTH,
+                                                        "authentication failed"))
+            return False
+        await conn.send(protocol.ok())
+        log.debug("peer %s (node %r) authenticated", peer, hello["node"])
+        return True
+
+    async def _send_goodbye(self, conn: _FramedStream, msg: Message) -> None:
+        """Best effort: tell the peer why before closing, without waiting on it."""
+        if conn.broken:
+            return
+        closed = (trio.BrokenResourceError, trio.ClosedResourceError)
+        with trio.move_on_after(1.0), contextlib.suppress(*closed):
+            await conn.send(msg)
+
+    async def _serve_requests(self, conn: _FramedStream, peer: str) -> None:
+        """Receive READs and answer each in its own task, at most max_in_flight at once.
+
+        When the limit is reached the loop stops reading, so a flooding peer is
+        held back by TCP instead of growing our memory.
+        """
+        slots = trio.Semaphore(self.max_in_flight)
+        failure: ProtocolError | None = None
+        async with trio.open_nursery() as nursery:
+            try:
+                await self._receive_requests(conn, nursery, slots, peer)
+            except ProtocolError as error:
+                failure = error  # raised outside the nursery, not wrapped in a group
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _receive_requests(self, conn: _FramedStream, nursery: trio.Nursery,
+                                slots: trio.Semaphore, peer: str) -> None:
+        while True:
+            with trio.move_on_after(self.idle_timeout) as idle:
+                request = await conn.receive()
+            if idle.cancelled_caught:
+                if slots.value < self.max_in_flight:
+                    continue  # quiet because it is waiting for us
+                log.info("peer %s: idle for %.0f s; closing the connection",
+                         peer, self.idle_timeout)
+                nursery.cancel_scope.cancel()
+                return
+            if request is None:
+                return  # the nursery lets answers in progress finish
+            if request["t"] != protocol.READ:
+                raise ProtocolError(f"unexpected {request['t']} message after the handshake")
+            await slots.acquire()
+            nursery.start_soon(self._answer, conn, request, slots, nursery.cancel_scope, peer)
+
+    async def _answer(self, conn: _FramedStream, request: Message, slots: trio.Semaphore,
+                      connection_scope: trio.CancelScope, peer: str) -> None:
+        try:
+            reply = await self._reply_to(request, peer)
+            with trio.move_on_after(self.idle_timeout) as sending:
+                await conn.send(reply)
+            if sending.cancelled_caught:
+                log.warning("peer %s: did not take a reply for %.0f s; closing the connection",
+                            peer, self.idle_timeout)
+                connection_scope.cancel()
+            elif reply["t"] == protocol.DATA:
+                self.reads_served += 1
+                self.bytes_served += _byte_size(reply["data"])
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            connection_scope.cancel()
+        finally:
+            slots.release()
+
+    async def _reply_to(self, request: Message, peer: str) -> Message:
+        """DATA, MISS or FAIL for one READ; provider failures become FAIL_IO."""
+        request_id, dataset_id, chunk = request["id"], request["ds"], request["chunk"]
+        offset, length = request["off"], request["len"]
+        try:
+            limit = self.provider.chunk_limit(dataset_id, chunk)
+        except Exception as error:
+            return self._read_failed(request_id, peer, dataset_id, chunk, error)
+        problem = protocol.read_bounds_problem(limit, offset, length)
+        if problem is not None:
+            self.reads_refused += 1
+            return protocol.fail(request_id, problem)
+        try:
+            payload = await self.provider.read_staged(dataset_id, chunk, offset, length)
+        except Exception as error:
+            return self._read_failed(request_id, peer, dataset_id, chunk, error)
+        if payload is None:
+            self.reads_missed += 1
+            return protocol.miss(request_id)
+        size = _byte_size(payload)
+        if size != length:
+            got = type(payload).__name__ if size is None else f"{size} bytes"
+            return self._read_failed(request_id, peer, dataset_id, chunk, DlfsError(
+                f"provider returned {got} for a read of {length} bytes"))
+        return protocol.data(request_id, payload)
+
+    def _read_failed(self, request_id: int, peer: str, dataset_id: bytes, chunk: int,
+                     error: Exception) -> Message:
+        self.read_errors += 1
+        log.warning("peer %s: reading chunk %d of dataset %s failed: %s", peer, chunk,
+                    dataset_id.hex(), error)
+        return protocol.fail(request_id, protocol.FAIL_IO)
+
+
+# -- client ------------------------------------------------------------------
+
+class _Waiter:
+    """One pending READ: the receive task fills in the reply or the error."""
+
+    __slots__ = ("abandoned", "done", "error", "length", "reply")
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.done = trio.Event()
+        self.reply: Message | None = None
+        self.error: PeerError | None = None
+        self.abandoned = False
+
+
+class _Connection:
+    """One authenticated connection: pipelined requests, one task routing replies."""
+
+    def __init__(self, framed: _FramedStream, address: str) -> None:
+        self.framed = framed
+        self.address = address
+        self.closed = False
+        self.finished = trio.Event()  # the receive task has closed the stream
+        self._waiters: dict[int, _Waiter] = {}
+        self._next_id = 0
+        self._abandoned = 0
+        self._cancel_scope = trio.CancelScope()
+
+    async def request(self, dataset_id: bytes, chunk: int, offset: int, length: int) -> bytes:
+        if self.closed:
+            raise PeerUnavailable(f"connection to peer {self.address} is closed")
+        request_id = self._allocate_id()
+        waiter = _Waiter(length)
+        self._waiters[request_id] = waiter
+        sent = False
+        try:
+            await self.framed.send(protocol.read(request_id, dataset_id, chunk, offset, length))
+            sent = True
+            await waiter.done.wait()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            self._waiters.pop(request_id, None)
+            lost = PeerUnavailable(f"connection to peer {self.address} lost: {error}")
+            self.fail(lost)
+            raise waiter.error or lost from None
+        except BaseException:
+            self._abandon(request_id, waiter, sent)
+            raise
+        return self._result(waiter, dataset_id, chunk, offset, length)
+
+    def _allocate_id(self) -> int:
+        # Ids of requests still awaiting a reply (even abandoned ones) are skipped.
+        while self._next_id in self._waiters:
+            self._next_id = (self._next_id + 1) & protocol.MAX_REQUEST_ID
+        request_id = self._next_id
+        self._next_id = (request_id + 1) & protocol.MAX_REQUEST_ID
+        return request_id
+
+    def _abandon(self, request_id: int, waiter: _Waiter, sent: bool) -> None:
+        """The caller gave up (timeout, cancellation); a late reply will be dropped."""
+        if self.framed.broken:  # cancelled half way through sending the request
+            self._waiters.pop(request_id, None)
+            self.fail(PeerUnavailable(f"a send to peer {self.address} was interrupted"))
+            return
+        if not sent or waiter.done.is_set() or self.closed:  # no reply can come
+            self._waiters.pop(request_id, None)
+            return
+        waiter.abandoned = True
+        self._abandoned += 1
+        if self._abandoned > _MAX_ABANDONED:
+            self.fail(PeerUnavailable(f"peer {self.address} left {self._abandoned} requests "
+                                      "unanswered"))
+
+    def _result(self, waiter: _Waiter, dataset_id: bytes, chunk: int, offset: int,
+                length: int) -> bytes:
+        if waiter.error is not None:
+            raise waiter.error
+        reply = waiter.reply
+        where = f"chunk {chunk} of dataset {dataset_id.hex()} on peer {self.address}"
+        if reply["t"] == protocol.DATA:
+            return reply["data"]
+        if reply["t"] == protocol.MISS:
+            raise PeerMiss(f"{where} is not staged")
+        code = reply["code"]
+        if code in protocol.BOUNDS_FAIL_CODES:
+            raise PeerRefused(f"{where}: read of {length} bytes at {offset} refused ({code})",
+                              code)
+        raise PeerMiss(f"{where}: the peer could not read it ({code})", code)
+
+    async def receive_replies(self) -> None:
+        """The one reader of this connection; runs as a system task until the connection ends."""
+        error = PeerUnavailable(f"connection to peer {self.address} closed")
+        try:
+            with self._cancel_scope:
+                while True:
+                    msg = await self.framed.receive()
+                    if msg is None:
+                        raise PeerUnavailable(f"peer {self.address} closed the connection")
+                    self._route(msg)
+        except PeerUnavailable as lost:
+            error = lost
+        except ProtocolError as bad:
+            log.warning("peer %s: protocol error: %s; dropping the connection", self.address, bad)
+            error = PeerUnavailable(f"peer {self.address} broke the protocol: {bad}")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as lost:
+            error = PeerUnavailable(f"connection to peer {self.address} lost: {lost}")
+        except Exception as bug:  # a system task must not raise: it would end the run
+            log.exception("peer %s: unexpected error in the receive task", self.address)
+            error = PeerUnavailable(f"connection to peer {self.address} failed: {bug!r}")
+        finally:
+            # Also on cancellation (aclose, or the end of the trio run).
+            self.fail(error)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.framed.stream)
+            self.finished.set()
+
+    def _route(self, msg: Message) -> None:
+        kind = msg["t"]
+        if kind == protocol.ERR:
+            raise PeerUnavailable(f"peer {self.address} closed the connection: "
+                                  f"{msg['code']}: {msg['msg']}")
+        if kind not in (protocol.DATA, protocol.MISS, protocol.FAIL):
+            raise ProtocolError(f"unexpected {kind} message")
+        # Check before popping: on a ProtocolError, fail() must still find this waiter.
+        waiter = self._waiters.get(msg["id"])
+        if waiter is None:
+            raise ProtocolError(f"reply for request id {msg['id']}, which is not pending")
+        if kind == protocol.DATA and len(msg["data"]) != waiter.length:
+            raise ProtocolError(f"{len(msg['data'])} bytes of data for a read of {waiter.length}")
+        del self._waiters[msg["id"]]
+        if waiter.abandoned:
+            self._abandoned -= 1
+            return
+        waiter.reply = msg
+        waiter.done.set()
+
+    def fail(self, error: PeerUnavailable) -> None:
+        """Fail every pending request and stop the receive task (which closes the stream)."""
+        if self.closed:
+            return
+        self.closed = True
+        for waiter in self._waiters.values():
+            waiter.error = error
+            waiter.done.set()
+        self._waiters.clear()
+        self._cancel_scope.cancel()
+
+
+class PeerClient:
+    """Reads byte ranges from one peer daemon over a few pooled, pipelined connections.
+
+    Safe to use from many tasks of one trio run at once. Connections open
+    lazily on the first reads and reopen after a failure, so construction
+    creates no trio objects: an instance belongs to the trio run that first
+    uses it, and one used from a new run (a forked worker with its own
+    trio.run) forgets the old run's connections and opens its own.
+    """
+
+    def __init__(self, secret: bytes, node_name: str, host: str, port: int, *,
+                 timeout: float = 5.0, connections: int = 2) -> None:
+        if connections < 1:
+            raise ValueError("connections must be at least 1")
+        self._secret = protocol.check_secret(secret)
+        self.node_name = node_name
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._slots: list[_Connection | None] = [None] * connections
+        self._slot_locks: list[trio.Lock] = []
+        self._next_slot = 0
+        self._run_token: trio.lowlevel.TrioToken | None = None
+        self._closed = False
+
+    async def read(self, dataset_id: bytes, chunk: int, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` of the chunk's data (exactly, or an exception).
+
+        Raises PeerUnavailable (peer unusable: try elsewhere and mark it down),
+        PeerMiss (not staged there), PeerRefused (range out of bounds), each
+        within `timeout` seconds.
+        """
+        _check_read_args(dataset_id, chunk, offset, length)
+        if self._closed:
+            raise PeerUnavailable(f"client for peer {self.address} is closed")
+        try:
+            with trio.fail_after(self.timeout):
+                connection = await self._connection()
+                return await connection.request(dataset_id, chunk, offset, length)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"peer {self.address} did not answer within "
+                                  f"{self.timeout:g} s") from None
+
+    async def aclose(self) -> None:
+        """Close every connection; pending and later reads raise PeerUnavailable."""
+        self._closed = True
+        if self._run_token is not trio.lowlevel.current_trio_token():
+            return  # connections of another run are not ours to touch
+        closing = [c for c in self._slots if c is not None]
+        self._slots = [None] * len(self._slots)
+        for connection in closing:
+            connection.fail(PeerUnavailable(f"client for peer {self.address} is closed"))
+        for connection in closing:
+            await connection.finished.wait()
+
+    async def _connection(self) -> _Connection:
+        self._bind_to_current_run()
+        index = self._next_slot
+        self._next_slot = (index + 1) % len(self._slots)
+        connection = self._slots[index]
+        if connection is not None and not connection.closed:
+            return connection
+        # One connect per slot at a time: tasks arriving meanwhile wait for it
+        # (under their own deadline) instead of opening extra connections.
+        async with self._slot_locks[index]:
+            connection = self._slots[index]
+            if connection is None or connection.closed:
+                connection = await self._connect()
+                self._slots[index] = connection
+            return connection
+
+    def _bind_to_current_run(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+        if token is not self._run_token:
+            self._run_token = token
+            self._slots = [None] * len(self._slots)
+            self._slot_locks = [trio.Lock() for _ in self._slots]
+
+    async def _connect(self) -> _Connection:
+        try:
+            stream = await trio.open_tcp_stream(self.host, self.port)
+        except OSError as error:
+            raise PeerUnavailable(f"cannot connect to peer {self.address}: "
+                                  f"{error.strerror or error}") from None
+        framed = _FramedStream(stream, protocol.MAX_FRAME)
+        try:
+            await self._handshake(framed)
+        except ProtocolError as error:
+            await trio.aclose_forcefully(stream)
+            raise PeerUnavailable(f"peer {self.address} broke the protocol: {error}") from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            await trio.aclose_forcefully(stream)
+            raise PeerUnavailable(f"connection to peer {self.address} lost during the "
+                                  f"handshake: {error}") from None
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        connection = _Connection(framed, self.address)
+        trio.lowlevel.spawn_system_task(connection.receive_replies,
+                                        name=f"dlfsd.peer receive {self.address}")
+        return connection
+
+    async def _handshake(self, framed: _FramedStream) -> None:
+        """Prove we hold the secret and check that the server does too."""
+        client_nonce = protocol.new_nonce()
+        await framed.send(protocol.hello(self.node_name, client_nonce))
+        challenge = await self._expect(framed, protocol.CHALLENGE)
+        expected = protocol.server_proof(self._secret, client_nonce, challenge["nonce"])
+        if not protocol.proof_matches(expected, challenge["proof"]):
+            await framed.send(protocol.err(protocol.ERR_AUTH, "server proof does not match"))
+            raise PeerUnavailable(f"peer {self.address} failed authentication "
+                                  "(different job secret)")
+        await framed.send(protocol.auth(protocol.client_proof(
+            self._secret, challenge["nonce"], client_nonce)))
+        await self._expect(framed, protocol.OK)
+
+    async def _expect(self, framed: _FramedStream, kind: str) -> Message:
+        msg = await framed.receive()
+        if msg is None:
+            raise PeerUnavailable(f"peer {self.address} closed the connection during the "
+                                  "handshake")
+        if msg["t"] == protocol.ERR:
+            raise PeerUnavailable(f"peer {self.address} refused the connection: "
+                                  f"{msg['code']}: {msg['msg']}")
+        if msg["t"] != kind:
+            raise ProtocolError(f"expected {kind}, got {msg['t']}")
+        return msg
+
+
+def _check_read_args(dataset_id: bytes, chunk: int, offset: int, length: int) -> None:
+    """Arguments the wire cannot carry are a caller bug, not a peer problem."""
+    if not isinstance(dataset_id, bytes) or len(dataset_id) != protocol.DATASET_ID_SIZE:
+        raise ValueError(f"dataset_id must be {protocol.DATASET_ID_SIZE} bytes")
+    for name, value in (("chunk", chunk), ("offset", offset), ("length", length)):
+        if type(value) is not int or not 0 <= value <= protocol.MAX_UINT:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")

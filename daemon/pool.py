@@ -1,0 +1,158 @@
+"""ChunkPool: the job's chunks as one daemon sees them.
+
+Placement says which nodes own each chunk; this node's ChunkCaches hold the
+copies it staged; PeerClients reach the other owners. The reader asks the
+pool for a remote extent, and the pool tries the owners in placement order,
+skipping peers marked down, checking every byte against the manifest
+checksum; a peer that times out, refuses or sends wrong bytes is skipped for
+DOWN_SECONDS. The pool is also the peer server's ChunkProvider: it serves
+byte ranges of staged chunks, and a request for an owned chunk not staged
+yet moves that chunk to the front of the staging queue.
+
+Client connections belong to one trio run in one process; forked workers
+call `after_fork` and open their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from dlfs.cluster import ClusterView
+from dlfs.format import CHUNK_HEADER_SIZE, checksum
+from dlfs.placement import owners
+from dlfs.store import Dataset
+from dlfsd.chunkcache import ChunkCache
+from dlfsd.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
+from dlfsd.stager import DemandChannel
+
+log = logging.getLogger(__name__)
+
+DOWN_SECONDS = 10.0
+_HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+
+
+class ChunkPool:
+    """Placement, local caches and peer clients for the mounted datasets."""
+
+    def __init__(self, view: ClusterView, datasets: list[Dataset], cache_root: Path,
+                 peer_timeout: float = 5.0) -> None:
+        self.view = view
+        self.datasets = datasets
+        self.peer_timeout = peer_timeout
+        self.caches = [ChunkCache(cache_root, d) for d in datasets]
+        me = view.self_index
+        self.tables = [owners(d.uuid, d.chunk_count, view.names, view.replicas)
+                       for d in datasets]
+        self.owned = [(t == me).any(axis=1) for t in self.tables]
+        # Per chunk: the other owners, best first (tuples: looked up on every remote read).
+        self.remote_owners = [[tuple(int(n) for n in row if n != me) for row in t]
+                              for t in self.tables]
+        self.demand = DemandChannel()
+        self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
+        self._clients: dict[int, PeerClient] = {}
+        self._down_until: dict[int, float] = {}
+
+    def scan_caches(self) -> int:
+        """Adopt chunks staged by an earlier mount; returns how many."""
+        return sum(cache.scan() for cache in self.caches)
+
+    def after_fork(self) -> None:
+        """In a forked worker: drop the parent's client objects and peer health."""
+        self._clients = {}
+        self._down_until = {}
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients = {}
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
+        self.demand.close()
+
+    # -- reads from peers ------------------------------------------------------------
+    async def fetch(self, ds: int, chunk: int, offset: int, length: int,
+                    expected: int) -> bytes | None:
+        """Bytes [offset, offset+length) of a chunk from an owner peer, checked against
+        `expected` (the extent's checksum); None when no peer could serve them."""
+        dataset_id = self.datasets[ds].uuid
+        for node in self.remote_owners[ds][chunk]:
+            if self._down_until.get(node, 0.0) > time.monotonic():
+                continue
+            try:
+                data = await self._client(node).read(dataset_id, chunk, offset, length)
+            except PeerMiss:
+                continue
+            except PeerUnavailable as err:
+                self._mark_down(node, f"unavailable ({err})")
+                continue
+            except PeerError as err:
+                self._mark_down(node, f"refused a read ({err})")
+                continue
+            if len(data) != length or checksum(data) != expected:
+                self._mark_down(node, f"sent wrong bytes for chunk {chunk} of "
+                                f"{self.datasets[ds].name}")
+                continue
+            return data
+        return None
+
+    def _client(self, node: int) -> PeerClient:
+        client = self._clients.get(node)
+        if client is None:
+            peer = self.view.nodes[node]
+            client = PeerClient(self.view.secret, self.view.me.name, peer.host, peer.port,
+                                timeout=self.peer_timeout)
+            self._clients[node] = client
+        return client
+
+    def _mark_down(self, node: int, why: str) -> None:
+        if self._down_until.get(node, 0.0) <= time.monotonic():
+            log.warning("peer %s %s; using replicas or the store for %.0f s",
+                        self.view.nodes[node].name, why, DOWN_SECONDS)
+        self._down_until[node] = time.monotonic() + DOWN_SECONDS
+
+    # -- ChunkProvider for the peer server ------------------------------------------------
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
+        ds = self._by_id.get(dataset_id)
+        if ds is None or not 0 <= chunk < self.datasets[ds].chunk_count:
+            return None
+        return int(self.datasets[ds].chunk_lengths[chunk])
+
+    async def read_staged(self, dataset_id: bytes, chunk: int, offset: int,
+                          length: int) -> bytes | bytearray | None:
+        ds = self._by_id[dataset_id]
+        cache = self.caches[ds]
+        fd = cache.cached_fd(chunk)
+        if fd < 0:
+            fd = await trio.to_thread.run_sync(cache.open_fd, chunk)
+        if fd < 0:
+            if self.owned[ds][chunk]:
+                self.demand.send(ds, chunk)  # a peer needs it: stage it next
+            return None
+        data = _pread_cached(fd, length, CHUNK_HEADER_SIZE + offset)
+        if data is None:  # not in the page cache: read in a thread, never block the loop
+            data = await trio.to_thread.run_sync(os.pread, fd, length, CHUNK_HEADER_SIZE + offset)
+        return data if len(data) == length else None
+
+    # -- reporting ------------------------------------------------------------------------
+    def owned_chunks(self, ds: int) -> np.ndarray:
+        return np.flatnonzero(self.owned[ds])
+
+
+def _pread_cached(fd: int, length: int, pos: int) -> bytearray | None:
+    """The bytes if they are all in the page cache (no blocking), else None."""
+    if not _HAVE_NOWAIT:
+        return None
+    buf = bytearray(length)
+    try:
+        got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
+    except OSError:  # BlockingIOError, or a file system without RWF_NOWAIT
+        return None
+    return buf if got == length else None

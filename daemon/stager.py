@@ -1,0 +1,278 @@
+"""Stager: copies this node's share of chunks from the store onto local NVMe.
+
+It runs in the daemon's main process while the mount already serves reads.
+Chunks a reader asked for (it had to go to the store, or found a corrupt
+copy) jump the queue: any process sends (dataset, chunk) down a pipe
+created before the workers forked. Each copy is read from the store, its
+header and every extent checksum are checked, then it is written under a
+temporary name and renamed into the cache; a copy that fails verification is
+never published. `--cache-limit` caps what is staged: the rest is read from
+peers or the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from dlfs.errors import CorruptDataError, FormatError
+from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
+from dlfs.store import Dataset
+from dlfsd.chunkcache import ChunkCache
+from dlfsd.throttle import pace
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK = 8 << 20
+
+
+class DemandChannel:
+    """(dataset, chunk) requests from any process to the stager; lossy when full."""
+
+    RECORD = struct.Struct("<HI")
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def send(self, ds: int, chunk: int) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: the stager is far behind anyway
+            os.write(self.write_fd, self.RECORD.pack(ds, chunk))
+
+    async def receive(self):
+        """Yield requests as they arrive (main process only)."""
+        size = self.RECORD.size
+        pending = b""
+        while True:
+            await trio.lowlevel.wait_readable(self.read_fd)
+            try:
+                pending += os.read(self.read_fd, 65536 - 65536 % size)
+            except BlockingIOError:
+                continue
+            whole = len(pending) - len(pending) % size
+            for ds, chunk in self.RECORD.iter_unpack(pending[:whole]):
+                yield ds, chunk
+            pending = pending[whole:]
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@dataclass
+class StageProgress:
+    """What `dlfs status` shows for one dataset."""
+
+    owned_chunks: int
+    owned_bytes: int
+    staged_chunks: int
+    staged_bytes: int
+    rate: float  # bytes/s copied since the mount started staging
+    eta: float | None  # seconds until every owned chunk that fits is staged
+
+
+class Stager:
+    """Background copier of owned chunks, demanded ones first."""
+
+    def __init__(self, datasets: list[Dataset], caches: list[ChunkCache],
+                 owned: list[np.ndarray], demand: DemandChannel, jobs: int = 2,
+                 cache_limit: int = 0, store_rate: int = 0) -> None:
+        self.datasets = datasets
+        self.caches = caches
+        self.owned_masks = owned
+        self._owned_lists = [np.flatnonzero(m) for m in owned]
+        self._cursor = [0] * len(datasets)
+        self.demand = demand
+        self.jobs = jobs
+        self.cache_limit = cache_limit
+        self.store_rate = store_rate
+        self._urgent: deque[tuple[int, int]] = deque()
+        self._busy: dict[tuple[int, int], int] = {}
+        self._failed: set[tuple[int, int]] = set()
+        self._wake = trio.Event()
+        self._stopping = False
+        self._cache_broken = False
+        self._by_chunk = [d.directory.extents_by_chunk(d.chunk_count) for d in datasets]
+        self.copied_bytes = 0
+        self.copied_chunks = 0
+        self.started = time.monotonic()
+        self.finished: float | None = None
+
+    # -- scheduling -----------------------------------------------------------------
+    async def run(self) -> None:
+        """Stage until cancelled (unmount); idle jobs wait for demands."""
+        self.started = time.monotonic()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._receive_demands)
+                for _ in range(self.jobs):
+                    nursery.start_soon(self._job)
+        finally:
+            self._stopping = True
+
+    async def _receive_demands(self) -> None:
+        async for ds, chunk in self.demand.receive():
+            if ds < len(self.datasets) and chunk < self.datasets[ds].chunk_count:
+                self._urgent.append((ds, chunk))
+                self._wake.set()
+
+    async def _job(self) -> None:
+        buffer = bytearray()
+        while True:
+            item = self._next()
+            if item is None:
+                if self.finished is None and not self._urgent:
+                    self.finished = time.monotonic()
+                await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            ds, chunk = item
+            self._busy[item] = int(self.datasets[ds].chunk_lengths[chunk])
+            try:
+                buffer = await trio.to_thread.run_sync(self._copy_logged, ds, chunk, buffer)
+            finally:
+                del self._busy[item]
+
+    def _next(self) -> tuple[int, int] | None:
+        while self._urgent:
+            ds, chunk = self._urgent.popleft()
+            if self._eligible(ds, chunk):
+                return ds, chunk
+        for ds, chunks in enumerate(self._owned_lists):
+            while self._cursor[ds] < len(chunks):
+                chunk = int(chunks[self._cursor[ds]])
+                self._cursor[ds] += 1
+                if self._eligible(ds, chunk):
+                    return ds, chunk
+        return None
+
+    def _eligible(self, ds: int, chunk: int) -> bool:
+        if self._cache_broken or not self.owned_masks[ds][chunk]:
+            return False
+        if self.caches[ds].is_staged(chunk) or (ds, chunk) in self._busy:
+            return False
+        if (ds, chunk) in self._failed:
+            return False
+        return self._fits(int(self.datasets[ds].chunk_lengths[chunk]))
+
+    def _fits(self, length: int) -> bool:
+        if not self.cache_limit:
+            return True
+        used = sum(c.staged_bytes() for c in self.caches) + sum(self._busy.values())
+        return used + length <= self.cache_limit
+
+    # -- copying (in a worker thread) -----------------------------------------------------
+    def _copy_logged(self, ds: int, chunk: int, buffer: bytearray) -> bytearray:
+        """Copy one chunk; log (once) and remember a failure instead of raising."""
+        dataset = self.datasets[ds]
+        try:
+            return self._copy(ds, chunk, buffer)
+        except (CorruptDataError, FormatError) as err:
+            self._failed.add((ds, chunk))
+            log.error("not staging chunk %d of %s: the store copy is bad (%s); reads of it "
+                      "are checked and fail with EIO", chunk, dataset.name, err)
+        except OSError as err:
+            self._failed.add((ds, chunk))
+            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                self._cache_broken = True
+                log.error("staging stopped: cannot write the cache dir %s (%s); reads go to "
+                          "peers and the store", self.caches[ds].dir, err.strerror)
+            else:
+                log.error("cannot stage chunk %d of %s: %s", chunk, dataset.name, err)
+        return buffer
+
+    def _copy(self, ds: int, chunk: int, buffer: bytearray) -> bytearray:
+        """Copy in the kernel (copy_file_range, like cp), then verify the copy itself.
+
+        Checking the written copy rather than the bytes read catches a bad store
+        copy and a bad write alike, and keeps the data out of user space but once.
+        """
+        dataset, cache = self.datasets[ds], self.caches[ds]
+        total = CHUNK_HEADER_SIZE + int(dataset.chunk_lengths[chunk])
+        source = dataset.chunk_path(chunk)
+        temp = cache.temp_path(chunk)
+        try:
+            with open(source, "rb", buffering=0) as src, open(temp, "wb", buffering=0) as dst:
+                if os.fstat(src.fileno()).st_size < total:
+                    raise CorruptDataError(f"chunk file is truncated: {source}")
+                if not self._copy_range(src.fileno(), dst.fileno(), total):
+                    return buffer  # unmounting
+            if len(buffer) < total:
+                buffer = bytearray(total)
+            view = memoryview(buffer)[:total]
+            with open(temp, "rb", buffering=0) as copy:
+                if copy.readinto(view) != total:
+                    raise CorruptDataError(f"short copy of {source}")
+            check_chunk_header(bytes(view[:CHUNK_HEADER_SIZE]), source, chunk, dataset.uuid)
+            self._check_extents(ds, chunk, view)
+            cache.publish(chunk, temp)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise
+        self.copied_bytes += total - CHUNK_HEADER_SIZE
+        self.copied_chunks += 1
+        return buffer
+
+    def _copy_range(self, src: int, dst: int, total: int) -> bool:
+        """Copy `total` bytes in READ_BLOCK steps (paced when the store is throttled);
+        False if unmounting interrupted it."""
+        pos = 0
+        use_kernel_copy = hasattr(os, "copy_file_range")
+        while pos < total:
+            if self._stopping:
+                return False
+            started = time.monotonic()
+            want = min(READ_BLOCK, total - pos)
+            n = 0
+            if use_kernel_copy:
+                try:
+                    n = os.copy_file_range(src, dst, want, pos, pos)
+                except OSError as err:
+                    if err.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                         errno.EOPNOTSUPP):
+                        raise
+                    use_kernel_copy = False
+            if not use_kernel_copy:
+                data = os.pread(src, want, pos)
+                n = os.pwrite(dst, data, pos) if data else 0
+            if not n:
+                raise CorruptDataError("chunk file ended early")
+            pace(self.store_rate, n, started)
+            pos += n
+        return True
+
+    def _check_extents(self, ds: int, chunk: int, view: memoryview) -> None:
+        d = self.datasets[ds].directory
+        order, bounds = self._by_chunk[ds]
+        offsets, lengths, sums = d.ext_offset_view, d.ext_length_view, d.ext_checksum_view
+        for ext in order[bounds[chunk] : bounds[chunk + 1]]:
+            start = CHUNK_HEADER_SIZE + offsets[ext]
+            if checksum(view[start : start + lengths[ext]]) != sums[ext]:
+                raise CorruptDataError(f"checksum mismatch in extent {ext} of "
+                                       f"{self.datasets[ds].chunk_path(chunk)}")
+
+    # -- reporting ---------------------------------------------------------------------
+    def progress(self) -> list[StageProgress]:
+        elapsed = max((self.finished or time.monotonic()) - self.started, 1e-9)
+        rate = self.copied_bytes / elapsed
+        out = []
+        for ds, dataset in enumerate(self.datasets):
+            owned = self.owned_masks[ds]
+            staged = owned & self.caches[ds].staged_mask()
+            lengths = dataset.chunk_lengths
+            owned_bytes, staged_bytes = int(lengths[owned].sum()), int(lengths[staged].sum())
+            remaining = owned_bytes - staged_bytes
+            eta = 0.0 if not remaining else (remaining / rate if rate > 0 else None)
+            out.append(StageProgress(int(owned.sum()), owned_bytes, int(staged.sum()),
+                                     staged_bytes, rate, eta))
+        return out

@@ -1,0 +1,108 @@
+"""`dlfs status`: a mount's staging progress and where its reads came from.
+
+Reads the status file the daemon's main process rewrites every second
+(dlfs.runtime.status_path). On a terminal it draws a table with progress
+bars (rich), refreshed with --watch; otherwise it prints plain lines a
+script can parse, or JSON with --json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from dlfs.errors import EXIT_OK, NotFoundError
+from dlfs.runtime import mountpoint_path, pid_alive, read_record, status_path
+from dlfs.sizes import format_size
+
+
+def read_status(mountpoint: str) -> dict:
+    """The daemon's latest status; NotFoundError if no live daemon serves MOUNTPOINT."""
+    path = mountpoint_path(mountpoint)
+    record = read_record(path)
+    if record is None or not pid_alive(record.pid):
+        raise NotFoundError(f"no DLFS daemon serves {path} (mount it with `dlfs mount`)")
+    try:
+        return json.loads(status_path(path).read_text())
+    except (OSError, ValueError):
+        raise NotFoundError(f"the daemon of {path} (pid {record.pid}) has not reported its "
+                            "status yet; retry in a second") from None
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds <= 0:
+        return "done"
+    return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else ">1 day"
+
+
+def plain_lines(status: dict) -> list[str]:
+    lines = [f"mount {status['mountpoint']} (store {status['store']}, pid {status['pid']})"]
+    if status.get("pooled"):
+        lines.append(f"node {status['node']} of {len(status['nodes'])}, "
+                     f"{status['replicas']} replica(s), cache {status['cache_dir']}")
+    for d in status["datasets"]:
+        st = d.get("staging")
+        if st:
+            lines.append(
+                f"{d['name']}: staged {st['staged_chunks']}/{st['owned_chunks']} owned chunks "
+                f"({format_size(st['staged_bytes'])}/{format_size(st['owned_bytes'])}), "
+                f"{format_size(st['rate'])}/s, eta {_eta(st['eta'])}")
+        else:
+            lines.append(f"{d['name']}: {d['chunks']} chunks, read from the store")
+        for source, c in d["sources"].items():
+            lines.append(f"  {source:<5} {c['requests']:>10} reads {format_size(c['bytes']):>10}"
+                         f"  mean {c['mean_latency_us']:.0f} us")
+    return lines
+
+
+def rich_view(status: dict) -> Group:
+    head = f"[bold]{status['mountpoint']}[/] store {status['store']} pid {status['pid']}"
+    if status.get("pooled"):
+        head += (f"\nnode [bold]{status['node']}[/] of {len(status['nodes'])}, "
+                 f"{status['replicas']} replica(s), cache {status['cache_dir']}")
+    table = Table(box=None, pad_edge=False)
+    for col in ("dataset", "staged", "", "rate", "eta", "local", "peer", "store"):
+        table.add_column(col, justify="left" if col in ("dataset", "") else "right")
+    for d in status["datasets"]:
+        st, src = d.get("staging"), d["sources"]
+        per_source = [f"{format_size(src[s]['bytes'])} / {src[s]['requests']}"
+                      for s in ("local", "peer", "store")]
+        if st:
+            bar = ProgressBar(total=max(st["owned_bytes"], 1), completed=st["staged_bytes"],
+                              width=24)
+            table.add_row(d["name"], f"{st['staged_chunks']}/{st['owned_chunks']}", bar,
+                          f"{format_size(st['rate'])}/s", _eta(st["eta"]), *per_source)
+        else:
+            table.add_row(d["name"], "-", "", "-", "-", *per_source)
+    return Group(head, table, "[dim]sources: bytes / reads[/]")
+
+
+def show_status(mountpoint: str, watch: bool = False, as_json: bool = False,
+                interval: float = 1.0) -> int:
+    status = read_status(mountpoint)
+    if as_json:
+        print(json.dumps(status, indent=2))
+        return EXIT_OK
+    if not sys.stdout.isatty():
+        while True:
+            print("\n".join(plain_lines(status)), flush=True)
+            if not watch:
+                return EXIT_OK
+            time.sleep(interval)
+            status = read_status(mountpoint)
+    console = Console()
+    if not watch:
+        console.print(rich_view(status))
+        return EXIT_OK
+    with Live(rich_view(status), console=console, refresh_per_second=4) as live:
+        while True:
+            time.sleep(interval)
+            live.update(rich_view(read_status(mountpoint)))

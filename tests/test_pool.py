@@ -1,0 +1,315 @@
+"""The chunk pool with real daemons: several mounts on one machine, real TCP on loopback.
+
+Each simulated node is a `dlfs mount` with its own mountpoint, cache dir and
+port. Expected placements come from dlfs.placement (tested on its own in
+test_placement.py); expected bytes always come from the source tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import daemon_pids_for, describe_result, kill_and_reap
+
+from dlfs.placement import owners
+from dlfs.sampledata import generate_large_files, generate_tree
+from dlfs.store import Store
+
+pytestmark = pytest.mark.usefixtures("daemon_guard")
+
+
+# -- fixtures and helpers -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool_source(tmp_path_factory) -> Path:
+    """~600 small samples plus a few files that span several extents and chunks."""
+    root = tmp_path_factory.mktemp("pool") / "src"
+    generate_tree(root / "train", 600, 20 * 1024, files_per_dir=200, seed=7)
+    generate_large_files(root / "big", 3, 900 * 1024, seed=8)
+    return root
+
+
+@pytest.fixture(scope="module")
+def pool_store(pool_source, tmp_path_factory) -> Path:
+    from conftest import populate_store
+
+    return populate_store(pool_source, tmp_path_factory.mktemp("pool-store") / "store", "ds",
+                          "256K", "--no-fsync")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_secret(path: Path, value: bytes | None = None) -> Path:
+    path.write_bytes((value or secrets.token_hex(32).encode()) + b"\n")
+    path.chmod(0o600)
+    return path
+
+
+def source_files(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+
+
+def status_of(dlfs_cli, mount) -> dict:
+    result = dlfs_cli("status", mount.path, "--json")
+    assert result.returncode == 0, describe_result(result)
+    return json.loads(result.stdout)
+
+
+def fresh_status(dlfs_cli, mount) -> dict:
+    """A status written after now (the daemon rewrites it every second)."""
+    since = time.time()
+    deadline = time.monotonic() + 10
+    while True:
+        status = status_of(dlfs_cli, mount)
+        if status["updated"] > since:
+            return status
+        assert time.monotonic() < deadline, "the daemon stopped updating its status"
+        time.sleep(0.1)
+
+
+def fresh_sources(dlfs_cli, mount) -> dict:
+    return fresh_status(dlfs_cli, mount)["datasets"][0]["sources"]
+
+
+def wait_staged(dlfs_cli, mount, timeout: float = 60.0) -> dict:
+    """Poll `dlfs status` until every owned chunk is staged; returns that status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = status_of(dlfs_cli, mount)
+        st = status["datasets"][0]["staging"]
+        if st["staged_chunks"] == st["owned_chunks"]:
+            return status
+        assert time.monotonic() < deadline, f"staging did not finish: {st}"
+        time.sleep(0.2)
+
+
+def staged_chunks(cache_dir: Path) -> set[int]:
+    return {int(p.name.split(".")[0]) for p in cache_dir.glob("*/*.chunk")}
+
+
+def read_and_compare(mount, source: Path, files: list[Path]) -> None:
+    for rel in files:
+        got = (Path(mount.path) / "ds" / rel).read_bytes()
+        assert got == (source / rel).read_bytes(), f"wrong bytes for {rel} via {mount.path}"
+
+
+class Cluster:
+    """N simulated nodes: one mount each, sharing a node list and a secret."""
+
+    def __init__(self, mounted, store: Path, base: Path, n: int, replicas: int = 1,
+                 secrets_by_node: dict[int, Path] | None = None, extra=()) -> None:
+        self.ports = free_ports(n)
+        self.names = [f"n{i + 1}" for i in range(n)]
+        self.nodes = ",".join(f"{name}=127.0.0.1:{port}"
+                              for name, port in zip(self.names, self.ports, strict=True))
+        self.caches = [base / f"cache-{name}" for name in self.names]
+        secret = write_secret(base / "secret")
+        self.mounts = []
+        for i, name in enumerate(self.names):
+            node_secret = (secrets_by_node or {}).get(i, secret)
+            workers = "1" if i == 0 else "2"  # cover the single-process path too
+            self.mounts.append(mounted(
+                store, "--cache-dir", str(self.caches[i]), "--nodes", self.nodes, "--node", name,
+                "--replicas", str(replicas), "--secret-file", str(node_secret),
+                "--workers", workers, "--peer-timeout", "2", *extra))
+
+
+def expected_shares(store: Path, names: list[str], replicas: int) -> list[set[int]]:
+    d = Store(store).open("ds")
+    table = owners(d.uuid, d.chunk_count, names, replicas)
+    return [set(np.flatnonzero((table == i).any(axis=1)).tolist()) for i in range(len(names))]
+
+
+# -- tests ------------------------------------------------------------------------------
+def test_three_nodes_read_identical_and_stage_only_their_share(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    cluster = Cluster(mounted, pool_store, tmp_path, 3)
+    shares = expected_shares(pool_store, cluster.names, 1)
+    files = source_files(pool_source)
+    for i, mount in enumerate(cluster.mounts):
+        wait_staged(dlfs_cli, mount)
+        assert staged_chunks(cluster.caches[i]) == shares[i], f"{cluster.names[i]} staged "
+    for mount in cluster.mounts:
+        read_and_compare(mount, pool_source, files)
+    total = sum(p.stat().st_size for p in (pool_source / f for f in files))
+    for i, mount in enumerate(cluster.mounts):
+        sources = fresh_sources(dlfs_cli, mount)
+        assert sources["store"]["requests"] == 0, f"{cluster.names[i]} went to the store"
+        assert sources["peer"]["bytes"] > 0 and sources["local"]["bytes"] > 0
+        # Every byte read once, from exactly one source (files are read once per mount).
+        assert sources["local"]["bytes"] + sources["peer"]["bytes"] == total
+    statuses = [fresh_status(dlfs_cli, m) for m in cluster.mounts]
+    served = [s["peer_server"] for s in statuses]
+    fetched = sum(s["datasets"][0]["sources"]["peer"]["bytes"] for s in statuses)
+    # Servers send whole extents; two workers may each fetch one a partial read needs.
+    assert sum(s["bytes_served"] for s in served) >= fetched > 0
+    assert all(s["bytes_served"] > 0 and s["auth_failures"] == 0 for s in served)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_killed_peer_costs_no_failed_read(mounted, pool_store, pool_source, tmp_path,
+                                            dlfs_cli, replicas):
+    cluster = Cluster(mounted, pool_store, tmp_path, 3, replicas=replicas)
+    for mount in cluster.mounts:
+        wait_staged(dlfs_cli, mount)
+    reader, victim = cluster.mounts[0], cluster.mounts[2]
+    files = source_files(pool_source)
+    random.Random(replicas).shuffle(files)
+    errors: list[str] = []
+    killed = threading.Event()
+
+    def kill_victim() -> None:
+        for pid in daemon_pids_for(os.path.realpath(victim.path)):
+            os.kill(pid, signal.SIGKILL)
+        for pid in victim.pids:
+            kill_and_reap(pid)
+        killed.set()
+
+    for k, rel in enumerate(files):
+        if k == len(files) // 10:
+            kill_victim()
+        try:
+            got = (Path(reader.path) / "ds" / rel).read_bytes()
+        except OSError as err:
+            errors.append(f"{rel}: {err}")
+            continue
+        if got != (pool_source / rel).read_bytes():
+            errors.append(f"{rel}: wrong bytes")
+    assert killed.is_set() and errors == []
+    sources = fresh_sources(dlfs_cli, reader)
+    if replicas == 2:
+        assert sources["store"]["requests"] == 0, "a replica should have served the lost chunks"
+    else:
+        assert sources["store"]["requests"] > 0, "the lost node's chunks must come from the store"
+    assert "peer n3" in reader.log_text()  # the failure was noticed and logged
+
+
+def test_wrong_secret_gets_no_data_and_reads_still_succeed(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    intruder_secret = write_secret(tmp_path / "other-secret")
+    cluster = Cluster(mounted, pool_store, tmp_path, 3, secrets_by_node={2: intruder_secret})
+    for mount in cluster.mounts:
+        wait_staged(dlfs_cli, mount)
+    intruder = cluster.mounts[2]
+    read_and_compare(intruder, pool_source, source_files(pool_source))
+    sources = fresh_sources(dlfs_cli, intruder)
+    assert sources["peer"]["requests"] == 0 and sources["store"]["requests"] > 0
+    honest = [fresh_status(dlfs_cli, m)["peer_server"] for m in cluster.mounts[:2]]
+    assert sum(s["auth_failures"] for s in honest) >= 1
+    # The intruder's own server refuses the honest nodes too: they fall back cleanly.
+    read_and_compare(cluster.mounts[0], pool_source, source_files(pool_source))
+
+
+def test_flipped_byte_in_staged_chunk_is_detected_and_restaged(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    cache = tmp_path / "cache"
+    mount = mounted(pool_store, "--cache-dir", str(cache), "--workers", "2")
+    wait_staged(dlfs_cli, mount)
+    victim = pool_source / "big" / source_files(pool_source / "big")[0]
+    d = Store(pool_store).open("ds")
+    row = d.directory.resolve(os.fsencode(victim.relative_to(pool_source)))
+    ext = d.directory.first_extent(row)
+    chunk = int(d.directory.ext_chunk_view[ext])
+    chunk_file = next(cache.glob(f"*/{chunk:08d}.chunk"))
+    inode_before = chunk_file.stat().st_ino
+    with open(chunk_file, "r+b") as f:
+        pos = 4096 + int(d.directory.ext_offset_view[ext]) + 10
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert (Path(mount.path) / "ds" / victim.relative_to(pool_source)).read_bytes() == \
+        victim.read_bytes()
+    assert "checksum mismatch in staged chunk" in mount.log_text()
+    wait_staged(dlfs_cli, mount)
+    assert chunk_file.stat().st_ino != inode_before, "the corrupt copy should be staged anew"
+    read_and_compare(mount, pool_source, source_files(pool_source))
+
+
+def test_reads_during_staging_are_correct_and_remount_reuses_staged_chunks(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    cache = tmp_path / "cache"
+    # A slow store (1 MiB/s per stream): reads start long before staging ends.
+    mount = mounted(pool_store, "--cache-dir", str(cache), "--store-bandwidth", "1M")
+    files = source_files(pool_source)
+    random.Random(3).shuffle(files)
+    read_and_compare(mount, pool_source, files[:150])
+    assert fresh_sources(dlfs_cli, mount)["store"]["requests"] > 0
+    st = status_of(dlfs_cli, mount)["datasets"][0]["staging"]
+    assert st["staged_chunks"] < st["owned_chunks"]
+    wait_staged(dlfs_cli, mount, timeout=120)
+    read_and_compare(mount, pool_source, files[150:])
+    inodes = {p.name: p.stat().st_ino for p in cache.glob("*/*.chunk")}
+    result = dlfs_cli("umount", mount.path)
+    assert result.returncode == 0, describe_result(result)
+
+    again = mounted(pool_store, "--cache-dir", str(cache), mountpoint=Path(mount.path))
+    st = status_of(dlfs_cli, again)["datasets"][0]["staging"]
+    assert st["staged_chunks"] == st["owned_chunks"], "staged chunks should be reused"
+    assert {p.name: p.stat().st_ino for p in cache.glob("*/*.chunk")} == inodes
+    read_and_compare(again, pool_source, files)
+    assert fresh_sources(dlfs_cli, again)["store"]["requests"] == 0
+
+
+def test_cache_limit_stages_what_fits(mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    cache = tmp_path / "cache"
+    mount = mounted(pool_store, "--cache-dir", str(cache), "--cache-limit", "1M")
+    time.sleep(1.5)
+    staged = sum(p.stat().st_size - 4096 for p in cache.glob("*/*.chunk"))
+    assert 0 < staged <= 1 << 20
+    read_and_compare(mount, pool_source, source_files(pool_source))
+
+
+def test_mount_refuses_a_secret_others_can_read(mounted, pool_store, tmp_path):
+    secret = write_secret(tmp_path / "secret")
+    secret.chmod(0o644)
+    result = mounted.try_mount(pool_store, "--cache-dir", str(tmp_path / "c"),
+                               "--nodes", "a=127.0.0.1:1,b=127.0.0.1:2", "--node", "a",
+                               "--secret-file", str(secret))
+    assert result.returncode == 2
+    assert "chmod 600" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "a=127.0.0.1:7001"], "need --cache-dir"),
+    (["--cache-dir", "C", "--nodes", "a=127.0.0.1:70000"], "bad port"),
+    (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,a=127.0.0.1:7002"], "listed twice"),
+    (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001", "--node", "b"], "not in the node list"),
+    (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,b=127.0.0.1:7002", "--node", "a"],
+     "needs --secret-file"),
+    (["--cache-dir", "C", "--replicas", "2"], "exceeds"),
+])
+def test_bad_cluster_flags_fail_with_one_line(mounted, pool_store, tmp_path, args, message):
+    args = [str(tmp_path / "c") if a == "C" else a for a in args]
+    result = mounted.try_mount(pool_store, *args)
+    assert result.returncode == 2, describe_result(result)
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_placement_command_matches_what_daemons_stage(pool_store, dlfs_cli):
+    result = dlfs_cli("placement", "--store", pool_store, "ds", "--nodes",
+                      "n1=h:1,n2=h:2,n3=h:3")
+    assert result.returncode == 0, describe_result(result)
+    shares = expected_shares(pool_store, ["n1", "n2", "n3"], 1)
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
+    assert [int(rows[n][2]) for n in ("n1", "n2", "n3")] == [len(s) for s in shares]
