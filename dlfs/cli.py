@@ -272,6 +272,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                        interval=args.interval)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dlfs.doctor import doctor
+
+    return doctor(args.store, args.cache_dir, args.port)
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     from dlfs.mountctl import umount
 
@@ -460,6 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="secret file to write (replaced atomically)")
     p.add_argument("--uid", type=_id, help="owner of the secret file (the job's user)")
     p.add_argument("--gid", type=_id, help="group of the secret file")
+
+    p = _sub(subs, "doctor", cmd_doctor,
+             "check that this node can mount DLFS: FUSE, dependencies, store, cache dir, port",
+             "examples:\n  dlfs doctor\n"
+             "  dlfs doctor --store /lustre/store --cache-dir /local/nvme/dlfs --port 7000\n"
+             "\nOne line per check (ok / warn / FAIL with what to do); exit code 1 if any "
+             "failed.")
+    p.add_argument("--store", help="also check this store and every dataset's manifest")
+    p.add_argument("--cache-dir", help="also check this cache dir is writable with free space")
+    p.add_argument("--port", type=_positive, help="also check this peer port is free")
 
     p = _sub(subs, "demo", cmd_demo,
              "generate a dataset, pack it, mount it, read it like a training epoch, unmount",
