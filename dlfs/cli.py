@@ -8,6 +8,7 @@ tracebacks for anything a user can cause.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from dlfs.errors import (
     EXIT_OK,
     EXIT_USAGE,
     DlfsError,
+    ReportedElsewhere,
     UsageError,
 )
 from dlfs.format import DEFAULT_CHUNK_SIZE
@@ -87,7 +89,7 @@ def _positive(text: str) -> int:
 
 # -- subcommands ---------------------------------------------------------------
 def cmd_populate(args: argparse.Namespace) -> int:
-    from dlfs.mpi_populate import FailedElsewhere, launched_by_mpi, mpi_populate
+    from dlfs.mpi_populate import launched_by_mpi, mpi_populate
     from dlfs.populate import populate
 
     options = PopulateOptions(chunk_size=args.chunk_size, jobs=args.jobs, force=args.force,
@@ -96,7 +98,7 @@ def cmd_populate(args: argparse.Namespace) -> int:
     if args.mpi or launched_by_mpi(os.environ):
         try:
             dataset = mpi_populate(Path(args.source), Store(args.store), args.name, options)
-        except FailedElsewhere:
+        except ReportedElsewhere:
             return EXIT_ERROR  # rank 0 prints the one line
         if dataset is None:
             return EXIT_OK  # not rank 0: rank 0 reports
@@ -215,12 +217,8 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
                 peer_timeout=args.peer_timeout, store_bandwidth=args.store_bandwidth or 0)
 
 
-def cmd_mount(args: argparse.Namespace) -> int:
-    from dlfs.mountctl import mount
-
-    if args.slurm:
-        apply_slurm(args, dict(os.environ))
-    config = MountConfig(
+def _mount_config(args: argparse.Namespace) -> MountConfig:
+    return MountConfig(
         **_cluster_settings(args),
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
@@ -228,7 +226,48 @@ def cmd_mount(args: argparse.Namespace) -> int:
         cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
         allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None)
-    return mount(config, foreground=args.foreground, timeout=args.timeout)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from dlfs.mountctl import mount
+
+    if args.mpi:
+        return _mount_mpi(args)
+    if args.slurm:
+        apply_slurm(args, dict(os.environ))
+    return mount(_mount_config(args), foreground=args.foreground, timeout=args.timeout)
+
+
+def _mount_mpi(args: argparse.Namespace) -> int:
+    """One mount per MPI rank with a shared node list and secret; all come up or none."""
+    from dlfs.mountctl import mount, umount
+    from dlfs.mpi_launch import (
+        all_or_nothing,
+        apply_mpi,
+        check_mpi_flags,
+        join_world,
+        share_secret,
+    )
+
+    check_mpi_flags(args)
+    world = join_world()
+    secret = share_secret(world)
+    mounted: list[str] = []
+
+    def step() -> None:
+        apply_mpi(args, world, secret)
+        config = _mount_config(args)
+        mount(config, foreground=False, timeout=args.timeout)
+        mounted.append(config.mountpoint)
+
+    def undo() -> None:
+        for mountpoint in mounted:
+            umount(mountpoint, timeout=10)
+
+    try:
+        return all_or_nothing(world, step, undo)
+    except ReportedElsewhere:
+        return EXIT_ERROR  # rank 0 prints the one line
 
 
 def cmd_slurm_secret(args: argparse.Namespace) -> int:
@@ -281,7 +320,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_umount(args: argparse.Namespace) -> int:
     from dlfs.mountctl import umount
 
-    return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+    if not args.mpi:
+        return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+    from dlfs.mpi_launch import all_or_nothing, default_secret_file, expand_node, join_world
+
+    world = join_world()
+
+    def step() -> None:
+        umount(expand_node(world, args.mountpoint), lazy=args.lazy, timeout=args.timeout)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(default_secret_file(world))
+
+    try:
+        return all_or_nothing(world, step, lambda: None)
+    except ReportedElsewhere:
+        return EXIT_ERROR
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -356,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
              "  dlfs mount /mnt/dlfs --store /lustre/store --dataset imagenet --dataset bert\n"
              "  dlfs mount /mnt/dlfs --store /lustre/store --foreground --debug\n"
              "  dlfs mount '/mnt/dlfs/%j' --slurm --store /lustre/store --uid 1000 --gid 100\n"
+             "  mpirun -n 4 --map-by ppr:1:node dlfs mount --mpi /tmp/dlfs --store /lustre/store "
+             "--cache-dir /nvme/dlfs\n"
              "\nWithout --foreground this returns once the mount answers; the daemon keeps "
              "running\nin its own session and logs to --log-file (default: "
              "/run/dlfs/<id>.log for root).")
@@ -418,12 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inside a Slurm job or prolog: --nodes and --node from the job's "
                         "environment; %%j (job id) and %%n (node) expand in the mountpoint, "
                         "--cache-dir, --secret-file, --log-file")
+    g.add_argument("--mpi", action="store_true",
+                   help="under mpirun/srun: one daemon per rank; the ranks exchange host "
+                        "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
+                        "a host) in paths; all mounts come up or none")
     g.add_argument("--port-base", type=_positive, default=7000,
-                   help="with --slurm: node i of the job listens on PORT_BASE + i "
-                        "(default 7000)")
+                   help="with --slurm/--mpi: node i listens on PORT_BASE + i (default 7000)")
     g.add_argument("--node-host", default="%n", metavar="PATTERN",
-                   help="with --slurm: address of each node, %%n = node name (default %%n; "
-                        "127.0.0.1 for simulated nodes on one host)")
+                   help="with --slurm/--mpi: address of each node, %%n = its host name "
+                        "(default %%n; 127.0.0.1 for simulated nodes on one host)")
 
     p = _sub(subs, "placement", cmd_placement,
              "show how many chunks and bytes of a dataset each node of a job would own",
@@ -451,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
              "examples:\n  dlfs umount /mnt/dlfs\n  dlfs umount --lazy /mnt/dlfs")
     p.add_argument("mountpoint")
     p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    p.add_argument("--mpi", action="store_true",
+                   help="unmount on every MPI rank (after `mount --mpi`; %%n as there)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds to wait for the daemon to exit before killing it")
 

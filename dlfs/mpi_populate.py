@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dlfs.directory import SampleDirectory, chunk_lengths
-from dlfs.errors import DlfsError
+from dlfs.errors import DlfsError, ReportedElsewhere
 from dlfs.populate import (
     PopulateOptions,
     PopulatePlan,
@@ -37,10 +37,6 @@ from dlfs.store import Dataset, Store
 
 # Set by mpirun/mpiexec (Open MPI, MPICH/Hydra) and srun --mpi=pmi2/pmix.
 WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
-
-
-class FailedElsewhere(DlfsError):
-    """This rank's view of a failure rank 0 reports (so the user reads it once)."""
 
 
 def launched_by_mpi(env: Mapping[str, str]) -> bool:
@@ -82,7 +78,7 @@ def mpi_populate(source: Path, store: Store, name: str,
                  options: PopulateOptions) -> Dataset | None:
     """Run one rank's part; rank 0 returns the published dataset, the others None.
 
-    Raises DlfsError on rank 0 and FailedElsewhere on the others when any rank failed.
+    Raises DlfsError on rank 0 and ReportedElsewhere on the others when any rank failed.
     """
     mpi, comm = _comm()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -169,4 +165,4 @@ def _raise(rank: int, failed_rank: int, message: str, count: int) -> None:
     line = f"rank {failed_rank} of the MPI populate{others}: {message}"
     if rank == 0:
         raise DlfsError(line)
-    raise FailedElsewhere(line)
+    raise ReportedElsewhere(line)

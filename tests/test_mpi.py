@@ -13,16 +13,19 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DLFS, describe_result, in_ci
+from conftest import DLFS, daemon_pids_for, describe_result, force_unmount, fstype_at, in_ci
 from trees import describe_tree, make_small_tree
 
 from dlfs.format import CHUNK_HEADER_SIZE, chunk_path
+from dlfs.mpi_launch import node_names
 from dlfs.mpi_populate import chunk_owners, launched_by_mpi
+from dlfs.runtime import runtime_dir
 from dlfs.store import Store
 
 RANKS = 3
@@ -40,12 +43,17 @@ def require_mpi() -> None:
         pytest.skip("; ".join(problems))
 
 
-def mpirun_populate(*args: str | os.PathLike, ranks: int = RANKS) -> subprocess.CompletedProcess:
+def mpirun_dlfs(*args: str | os.PathLike, ranks: int = RANKS) -> subprocess.CompletedProcess:
+    """`mpirun ... -n RANKS dlfs ARGS` (the venv's dlfs), never raising on failure."""
     require_mpi()
     env = {k: v for k, v in os.environ.items() if k != "DLFS_READY_FD"}
     return subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(ranks),
-                           *DLFS, "populate", *map(str, args)],
+                           *DLFS, *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=180)
+
+
+def mpirun_populate(*args: str | os.PathLike) -> subprocess.CompletedProcess:
+    return mpirun_dlfs("populate", *args)
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -73,6 +81,11 @@ def test_chunk_owners_are_contiguous_and_balanced():
     ({"PMI_SIZE": "2"}, True), ({"PMIX_SIZE": "4"}, True), ({"PMI_SIZE": "x"}, False)])
 def test_launched_by_mpi(env, expected):
     assert launched_by_mpi(env) is expected
+
+
+def test_node_names_suffix_ranks_only_on_shared_hosts():
+    assert node_names(["a", "b", "c"]) == ["a", "b", "c"]
+    assert node_names(["a", "a", "b"]) == ["a-0", "a-1", "b"]
 
 
 # -- real mpirun --------------------------------------------------------------------
@@ -165,3 +178,70 @@ def test_read_error_on_another_rank_publishes_nothing(tmp_path, store_with, moun
     assert "zz/zz/bad.bin" in lines[0]
     assert "Traceback" not in result.stderr
     assert_nothing_published(store, "copy")
+
+
+# -- mpirun dlfs mount --mpi -----------------------------------------------------------
+LAUNCH_PORT = 7430
+BUSY_LAUNCH_PORT = 7433
+
+
+@pytest.fixture
+def launch_site(tmp_path, store_with):
+    """A store, one mountpoint per rank (named like the ranks' nodes), and a teardown
+    that unmounts and kills whatever a failed test left."""
+    src = tmp_path / "src"
+    make_small_tree(src, files=20)
+    (src / "big.bin").write_bytes(os.urandom(600_000))
+    store = store_with(src, "ds")
+    names = node_names([socket.gethostname().split(".")[0]] * RANKS)
+    mounts = [tmp_path / f"mnt-{name}" for name in names]
+    for mp in mounts:
+        mp.mkdir()
+    try:
+        yield src, store, names, mounts
+    finally:
+        for mp in mounts:
+            force_unmount(mp)
+
+
+def _launch(base: Path, store: Path, port: int) -> subprocess.CompletedProcess:
+    return mpirun_dlfs("mount", "--mpi", base / "mnt-%n", "--store", store,
+                       "--cache-dir", base / "cache-%n", "--log-file", base / "log-%n",
+                       "--port-base", str(port), "--node-host", "127.0.0.1", "--workers", "1")
+
+
+@pytest.mark.usefixtures("daemon_guard")
+def test_mpi_launch_brings_up_one_pool_and_tears_it_down(tmp_path, launch_site):
+    src, store, names, mounts = launch_site
+    result = _launch(tmp_path, store, LAUNCH_PORT)
+    assert result.returncode == 0, describe_result(result)
+    expected = describe_tree(src)
+    for name, mp in zip(names, mounts, strict=True):
+        assert fstype_at(mp) == "fuse.dlfs", name
+        assert describe_tree(mp / "ds") == expected, name
+        log = (tmp_path / f"log-{name}").read_text()
+        assert f"chunk pool: node {name} of {RANKS}" in log, log
+    secrets_ = {(runtime_dir() / f"mpi-{name}.secret").read_text() for name in names}
+    assert len(secrets_) == 1, "every rank must hold the same secret"
+
+    result = mpirun_dlfs("umount", "--mpi", tmp_path / "mnt-%n")
+    assert result.returncode == 0, describe_result(result)
+    for mp in mounts:
+        assert fstype_at(mp) is None and daemon_pids_for(mp) == []
+    assert not any((runtime_dir() / f"mpi-{name}.secret").exists() for name in names)
+
+
+@pytest.mark.usefixtures("daemon_guard")
+def test_mpi_launch_is_all_or_nothing(tmp_path, launch_site):
+    _, store, names, mounts = launch_site
+    with socket.socket() as busy:  # the last rank's peer port is taken
+        busy.bind(("127.0.0.1", BUSY_LAUNCH_PORT + RANKS - 1))
+        busy.listen()
+        result = _launch(tmp_path, store, BUSY_LAUNCH_PORT)
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1, result.stderr
+    assert f"rank {RANKS - 1} ({names[-1]})" in lines[0] and "cannot listen" in lines[0]
+    for mp in mounts:
+        assert fstype_at(mp) is None, f"{mp} stayed mounted after another rank failed"
+        assert daemon_pids_for(mp) == []
