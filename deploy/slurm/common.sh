@@ -28,7 +28,8 @@ expand() {
     printf '%s' "${s//$'\x01'/%}"
 }
 
-MOUNT=$(expand "$DLFS_MOUNT")
+# Canonical, as `dlfs mount` records it (the epilog matches the daemon by this path).
+MOUNT=$(readlink -m -- "$(expand "$DLFS_MOUNT")")
 CACHE=$(expand "$DLFS_CACHE")
 RUN_DIR=$(expand "$DLFS_RUN_DIR")
 LOG=$(expand "$DLFS_LOG")
