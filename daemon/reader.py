@@ -62,7 +62,9 @@ class SampleReader:
         self._state = mmap.mmap(-1, max(1, self.directory.extent_count))
         if not verify:
             self._state.write(bytes([STORE_OK | LOCAL_OK]) * self.directory.extent_count)
-        self._loading: dict[tuple[int, int], trio.Event] = {}
+        # In-flight loads by ("store" | "local" | "peer", extent).
+        self._loading: dict[tuple[str, int], trio.Event] = {}
+        self._flights: dict[tuple[str, int], tuple[trio.Event, list]] = {}
         self._unusable_chunks: set[int] = set()  # logged already
         # A throttled store (benchmarks) must not be bypassed through the page cache.
         self._nowait = _HAVE_NOWAIT and not store_rate
@@ -176,12 +178,8 @@ class SampleReader:
             except CorruptDataError:  # truncated copy
                 self._evict(chunk, "truncated")
                 return None
-        data = await self._single_flight((LOCAL_OK, ext), self._verify_local, ext, fd, chunk)
-        if data is None:
-            if self._state[ext] & LOCAL_OK:  # a concurrent first read verified it
-                return await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
-            return None
-        return _slice(data, rel, length)
+        data = await self._single_flight(("local", ext), self._verify_local, ext, fd, chunk)
+        return None if data is None else _slice(data, rel, length)
 
     async def _verify_local(self, ext: int, fd: int, chunk: int) -> bytes | None:
         try:
@@ -214,12 +212,10 @@ class SampleReader:
         whole = self._ext_len[ext]
         data = self._peer_cache.get(ext)
         if data is None:
-            data = await self._single_flight((SOURCE_PEER, ext), self.pool.fetch, self.ds,
+            data = await self._single_flight(("peer", ext), self.pool.fetch, self.ds,
                                              chunk, self._ext_off[ext], whole, self._ext_sum[ext])
             if data is None:
-                data = self._peer_cache.get(ext)  # a concurrent fetch got it
-                if data is None:
-                    return None
+                return None
             if length < whole:
                 self._remember_peer_extent(ext, data)
         else:
@@ -233,18 +229,21 @@ class SampleReader:
             _, old = self._peer_cache.popitem(last=False)
             self._peer_cache_bytes -= len(old)
 
-    async def _single_flight(self, key: tuple[int, int], load, *args):
-        """Run `load(*args)` once for concurrent callers with the same key; the others
-        get None and retry from the shared state (or fall through to the next source)."""
-        pending = self._loading.get(key)
-        if pending is not None:
-            await pending.wait()
-            return None
-        done = self._loading[key] = trio.Event()
+    async def _single_flight(self, key: tuple[str, int], load, *args):
+        """Run `load(*args)` once for concurrent callers with the same key; all of them
+        get its result (None if it failed: each then tries the next source)."""
+        flight = self._flights.get(key)
+        if flight is not None:
+            done, result = flight
+            await done.wait()
+            return result[0] if result else None
+        done, result = trio.Event(), []
+        self._flights[key] = (done, result)
         try:
-            return await load(*args)
+            result.append(await load(*args))
+            return result[0]
         finally:
-            del self._loading[key]
+            del self._flights[key]
             done.set()
 
     async def _blocking(self, fn, *args):
@@ -270,11 +269,11 @@ class SampleReader:
     async def _load_verified(self, ext: int) -> bytes | None:
         """Load and check a whole extent once; None if another task checked it meanwhile."""
         while not self._state[ext] & STORE_OK:
-            pending = self._loading.get((STORE_OK, ext))
+            pending = self._loading.get(("store", ext))
             if pending is not None:
                 await pending.wait()
                 continue
-            done = self._loading[(STORE_OK, ext)] = trio.Event()
+            done = self._loading[("store", ext)] = trio.Event()
             try:
                 fd = await self._fd(self._ext_chunk[ext])
                 try:
@@ -290,7 +289,7 @@ class SampleReader:
                 self._state[ext] |= STORE_OK
                 return data
             finally:
-                del self._loading[(STORE_OK, ext)]
+                del self._loading[("store", ext)]
                 done.set()
         return None
 

@@ -1,0 +1,115 @@
+"""The tiered reader with a real ChunkPool and a real PeerServer, in one trio run.
+
+No FUSE here: SampleReader, ChunkPool, Stager copies and PeerServer/PeerClient
+are the real objects; only the processes are collapsed into one, so the test
+can count exactly how many requests reached the peer.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+import trio
+
+from dlfs.cluster import ClusterView, Node
+from dlfs.populate import PopulateOptions, populate
+from dlfs.store import Store
+from dlfsd.peer import PeerServer
+from dlfsd.pool import ChunkPool
+from dlfsd.reader import SampleReader
+from dlfsd.sources import SOURCE_PEER, SOURCE_STORE, SourceCounters
+from dlfsd.stager import Stager
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(5)
+    for i in range(40):
+        (src / f"f{i:02d}").write_bytes(rng.bytes(int(rng.integers(1, 60_000))))
+    (src / "big").write_bytes(rng.bytes(700_000))
+    return populate(src, Store(tmp_path / "store"), "ds",
+                    PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False)), src
+
+
+def view(me: int, ports: list[int], secret: bytes) -> ClusterView:
+    nodes = tuple(Node(name, "127.0.0.1", port) for name, port in zip("ab", ports, strict=True))
+    return ClusterView(nodes, me, 1, secret)
+
+
+async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset, tmp_path):
+    ds, src = dataset
+    secret = secrets.token_bytes(32)
+    holder = ChunkPool(view(1, [1, 1], secret), [ds], tmp_path / "cache-b")
+    holder.caches[0].scan()
+    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
+    for chunk in np.flatnonzero(holder.owned[0]):
+        stager._copy(0, int(chunk), bytearray())  # stage b's share synchronously
+    server = PeerServer(secret, holder, "b")
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
+        reader_pool.caches[0].scan()
+        counters = SourceCounters(1, 1)
+        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool, counters=counters)
+        d = ds.directory
+        remote_files = [name for name in sorted(p.name for p in src.iterdir())
+                        if all(holder.owned[0][d.ext_chunk_view[e]]
+                               for e in d.extents(d.resolve(name.encode())))]
+        assert remote_files, "placement gave b nothing; pick another seed"
+        name = next(n for n in remote_files if len(d.extents(d.resolve(n.encode()))) == 1)
+        row = d.resolve(name.encode())
+        want = (src / name).read_bytes()
+        results = [None] * 8
+
+        async def read(i: int) -> None:
+            results[i] = bytes(await reader.read(row, 0, len(want)))
+
+        async with trio.open_nursery() as readers:
+            for i in range(8):
+                readers.start_soon(read, i)
+        assert results == [want] * 8
+        assert server.reads_served == 1, "concurrent misses must share one fetch"
+        for name in remote_files:  # every remote file, whole, from the peer
+            row = d.resolve(name.encode())
+            assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
+        totals = counters.totals()[0]
+        assert totals[SOURCE_STORE, 0] == 0 and totals[SOURCE_PEER, 0] > 0
+        await reader_pool.aclose()
+        nursery.cancel_scope.cancel()
+    reader.close()
+    reader_pool.close()
+    holder.close()
+
+
+async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path):
+    ds, src = dataset
+    secret = secrets.token_bytes(32)
+    holder = ChunkPool(view(1, [1, 1], secret), [ds], tmp_path / "cache-b")
+    holder.caches[0].scan()
+    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
+    for chunk in range(ds.chunk_count):  # stage everything on b (owned or not)
+        holder.owned[0][chunk] = True
+        stager._copy(0, chunk, bytearray())
+    server = PeerServer(secret, holder, "b")
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
+        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
+        d = ds.directory
+        row = d.resolve(b"big")
+        want = (src / "big").read_bytes()
+        owned_by_b = [e for e in d.extents(row) if not reader_pool.owned[0][d.ext_chunk_view[e]]]
+        got = bytearray()
+        for off in range(0, len(want), 64 << 10):  # 64 KiB requests, like the kernel's
+            got += await reader.read(row, off, 64 << 10)
+        assert bytes(got) == want
+        assert server.reads_served == len(owned_by_b)  # one whole-extent fetch each
+        await reader_pool.aclose()
+        nursery.cancel_scope.cancel()
+    reader.close()
+    reader_pool.close()
+    holder.close()
