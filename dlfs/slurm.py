@@ -4,9 +4,9 @@ Pure functions over the job's environment (no subprocess, no pyfuse3), so the
 prolog, `dlfs mount --slurm` inside a job step and the tests all compute the
 same answers. Facts about what Slurm 22.05 passes (tested, see
 deploy/slurm/README.md): the prolog and epilog get `SLURM_NODELIST` (job steps
-get `SLURM_JOB_NODELIST`), `SLURMD_NODENAME` names this node, and
-`SLURM_JOB_COMMENT` / `SLURM_JOB_CONSTRAINTS` are visible, the job's own
-environment (`--export`) is not.
+get `SLURM_JOB_NODELIST`), `SLURMD_NODENAME` names this node. (Which jobs
+opt in is decided in deploy/slurm/common.sh, in bash, so jobs that do not ask
+never start Python.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ MAX_PORT = 65535
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _PATTERN_CODE = re.compile(r"%(.)")
-_OPT_IN_WORD = re.compile(r"(?<![\w-])dlfs(?![\w-])", re.IGNORECASE)
 
 
 # -- hostlists -------------------------------------------------------------------
@@ -180,22 +179,6 @@ def expand_pattern(pattern: str, job_id: str, node: str) -> str:
     if pattern.endswith("%") and not pattern.endswith("%%"):
         raise UsageError(f"pattern {pattern!r} ends with a lone %")
     return _PATTERN_CODE.sub(code, pattern)
-
-
-def wants_dlfs(comment: str | None, constraints: str | None,
-               feature: str = "dlfs") -> bool:
-    """Opt-in rule: the job comment holds the word `dlfs`, or the job asks for the feature.
-
-    Slurm 22.05 shows a prolog SLURM_JOB_COMMENT and SLURM_JOB_CONSTRAINTS
-    (not the job's own environment). A constraint expression like
-    `dlfs&gpu` or `[dlfs|nvme]` counts when `feature` is one of its words.
-    """
-    if comment and _OPT_IN_WORD.search(comment):
-        return True
-    if constraints:
-        words = re.split(r"[^\w.-]+", constraints)
-        return feature in words
-    return False
 
 
 # -- the per-job secret ----------------------------------------------------------------

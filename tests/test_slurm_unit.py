@@ -1,4 +1,4 @@
-"""dlfs.slurm: hostlists, the job from its environment, ports, patterns, opt-in, secrets.
+"""dlfs.slurm and deploy/slurm/common.sh: hostlists, job env, ports, patterns, opt-in, secrets.
 
 Pure functions; the real Slurm cross-checks (scontrol show hostnames, a real
 prolog's environment) live in test_slurm.py.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -23,9 +25,10 @@ from dlfs.slurm import (
     job_from_env,
     peer_nodes,
     read_site_key,
-    wants_dlfs,
     write_secret_file,
 )
+
+COMMON_SH = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "common.sh"
 
 
 @pytest.mark.parametrize(("hostlist", "names"), [
@@ -168,8 +171,31 @@ def test_expand_pattern_never_leaves_codes(pattern, job_id, node):
     ("", "", False),
     (None, None, False),
 ])
-def test_wants_dlfs(comment, constraints, wanted):
-    assert wants_dlfs(comment, constraints) is wanted
+def test_prolog_opt_in_rule(tmp_path, comment, constraints, wanted):
+    """The `wanted` function of deploy/slurm/common.sh, run by bash with a test dlfs.conf."""
+    conf = tmp_path / "dlfs.conf"
+    conf.write_text("DLFS_OPT_IN='comment constraint'\nDLFS_FEATURE=dlfs\nDLFS_MOUNT=/m/%j\n"
+                    "DLFS_CACHE=/c/%j\nDLFS_RUN_DIR=/r/%j\nDLFS_LOG=/l/%j\n")
+    env = {"DLFS_CONF": str(conf), "SLURM_JOB_ID": "5", "SLURMD_NODENAME": "n1"}
+    if comment is not None:
+        env["SLURM_JOB_COMMENT"] = comment
+    if constraints is not None:
+        env["SLURM_JOB_CONSTRAINTS"] = constraints
+    result = subprocess.run(["bash", "-c", f". {COMMON_SH} && wanted"], env=env,
+                            capture_output=True, text=True)
+    assert result.stderr == ""
+    assert (result.returncode == 0) is wanted
+
+
+def test_common_sh_expands_paths_like_expand_pattern(tmp_path):
+    conf = tmp_path / "dlfs.conf"
+    conf.write_text("DLFS_MOUNT=/m/%j/%n/100%%\nDLFS_CACHE=/c/%j\nDLFS_RUN_DIR=/r/%j\n"
+                    "DLFS_LOG=/l/%j-%n\n")
+    env = {"DLFS_CONF": str(conf), "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "gpu3"}
+    result = subprocess.run(["bash", "-c", f". {COMMON_SH} && echo $MOUNT $LOG"], env=env,
+                            capture_output=True, text=True)
+    assert result.stdout.split() == [expand_pattern("/m/%j/%n/100%%", "77", "gpu3"),
+                                     expand_pattern("/l/%j-%n", "77", "gpu3")]
 
 
 def test_job_secret_is_deterministic_and_per_job():

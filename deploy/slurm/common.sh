@@ -34,6 +34,23 @@ CACHE=$(expand "$DLFS_CACHE")
 RUN_DIR=$(expand "$DLFS_RUN_DIR")
 LOG=$(expand "$DLFS_LOG")
 
+# Does this job ask for DLFS? (DLFS_OPT_IN; a 22.05 prolog sees the comment and the
+# constraints, not the job's environment.)
+wanted() {
+    local rule
+    for rule in $DLFS_OPT_IN; do
+        case $rule in
+            all) return 0 ;;
+            # The word dlfs anywhere, not inside a longer name (nodlfs, my-dlfs-x).
+            comment) printf '%s' "${SLURM_JOB_COMMENT:-}" \
+                         | grep -Eiq '(^|[^[:alnum:]_-])dlfs($|[^[:alnum:]_-])' && return 0 ;;
+            constraint) printf '%s' "${SLURM_JOB_CONSTRAINTS:-}" | tr -c '[:alnum:]_.-' '\n' \
+                         | grep -Fxq -- "$DLFS_FEATURE" && return 0 ;;
+        esac
+    done
+    return 1
+}
+
 # True while a file system is mounted at $MOUNT (also a dead FUSE daemon's).
 is_mounted() {
     awk -v mp="$MOUNT" '$2 == mp { found = 1 } END { exit !found }' /proc/self/mounts

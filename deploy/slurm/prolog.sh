@@ -10,21 +10,6 @@ set -u
 DLFS_SCRIPT=prolog
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-wanted() {
-    local rule
-    for rule in $DLFS_OPT_IN; do
-        case $rule in
-            all) return 0 ;;
-            # The word dlfs, not part of a longer name (as dlfs.slurm.wants_dlfs).
-            comment) printf '%s' "${SLURM_JOB_COMMENT:-}" \
-                         | grep -Eiq '(^|[^[:alnum:]_-])dlfs($|[^[:alnum:]_-])' && return 0 ;;
-            constraint) printf '%s' "${SLURM_JOB_CONSTRAINTS:-}" | tr -c '[:alnum:]_.-' '\n' \
-                         | grep -Fxq -- "$DLFS_FEATURE" && return 0 ;;
-        esac
-    done
-    return 1
-}
-
 wanted || exit 0
 
 fail() {
