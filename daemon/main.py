@@ -35,7 +35,7 @@ from dlfs.runtime import (
 )
 from dlfs.store import Dataset, Store
 from dlfsd.controlsock import ControlServer
-from dlfsd.namespace import Namespace
+from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.observe import ObserveConfig
 from dlfsd.ops import DlfsOperations
 from dlfsd.status import build_status, keep_status, write_status
@@ -48,8 +48,8 @@ INIT_TIMEOUT = 60.0  # seconds the kernel may take to send FUSE INIT after mount
 
 def mount_options(config: MountConfig) -> set[str]:
     options = {"fsname=dlfs", "subtype=dlfs", "ro", "default_permissions", "noatime"}
-    if config.allow_other:
-        options.add("allow_other")
+    if config.allow_other or config.uid is not None:
+        options.add("allow_other")  # a root-made mount for one user: 0700 root keeps others out
     if config.debug:
         options.add("debug")
     return options
@@ -274,10 +274,10 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         pool = load_pool(config, datasets)
         namespace = Namespace(datasets, trio.CapacityLimiter(config.io_threads),
                               verify=config.verify, observe=ObserveConfig.from_mount(config),
-                              pool=pool,
-                              store_rate=config.store_bandwidth)
+                              pool=pool, store_rate=config.store_bandwidth,
+                              root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE)
         services = Services(config, namespace.datasets, namespace.stats, pool)
-        ops = DlfsOperations(namespace, config.cache_timeout)
+        ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
         _raise_fd_limit()
         pyfuse3.init(ops, config.mountpoint, mount_options(config))
     except DlfsError as err:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 ROOT_INODE = 1
 FIRST_DATASET_INODE = 1024
 ROOT_MODE = stat.S_IFDIR | 0o555
+PRIVATE_ROOT_MODE = stat.S_IFDIR | 0o700  # a mount for one user (dlfs mount --uid)
 
 
 class Attr(NamedTuple):
@@ -68,8 +69,10 @@ class Namespace:
 
     def __init__(self, datasets: list[Dataset], limiter: trio.CapacityLimiter,
                  verify: bool = True, observe: ObserveConfig | None = None,
-                 pool: ChunkPool | None = None, store_rate: int = 0) -> None:
+                 pool: ChunkPool | None = None, store_rate: int = 0,
+                 root_mode: int = ROOT_MODE) -> None:
         """Datasets are ordered by name; a pool must index them in that order too."""
+        self.root_mode = root_mode
         self.datasets = sorted(datasets, key=lambda d: d.name)
         self.readers = [SampleReader(d, limiter, verify, pool=pool, ds_index=i,
                                      store_rate=store_rate)
@@ -147,7 +150,7 @@ class Namespace:
 
     def _getattr(self, ino: int) -> Attr:
         if ino == ROOT_INODE:
-            return Attr(ROOT_INODE, ROOT_MODE, 0, self.mounted_ns, 2 + len(self.datasets))
+            return Attr(ROOT_INODE, self.root_mode, 0, self.mounted_ns, 2 + len(self.datasets))
         if ino < FIRST_DATASET_INODE:
             return Attr(*self.control.attr(ino))
         k, row = self._locate(ino)

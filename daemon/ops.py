@@ -57,12 +57,13 @@ def _read_only(name: str):
 class DlfsOperations(pyfuse3.Operations):
     """Read-only FUSE operations over a Namespace."""
 
-    def __init__(self, namespace: Namespace, cache_timeout: float = 86400.0) -> None:
+    def __init__(self, namespace: Namespace, cache_timeout: float = 86400.0,
+                 uid: int | None = None, gid: int | None = None) -> None:
         super().__init__()
         self.ns = namespace
         self.timeout = cache_timeout
-        self.uid = os.getuid()
-        self.gid = os.getgid()
+        self.uid = os.getuid() if uid is None else uid  # owner shown for every entry
+        self.gid = os.getgid() if gid is None else gid
         self.on_init = lambda: None  # called once the kernel's INIT request is answered
 
     def init(self):

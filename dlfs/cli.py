@@ -8,6 +8,7 @@ tracebacks for anything a user can cause.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -19,7 +20,16 @@ from pathlib import Path
 from dlfs import __version__
 from dlfs.config import MountConfig, default_workers
 from dlfs.directory import display_path
-from dlfs.errors import EXIT_CORRUPT, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DlfsError, UsageError
+from dlfs.errors import (
+    EXIT_CORRUPT,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    DlfsError,
+    ReportedElsewhere,
+    UsageError,
+)
 from dlfs.format import DEFAULT_CHUNK_SIZE
 from dlfs.populate import PopulateOptions
 from dlfs.sizes import format_size, parse_size
@@ -61,6 +71,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _id(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a numeric id, got {text!r}")
+    return int(text)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -73,12 +89,21 @@ def _positive(text: str) -> int:
 
 # -- subcommands ---------------------------------------------------------------
 def cmd_populate(args: argparse.Namespace) -> int:
+    from dlfs.mpi_populate import launched_by_mpi, mpi_populate
     from dlfs.populate import populate
 
     options = PopulateOptions(chunk_size=args.chunk_size, jobs=args.jobs, force=args.force,
                               fsync=not args.no_fsync)
     started = time.monotonic()
-    dataset = populate(Path(args.source), Store(args.store), args.name, options)
+    if args.mpi or launched_by_mpi(os.environ):
+        try:
+            dataset = mpi_populate(Path(args.source), Store(args.store), args.name, options)
+        except ReportedElsewhere:
+            return EXIT_ERROR  # rank 0 prints the one line
+        if dataset is None:
+            return EXIT_OK  # not rank 0: rank 0 reports
+    else:
+        dataset = populate(Path(args.source), Store(args.store), args.name, options)
     took = time.monotonic() - started
     s = dataset.stats
     print(f"published {dataset.name}: {s['files']} files, {format_size(s['bytes'])} in "
@@ -150,6 +175,26 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """`mount --slurm`: fill the cluster flags from the job's environment (dlfs.slurm):
+    every node of the job with its port, this node's name, and %j/%n expanded in the
+    paths. Without --cache-dir there is no pool, so only the paths change."""
+    from dlfs.slurm import expand_pattern, job_from_env, peer_nodes
+
+    if args.nodes or args.nodes_file or args.node:
+        raise UsageError("--slurm takes the nodes from the job; drop --nodes, --nodes-file "
+                         "and --node")
+    job = job_from_env(env)
+    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file"):
+        value = getattr(args, flag)
+        if value:
+            setattr(args, flag, expand_pattern(value, job.job_id, job.node))
+    if args.cache_dir:
+        peers = peer_nodes(job, args.port_base, args.node_host)
+        args.nodes = [",".join(peer.spec() for peer in peers)]
+        args.node = job.node
+
+
 def _cluster_settings(args: argparse.Namespace) -> dict:
     """The chunk-pool flags of `mount`, validated here so mistakes fail before any daemon starts."""
     from dlfs.cluster import read_nodes_file, resolve_cluster
@@ -172,20 +217,67 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
                 peer_timeout=args.peer_timeout, store_bandwidth=args.store_bandwidth or 0)
 
 
-def cmd_mount(args: argparse.Namespace) -> int:
-    from dlfs.mountctl import mount
-
-    config = MountConfig(
+def _mount_config(args: argparse.Namespace) -> MountConfig:
+    return MountConfig(
         **_cluster_settings(args),
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
         workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
         cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
-        allow_other=args.allow_other, debug=args.debug,
+        allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         stats=not args.no_stats, trace_capacity=args.trace_capacity,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
-    return mount(config, foreground=args.foreground, timeout=args.timeout)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from dlfs.mountctl import mount
+
+    if args.mpi:
+        return _mount_mpi(args)
+    if args.slurm:
+        apply_slurm(args, dict(os.environ))
+    return mount(_mount_config(args), foreground=args.foreground, timeout=args.timeout)
+
+
+def _mount_mpi(args: argparse.Namespace) -> int:
+    """One mount per MPI rank with a shared node list and secret; all come up or none."""
+    from dlfs.mountctl import mount, umount
+    from dlfs.mpi_launch import (
+        all_or_nothing,
+        apply_mpi,
+        check_mpi_flags,
+        join_world,
+        share_secret,
+    )
+
+    check_mpi_flags(args)
+    world = join_world()
+    secret = share_secret(world)
+    mounted: list[str] = []
+
+    def step() -> None:
+        apply_mpi(args, world, secret)
+        config = _mount_config(args)
+        mount(config, foreground=False, timeout=args.timeout)
+        mounted.append(config.mountpoint)
+
+    def undo() -> None:
+        for mountpoint in mounted:
+            umount(mountpoint, timeout=10)
+
+    try:
+        return all_or_nothing(world, step, undo)
+    except ReportedElsewhere:
+        return EXIT_ERROR  # rank 0 prints the one line
+
+
+def cmd_slurm_secret(args: argparse.Namespace) -> int:
+    from dlfs.slurm import derive_job_secret, read_site_key, write_secret_file
+
+    secret = derive_job_secret(read_site_key(args.key_file), str(args.job_id))
+    write_secret_file(args.out, secret, args.uid, args.gid)
+    return EXIT_OK
 
 
 def cmd_placement(args: argparse.Namespace) -> int:
@@ -221,10 +313,30 @@ def cmd_status(args: argparse.Namespace) -> int:
                        interval=args.interval)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dlfs.doctor import doctor
+
+    return doctor(args.store, args.cache_dir, args.port)
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     from dlfs.mountctl import umount
 
-    return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+    if not args.mpi:
+        return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+    from dlfs.mpi_launch import all_or_nothing, default_secret_file, expand_node, join_world
+
+    world = join_world()
+
+    def step() -> None:
+        umount(expand_node(world, args.mountpoint), lazy=args.lazy, timeout=args.timeout)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(default_secret_file(world))
+
+    try:
+        return all_or_nothing(world, step, lambda: None)
+    except ReportedElsewhere:
+        return EXIT_ERROR
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -273,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "populate", cmd_populate, "pack a directory tree into a new dataset",
              "examples:\n  dlfs populate ./imagenet --store /lustre/store --name imagenet\n"
              "  dlfs populate ./bert --store /lustre/store --name bert --chunk-size 256M -j 32\n"
+             "  mpirun -n 16 dlfs populate /lustre/imagenet --store /lustre/store --name imagenet\n"
              "\nThe dataset appears atomically when complete; an interrupted run publishes "
              "nothing.")
     p.add_argument("source", help="directory to pack (read, never modified)")
@@ -286,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing dataset NAME")
     p.add_argument("--no-fsync", action="store_true",
                    help="skip fsync before publishing (faster; for scratch stores only)")
+    p.add_argument("--mpi", action="store_true",
+                   help="share the work among MPI ranks (automatic under mpirun/srun with "
+                        "more than one rank; needs mpi4py)")
 
     p = _sub(subs, "ls", cmd_ls, "list the datasets of a store",
              "example:\n  dlfs ls --store /lustre/store")
@@ -313,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
              "examples:\n  dlfs mount /mnt/dlfs --store /lustre/store\n"
              "  dlfs mount /mnt/dlfs --store /lustre/store --dataset imagenet --dataset bert\n"
              "  dlfs mount /mnt/dlfs --store /lustre/store --foreground --debug\n"
+             "  dlfs mount '/mnt/dlfs/%j' --slurm --store /lustre/store --uid 1000 --gid 100\n"
+             "  mpirun -n 4 --map-by ppr:1:node dlfs mount --mpi /tmp/dlfs --store /lustre/store "
+             "--cache-dir /nvme/dlfs\n"
              "\nWithout --foreground this returns once the mount answers; the daemon keeps "
              "running\nin its own session and logs to --log-file (default: "
              "/run/dlfs/<id>.log for root).")
@@ -326,6 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not check checksums on first read (trusts the store)")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other for non-root)")
+    p.add_argument("--uid", type=_id,
+                   help="show every file as owned by this user and let only them (and root) "
+                        "enter: root dir 0700, allow_other (the Slurm prolog mounts for the "
+                        "job's user)")
+    p.add_argument("--gid", type=_id, help="group shown for every file (with --uid)")
     p.add_argument("--workers", type=_positive, default=default_workers(),
                    help="daemon processes serving requests (default: cores, at least 4, "
                         "at most 8)")
@@ -374,6 +498,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peer-timeout", type=float, default=5.0,
                    help="seconds before a silent peer is skipped (default 5)")
     g.add_argument("--store-bandwidth", type=_size, help=argparse.SUPPRESS)  # benchmarks only
+    g.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm job or prolog: --nodes and --node from the job's "
+                        "environment; %%j (job id) and %%n (node) expand in the mountpoint, "
+                        "--cache-dir, --secret-file, --log-file")
+    g.add_argument("--mpi", action="store_true",
+                   help="under mpirun/srun: one daemon per rank; the ranks exchange host "
+                        "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
+                        "a host) in paths; all mounts come up or none")
+    g.add_argument("--port-base", type=_positive, default=7000,
+                   help="with --slurm/--mpi: node i listens on PORT_BASE + i (default 7000)")
+    g.add_argument("--node-host", default="%n", metavar="PATTERN",
+                   help="with --slurm/--mpi: address of each node, %%n = its host name "
+                        "(default %%n; 127.0.0.1 for simulated nodes on one host)")
 
     p = _sub(subs, "placement", cmd_placement,
              "show how many chunks and bytes of a dataset each node of a job would own",
@@ -401,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
              "examples:\n  dlfs umount /mnt/dlfs\n  dlfs umount --lazy /mnt/dlfs")
     p.add_argument("mountpoint")
     p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    p.add_argument("--mpi", action="store_true",
+                   help="unmount on every MPI rank (after `mount --mpi`; %%n as there)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds to wait for the daemon to exit before killing it")
 
@@ -440,6 +579,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="dlfs-report", metavar="DIR",
                    help="directory for the PNGs, index.html and summary.txt "
                         "(default dlfs-report)")
+
+    p = _sub(subs, "slurm-secret", cmd_slurm_secret,
+             "write a job's secret (HMAC of the site key and the job id) 0600 for its user",
+             "example (in the prolog, as root):\n"
+             "  dlfs slurm-secret --key-file /etc/dlfs/site.key --job-id $SLURM_JOB_ID \\\n"
+             "      --out /run/dlfs-slurm/$SLURM_JOB_ID/secret --uid $SLURM_JOB_UID "
+             "--gid $SLURM_JOB_GID\n"
+             "\nEvery node of a job derives the same secret; no node needs to talk to another.")
+    p.add_argument("--key-file", required=True, help="site key (root-only, mode 0600)")
+    p.add_argument("--job-id", required=True, type=_id, help="the Slurm job id")
+    p.add_argument("--out", required=True, help="secret file to write (replaced atomically)")
+    p.add_argument("--uid", type=_id, help="owner of the secret file (the job's user)")
+    p.add_argument("--gid", type=_id, help="group of the secret file")
+
+    p = _sub(subs, "doctor", cmd_doctor,
+             "check that this node can mount DLFS: FUSE, dependencies, store, cache dir, port",
+             "examples:\n  dlfs doctor\n"
+             "  dlfs doctor --store /lustre/store --cache-dir /local/nvme/dlfs --port 7000\n"
+             "\nOne line per check (ok / warn / FAIL with what to do); exit code 1 if any "
+             "failed.")
+    p.add_argument("--store", help="also check this store and every dataset's manifest")
+    p.add_argument("--cache-dir", help="also check this cache dir is writable with free space")
+    p.add_argument("--port", type=_positive, help="also check this peer port is free")
 
     p = _sub(subs, "demo", cmd_demo,
              "generate a dataset, pack it, mount it, read it like a training epoch, unmount",

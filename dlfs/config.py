@@ -30,6 +30,8 @@ class MountConfig:
     cache_timeout: float = 86400.0  # entry/attr timeout: data is immutable
     read_ahead_kb: int = 4096  # kernel read-ahead for the mount (0: keep the default)
     allow_other: bool = False
+    uid: int | None = None  # present every file as owned by uid:gid, root dir 0700 (prolog)
+    gid: int | None = None
     debug: bool = False
     log_file: str | None = None
     stats: bool = True  # I/O counters and the trace; off (--no-stats) only to measure their cost

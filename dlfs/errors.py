@@ -66,3 +66,7 @@ class IsADirError(DlfsError):
     """A file operation was asked of a directory."""
 
     errno = _errno.EISDIR
+
+
+class ReportedElsewhere(DlfsError):
+    """An MPI rank's view of a failure that rank 0 reports, so the user reads it once."""

@@ -75,8 +75,37 @@ def check_options(options: PopulateOptions) -> None:
         raise UsageError(f"--jobs must be at least 1, got {options.jobs}")
 
 
+@dataclass(frozen=True)
+class PopulatePlan:
+    """Everything decided before any byte is copied: the tree, its chunk layout, the
+    temporary directory. Pure data, so MPI rank 0 can hand it to the others."""
+
+    source: Path
+    name: str
+    directory: SampleDirectory  # checksums still zero
+    dataset_uuid: bytes
+    stats: dict
+    tmp: Path
+
+
 def populate(source: Path, store: Store, name: str, options: PopulateOptions) -> Dataset:
     """Pack `source` into `store` as dataset `name`; return the published dataset."""
+    plan = plan_populate(source, store, name, options)
+    try:
+        start_temp_dir(plan)
+        checksums = write_chunks(source, plan.tmp, plan.directory, plan.dataset_uuid, options)
+        publish_dataset(store, plan, checksums, options)
+    except OSError as err:
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise store_error(err, store) from None
+    except BaseException:
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise
+    return store.open(name)
+
+
+def plan_populate(source: Path, store: Store, name: str, options: PopulateOptions) -> PopulatePlan:
+    """Check the arguments, scan the source and lay out the dataset (nothing written yet)."""
     check_options(options)
     check_dataset_name(name)
     check_source(source)
@@ -93,30 +122,29 @@ def populate(source: Path, store: Store, name: str, options: PopulateOptions) ->
         log.warning("skipped %d special files (sockets, fifos, devices): %s%s",
                     len(scan.skipped), shown, more)
     directory = build_directory(scan.entries, options.chunk_size)
-    dataset_uuid = uuid.uuid4().bytes
     stats = _stats(directory, len(scan.skipped),
                    display_path(os.fsencode(os.path.abspath(source))))
+    # The temp dir is named before it exists, so cleanup never misses it.
+    return PopulatePlan(source, name, directory, uuid.uuid4().bytes, stats,
+                        store.temp_dir_path(name))
 
-    tmp = store.temp_dir_path(name)  # named before it exists, so cleanup never misses it
-    try:
-        tmp.mkdir()
-        (tmp / CHUNK_DIR).mkdir()
-        checksums = write_chunks(source, tmp, directory, dataset_uuid, options)
-        directory = directory.with_checksums(checksums)
-        body = manifest_body(name, dataset_uuid, options.chunk_size, chunk_lengths(directory),
-                             directory, stats)
-        _write_file(tmp / MANIFEST_NAME, encode_manifest(body), options.fsync)
-        if options.fsync:
-            fsync_dir(tmp / CHUNK_DIR)
-            fsync_dir(tmp)
-        store.publish(tmp, name, replace=options.force)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _store_error(err, store) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return store.open(name)
+
+def start_temp_dir(plan: PopulatePlan) -> None:
+    plan.tmp.mkdir()
+    (plan.tmp / CHUNK_DIR).mkdir()
+
+
+def publish_dataset(store: Store, plan: PopulatePlan, checksums: np.ndarray,
+                    options: PopulateOptions) -> None:
+    """Write the manifest next to the finished chunks and publish by one rename."""
+    directory = plan.directory.with_checksums(checksums)
+    body = manifest_body(plan.name, plan.dataset_uuid, options.chunk_size,
+                         chunk_lengths(directory), directory, plan.stats)
+    _write_file(plan.tmp / MANIFEST_NAME, encode_manifest(body), options.fsync)
+    if options.fsync:
+        fsync_dir(plan.tmp / CHUNK_DIR)
+        fsync_dir(plan.tmp)
+    store.publish(plan.tmp, plan.name, replace=options.force)
 
 
 def _check_store_writable(store: Store) -> None:
@@ -128,7 +156,7 @@ def _check_store_writable(store: Store) -> None:
         raise DlfsError(f"store is not writable: {store.path} (check its permissions)")
 
 
-def _store_error(err: OSError, store: Store) -> DlfsError:
+def store_error(err: OSError, store: Store) -> DlfsError:
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return DlfsError(f"store is full: {store.path} ({err.strerror}); nothing was published, "
                          "free space or use another --store")
@@ -150,18 +178,21 @@ def _stats(directory: SampleDirectory, skipped: int, source: str) -> dict:
     }
 
 
-def plan_pieces(source: Path, directory: SampleDirectory) -> Iterator[Piece]:
-    """Every extent of every file, in extent order, with the source path to read it from."""
+def plan_pieces(source: Path, directory: SampleDirectory,
+                wanted: np.ndarray | None = None) -> Iterator[Piece]:
+    """Every extent of every file (only those `wanted[ext]`, if given), in extent order,
+    with the source path to read it from."""
     root = os.fsencode(source)
     ext_size = directory.extent_size
     lengths = directory.ext_length_view
     for row in directory.file_rows().tolist():
         extents = directory.extents(row)
-        if not extents:
+        if not extents or (wanted is not None and not wanted[extents.start:extents.stop].any()):
             continue
         path = os.path.join(root, directory.path(row))
         for i, ext in enumerate(extents):
-            yield Piece(path, i * ext_size, lengths[ext], ext == extents.stop - 1)
+            if wanted is None or wanted[ext]:
+                yield Piece(path, i * ext_size, lengths[ext], ext == extents.stop - 1)
 
 
 def read_piece(piece: Piece) -> tuple[bytes, int]:
@@ -175,6 +206,9 @@ def read_piece(piece: Piece) -> tuple[bytes, int]:
         # One byte more on the last piece tells us the file grew since the scan.
         want = piece.length + (1 if piece.is_last else 0)
         data = os.pread(fd, want, piece.offset)
+    except OSError as err:  # a source problem, not the store's (which OSErrors elsewhere mean)
+        raise DlfsError(f"cannot read source file {display_path(piece.path)}: {err.strerror}") \
+            from None
     finally:
         os.close(fd)
     if len(data) != piece.length:
@@ -184,12 +218,24 @@ def read_piece(piece: Piece) -> tuple[bytes, int]:
 
 
 def write_chunks(source: Path, tmp: Path, directory: SampleDirectory, dataset_uuid: bytes,
-                 options: PopulateOptions) -> np.ndarray:
-    """Copy every extent into chunk files under `tmp`; return the extent checksums."""
+                 options: PopulateOptions, chunks: np.ndarray | None = None) -> np.ndarray:
+    """Copy every extent into chunk files under `tmp`; return the extent checksums.
+
+    With `chunks` (a bool mask over chunk indices) only those chunks are written
+    and only their extents' checksums are set (the others stay zero): how MPI
+    ranks share the work.
+    """
     checksums = np.zeros(directory.extent_count, dtype=np.uint64)
-    total = int(directory.arrays["ext_length"].sum(dtype=np.uint64))
+    lengths = directory.arrays["ext_length"]
+    if chunks is None:
+        wanted, todo = None, range(directory.extent_count)
+        total = int(lengths.sum(dtype=np.uint64))
+    else:
+        wanted = chunks[directory.arrays["ext_chunk"]]
+        todo = np.flatnonzero(wanted).tolist()
+        total = int(lengths[wanted].sum(dtype=np.uint64))
     writer = ChunkWriter(tmp / CHUNK_DIR, dataset_uuid, options.fsync)
-    pieces = plan_pieces(source, directory)
+    pieces = plan_pieces(source, directory, wanted)
     chunk_of = directory.ext_chunk_view
     window: deque[tuple[Future, int]] = deque()
     max_pieces = options.jobs * PIECES_PER_READER
@@ -197,7 +243,7 @@ def write_chunks(source: Path, tmp: Path, directory: SampleDirectory, dataset_uu
     with ThreadPoolExecutor(options.jobs, thread_name_prefix="dlfs-reader") as pool, \
             byte_progress(f"packing {source}", total, options.progress) as advance:
         try:
-            for ext in range(directory.extent_count):
+            for ext in todo:
                 while not window or (in_flight < READ_WINDOW
                                      and len(window) < max_pieces):
                     piece = next(pieces, None)

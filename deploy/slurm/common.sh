@@ -1,0 +1,96 @@
+# Shared by prolog.sh and epilog.sh: settings, the job's paths, cleanup. Sourced.
+# shellcheck shell=bash
+
+# slurmd gives prolog and epilog no PATH at all.
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
+
+DLFS_SLURM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+DLFS_CONF=${DLFS_CONF:-$DLFS_SLURM_DIR/dlfs.conf}
+JOB=${SLURM_JOB_ID:-}
+NODE=${SLURMD_NODENAME:-$(hostname -s)}
+
+# One line on stdout: slurmd puts a failing prolog's output in its log.
+say() { echo "dlfs $DLFS_SCRIPT: job $JOB on $NODE: $*"; }
+
+if [ ! -r "$DLFS_CONF" ]; then
+    say "cannot read settings $DLFS_CONF"
+    exit 1
+fi
+# shellcheck source=dlfs.conf
+. "$DLFS_CONF"
+
+# %j -> job id, %n -> node name, %% -> % (same rule as dlfs.slurm.expand_pattern).
+expand() {
+    local s=${1//%%/$'\x01'}
+    s=${s//%j/$JOB}
+    s=${s//%n/$NODE}
+    printf '%s' "${s//$'\x01'/%}"
+}
+
+# Canonical, as `dlfs mount` records it (the epilog matches the daemon by this path).
+MOUNT=$(readlink -m -- "$(expand "$DLFS_MOUNT")")
+CACHE=$(expand "$DLFS_CACHE")
+RUN_DIR=$(expand "$DLFS_RUN_DIR")
+LOG=$(expand "$DLFS_LOG")
+
+# Does this job ask for DLFS? (DLFS_OPT_IN; a 22.05 prolog sees the comment and the
+# constraints, not the job's environment.)
+wanted() {
+    local rule
+    for rule in $DLFS_OPT_IN; do
+        case $rule in
+            all) return 0 ;;
+            # The word dlfs anywhere, not inside a longer name (nodlfs, my-dlfs-x).
+            comment) printf '%s' "${SLURM_JOB_COMMENT:-}" \
+                         | grep -Eiq '(^|[^[:alnum:]_-])dlfs($|[^[:alnum:]_-])' && return 0 ;;
+            constraint) printf '%s' "${SLURM_JOB_CONSTRAINTS:-}" | tr -c '[:alnum:]_.-' '\n' \
+                         | grep -Fxq -- "$DLFS_FEATURE" && return 0 ;;
+        esac
+    done
+    return 1
+}
+
+# True while a file system is mounted at $MOUNT (also a dead FUSE daemon's).
+is_mounted() {
+    awk -v mp="$MOUNT" '$2 == mp { found = 1 } END { exit !found }' /proc/self/mounts
+}
+
+# PIDs of daemon processes serving $MOUNT (main and workers), from their command line.
+daemon_pids() {
+    local pid cmd
+    for pid in $(pgrep -f -- '-m dlfsd --config' || true); do
+        cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null) || continue
+        case $cmd in *"\"mountpoint\": \"$MOUNT\""*) echo "$pid" ;; esac
+    done
+}
+
+# Unmount (lazy if busy), stop any daemon left, remove the cache and the job dir.
+# Returns non-zero only if a mount or a daemon survived everything.
+cleanup_job() {
+    if is_mounted; then
+        "$DLFS_BIN" umount "$MOUNT" --timeout 20 </dev/null >/dev/null 2>&1 \
+            || "$DLFS_BIN" umount --lazy "$MOUNT" </dev/null >/dev/null 2>&1 \
+            || fusermount3 -u -z "$MOUNT" >/dev/null 2>&1 \
+            || umount -l "$MOUNT" >/dev/null 2>&1
+    fi
+    local pids
+    pids=$(daemon_pids)
+    if [ -n "$pids" ]; then
+        # shellcheck disable=SC2086
+        kill -TERM $pids 2>/dev/null
+        for _ in $(seq 50); do
+            [ -z "$(daemon_pids)" ] && break
+            sleep 0.1
+        done
+        pids=$(daemon_pids)
+        # shellcheck disable=SC2086
+        [ -n "$pids" ] && kill -KILL $pids 2>/dev/null && sleep 0.2
+    fi
+    rm -rf -- "$CACHE" "$RUN_DIR"
+    rmdir -- "$MOUNT" 2>/dev/null
+    local ok=0
+    if is_mounted; then say "still mounted at $MOUNT after unmounting"; ok=1; fi
+    if [ -n "$(daemon_pids)" ]; then say "daemon for $MOUNT survived SIGKILL"; ok=1; fi
+    return $ok
+}

@@ -1,0 +1,19 @@
+#!/bin/bash
+# Slurm Epilog for DLFS: unmounts the job's datasets, stops the daemon, wipes the
+# job's cache and secret.
+#
+# slurm.conf: Epilog=/etc/slurm/dlfs/epilog.sh. Runs as root on every node of the
+# job after it ends, also where the prolog failed or was never asked for DLFS,
+# so "nothing mounted" is success. Exits 1 (Slurm drains the node) only if a
+# mount or a daemon could not be removed.
+set -u
+DLFS_SCRIPT=epilog
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+[ -n "$JOB" ] || exit 0
+if ! is_mounted && [ ! -e "$RUN_DIR" ] && [ ! -e "$CACHE" ] && [ -z "$(daemon_pids)" ]; then
+    rmdir -- "$MOUNT" 2>/dev/null
+    exit 0  # not a DLFS job (the common case): nothing to do
+fi
+cleanup_job || exit 1
+exit 0

@@ -1,0 +1,48 @@
+#!/bin/bash
+# Slurm Prolog for DLFS: mounts the store's datasets for a job that asks for it.
+#
+# slurm.conf: Prolog=/etc/slurm/dlfs/prolog.sh, PrologFlags=Alloc (runs as root
+# on every node of the allocation, before the job starts). Settings: dlfs.conf
+# next to this script. A failure prints one line (it lands in the slurmd log),
+# leaves nothing behind, and exits 1: Slurm then drains the node and requeues
+# or fails the job. See deploy/slurm/README.md.
+set -u
+DLFS_SCRIPT=prolog
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+wanted || exit 0
+
+fail() {
+    say "$*"
+    cleanup_job >/dev/null
+    exit 1
+}
+
+[ -n "$JOB" ] && [ -n "${SLURM_JOB_UID:-}" ] || fail "not run by slurmd (SLURM_JOB_ID or SLURM_JOB_UID missing)"
+[ -x "$DLFS_BIN" ] || fail "dlfs not found at DLFS_BIN=$DLFS_BIN (see $DLFS_CONF)"
+[ -d "$DLFS_STORE" ] || fail "store not found: $DLFS_STORE (DLFS_STORE in $DLFS_CONF)"
+
+umask 022
+mkdir -p -- "$MOUNT" "$(dirname -- "$LOG")" || fail "cannot create $MOUNT"
+mkdir -p -m 0700 -- "$CACHE" || fail "cannot create cache dir $CACHE"
+mkdir -p -- "$RUN_DIR" && chown root:root "$RUN_DIR" && chmod 0711 "$RUN_DIR" \
+    || fail "cannot create job dir $RUN_DIR"
+
+out=$("$DLFS_BIN" slurm-secret --key-file "$DLFS_SITE_KEY" --job-id "$JOB" \
+      --out "$RUN_DIR/secret" --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
+      </dev/null 2>&1) || fail "${out:-cannot write the job secret}"
+
+replicas=${DLFS_REPLICAS:-1}
+[ "$replicas" -gt "${SLURM_JOB_NUM_NODES:-1}" ] && replicas=${SLURM_JOB_NUM_NODES:-1}
+
+# `dlfs mount` starts the daemon in its own session with stdio on the log and
+# returns only once the mount answers, so nothing can outlive us half-started
+# and nothing holds our stdout (slurmd would wait for it).
+# shellcheck disable=SC2086
+out=$("$DLFS_BIN" mount "$MOUNT" --slurm --store "$DLFS_STORE" \
+      --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
+      --cache-dir "$CACHE" --secret-file "$RUN_DIR/secret" --replicas "$replicas" \
+      --port-base "$DLFS_PORT_BASE" --node-host "$DLFS_NODE_HOST" \
+      --log-file "$LOG" --timeout "$DLFS_MOUNT_TIMEOUT" $DLFS_MOUNT_ARGS \
+      </dev/null 2>&1) || fail "mount failed: $(printf '%s' "$out" | tail -n 1)"
+exit 0

@@ -1,0 +1,86 @@
+"""`dlfs doctor`: one line per check, what is wrong and what to do, exit 1 on any failure."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import describe_result
+from trees import make_small_tree
+
+from dlfs.format import MANIFEST_NAME
+
+FREE_PORT = 7456
+BUSY_PORT = 7457
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory, store_with) -> Path:
+    src = tmp_path_factory.mktemp("doctor") / "src"
+    make_small_tree(src, files=8)
+    store = store_with(src, "ds")
+    return store_with(src, "other", "256K", store)
+
+
+def lines_of(result) -> dict[str, str]:
+    """{check name: full line} of the doctor's report."""
+    out = {}
+    for line in result.stdout.splitlines()[:-1]:
+        status, _, rest = line.partition("  ")
+        out[rest.split(":", 1)[0].strip()] = line
+        assert status.strip() in ("ok", "warn", "FAIL"), line
+    return out
+
+
+def test_healthy_node_passes(dlfs_cli, small_store, tmp_path):
+    result = dlfs_cli("doctor", "--store", small_store, "--cache-dir", tmp_path / "cache",
+                      "--port", str(FREE_PORT))
+    assert result.returncode == 0, describe_result(result)
+    checks = lines_of(result)
+    for name in ("/dev/fuse", "fusermount3", "pyfuse3", "trio", "store", "dataset ds",
+                 "dataset other", "cache dir", f"port {FREE_PORT}"):
+        assert checks[name].startswith("ok"), checks.get(name, checks)
+    assert result.stdout.splitlines()[-1] == "all checks passed"
+    assert not (tmp_path / "cache").exists(), "doctor must not create the cache dir"
+
+
+def test_missing_store_fails(dlfs_cli, tmp_path):
+    result = dlfs_cli("doctor", "--store", tmp_path / "nosuch")
+    assert result.returncode == 1
+    assert lines_of(result)["store"].startswith("FAIL") and "nosuch" in result.stdout
+
+
+def test_broken_dataset_is_named(dlfs_cli, small_store, tmp_path):
+    broken = tmp_path / "store"
+    shutil.copytree(small_store, broken)
+    (broken / "ds" / MANIFEST_NAME).write_bytes(b"not a manifest")
+    next((broken / "other" / "chunks").iterdir()).unlink()
+    result = dlfs_cli("doctor", "--store", broken)
+    assert result.returncode == 1
+    checks = lines_of(result)
+    assert checks["dataset ds"].startswith("FAIL") and "re-populate" in checks["dataset ds"]
+    assert checks["dataset other"].startswith("FAIL") and "missing" in checks["dataset other"]
+
+
+def test_busy_port_fails(dlfs_cli):
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", BUSY_PORT))
+        sock.listen()
+        result = dlfs_cli("doctor", "--port", str(BUSY_PORT))
+    assert result.returncode == 1
+    assert lines_of(result)[f"port {BUSY_PORT}"].startswith("FAIL")
+
+
+def test_cache_dir_under_a_file_fails(dlfs_cli, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    result = dlfs_cli("doctor", "--cache-dir", tmp_path / "afile" / "cache")
+    assert result.returncode == 1
+    assert "not a directory" in lines_of(result)["cache dir"]
+
+
+def test_missing_fusermount_says_what_to_install(dlfs_cli, tmp_path):
+    result = dlfs_cli("doctor", env={"PATH": str(tmp_path)})
+    assert result.returncode == 1
+    assert "install the fuse3 package" in lines_of(result)["fusermount3"]

@@ -1,0 +1,247 @@
+"""`mpirun -n 3 dlfs populate`: same dataset as a serial populate, or nothing at all.
+
+Real Open MPI runs (`mpirun --allow-run-as-root --oversubscribe`). The parallel
+result is compared with the serial `edge_store` array by array, and read back
+byte by byte through a real mount. Failures on rank 0 (before any copying)
+and on the last rank (a source file that reads EIO, served by a DLFS mount of
+a corrupted dataset) must both exit non-zero with one error line and publish
+nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import DLFS, daemon_pids_for, describe_result, force_unmount, fstype_at, in_ci
+from trees import describe_tree, make_small_tree
+
+from dlfs.format import CHUNK_HEADER_SIZE, chunk_path
+from dlfs.mpi_launch import node_names
+from dlfs.mpi_populate import chunk_owners, launched_by_mpi
+from dlfs.runtime import runtime_dir
+from dlfs.store import Store
+
+RANKS = 3
+
+
+def require_mpi() -> None:
+    problems = []
+    if shutil.which("mpirun") is None:
+        problems.append("mpirun is not on PATH (install openmpi-bin)")
+    if importlib.util.find_spec("mpi4py") is None:
+        problems.append("mpi4py is not installed (pip install -e .[mpi])")
+    if problems:
+        if in_ci():
+            pytest.fail("; ".join(problems))
+        pytest.skip("; ".join(problems))
+
+
+def mpirun_dlfs(*args: str | os.PathLike, ranks: int = RANKS) -> subprocess.CompletedProcess:
+    """`mpirun ... -n RANKS dlfs ARGS` (the venv's dlfs), never raising on failure."""
+    require_mpi()
+    env = {k: v for k, v in os.environ.items() if k != "DLFS_READY_FD"}
+    return subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(ranks),
+                           *DLFS, *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=180)
+
+
+def mpirun_populate(*args: str | os.PathLike) -> subprocess.CompletedProcess:
+    return mpirun_dlfs("populate", *args)
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("dlfs: error:")]
+
+
+def assert_nothing_published(store: Path, name: str) -> None:
+    if store.exists():
+        left = [p.name for p in store.iterdir() if p.name == name or p.name.startswith(".")]
+        assert left == [], f"left in the store: {left}"
+
+
+# -- pure parts ---------------------------------------------------------------------
+def test_chunk_owners_are_contiguous_and_balanced():
+    owners = chunk_owners(np.full(10, 100, dtype=np.uint64), 3)
+    assert owners.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert chunk_owners(np.array([100, 100, 5], dtype=np.uint64), 8).max() < 8
+    assert chunk_owners(np.zeros(0, dtype=np.uint64), 3).tolist() == []
+    assert chunk_owners(np.array([0, 0], dtype=np.uint64), 3).tolist() == [0, 0]
+    assert chunk_owners(np.array([7], dtype=np.uint64), 1).tolist() == [0]
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, False), ({"OMPI_COMM_WORLD_SIZE": "1"}, False), ({"OMPI_COMM_WORLD_SIZE": "3"}, True),
+    ({"PMI_SIZE": "2"}, True), ({"PMIX_SIZE": "4"}, True), ({"PMI_SIZE": "x"}, False)])
+def test_launched_by_mpi(env, expected):
+    assert launched_by_mpi(env) is expected
+
+
+def test_node_names_suffix_ranks_only_on_shared_hosts():
+    assert node_names(["a", "b", "c"]) == ["a", "b", "c"]
+    assert node_names(["a", "a", "b"]) == ["a-0", "a-1", "b"]
+
+
+# -- real mpirun --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def parallel_store(tmp_path_factory, edge_tree) -> Path:
+    store = tmp_path_factory.mktemp("mpi") / "store"
+    result = mpirun_populate(edge_tree.root, "--store", store, "--name", "edge",
+                             "--chunk-size", "256K")
+    assert result.returncode == 0, describe_result(result)
+    published = [line for line in result.stdout.splitlines() if line.startswith("published")]
+    assert len(published) == 1, result.stdout  # rank 0 reports, once
+    return store
+
+
+def test_same_manifest_as_serial(parallel_store, edge_store):
+    par, ser = Store(parallel_store).open("edge"), Store(edge_store).open("edge")
+    assert par.uuid != ser.uuid
+    assert par.stats == ser.stats
+    assert par.chunk_lengths.tolist() == ser.chunk_lengths.tolist()
+    assert (par.directory.names, par.directory.links) == (ser.directory.names,
+                                                          ser.directory.links)
+    for key, array in ser.directory.arrays.items():
+        assert np.array_equal(par.directory.arrays[key], array), key
+
+
+def test_every_rank_wrote_chunks(parallel_store):
+    d = Store(parallel_store).open("edge")
+    owners = chunk_owners(d.chunk_lengths, RANKS)
+    assert set(owners.tolist()) == set(range(RANKS))
+    for index in range(d.chunk_count):
+        assert d.chunk_path(index).stat().st_size == CHUNK_HEADER_SIZE + d.chunk_lengths[index]
+
+
+def test_verify_passes(parallel_store, dlfs_cli):
+    result = dlfs_cli("verify", "--store", parallel_store, "edge")
+    assert result.returncode == 0, describe_result(result)
+
+
+@pytest.mark.usefixtures("daemon_guard")
+def test_mount_reads_identical_to_the_source(parallel_store, edge_nodes, mounted):
+    m = mounted(parallel_store, "--workers", "2")
+    assert describe_tree(m / "edge") == edge_nodes
+
+
+def test_rank0_failure_publishes_nothing(tmp_path):
+    store = tmp_path / "store"
+    result = mpirun_populate(tmp_path / "nosuch", "--store", store, "--name", "x")
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1 and "source not found" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert_nothing_published(store, "x")
+
+
+def _flip_first_byte(store: Path, name: str, rel: bytes) -> None:
+    dataset = Store(store).open(name)
+    d = dataset.directory
+    ext = d.first_extent(d.resolve(rel))
+    with open(chunk_path(dataset.path, d.ext_chunk_view[ext]), "r+b") as f:
+        f.seek(CHUNK_HEADER_SIZE + d.ext_offset_view[ext])
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.usefixtures("daemon_guard")
+def test_read_error_on_another_rank_publishes_nothing(tmp_path, store_with, mounted):
+    """The source is a DLFS mount whose deepest (so last-packed) file reads EIO."""
+    src = tmp_path / "src"
+    make_small_tree(src, files=30)
+    bad = src / "zz" / "zz" / "bad.bin"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(os.urandom(5000))
+    corrupt = store_with(src, "ds", "64K")
+    _flip_first_byte(corrupt, "ds", b"zz/zz/bad.bin")
+    # Same tree and chunk size, so the copy's layout is the corrupt store's.
+    d = Store(corrupt).open("ds")
+    bad_chunk = d.directory.ext_chunk_view[d.directory.first_extent(d.directory.resolve(
+        b"zz/zz/bad.bin"))]
+    bad_rank = int(chunk_owners(d.chunk_lengths, RANKS)[bad_chunk])
+    assert bad_rank != 0, "the bad file must be packed by a rank other than 0"
+
+    source = mounted(corrupt, "--workers", "1") / "ds"
+    store = tmp_path / "out"
+    result = mpirun_populate(source, "--store", store, "--name", "copy", "--chunk-size", "64K")
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1, result.stderr
+    assert f"rank {bad_rank} " in lines[0] and "cannot read source file" in lines[0], lines[0]
+    assert "zz/zz/bad.bin" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert_nothing_published(store, "copy")
+
+
+# -- mpirun dlfs mount --mpi -----------------------------------------------------------
+LAUNCH_PORT = 7430
+BUSY_LAUNCH_PORT = 7433
+
+
+@pytest.fixture
+def launch_site(tmp_path, store_with):
+    """A store, one mountpoint per rank (named like the ranks' nodes), and a teardown
+    that unmounts and kills whatever a failed test left."""
+    src = tmp_path / "src"
+    make_small_tree(src, files=20)
+    (src / "big.bin").write_bytes(os.urandom(600_000))
+    store = store_with(src, "ds")
+    names = node_names([socket.gethostname().split(".")[0]] * RANKS)
+    mounts = [tmp_path / f"mnt-{name}" for name in names]
+    for mp in mounts:
+        mp.mkdir()
+    try:
+        yield src, store, names, mounts
+    finally:
+        for mp in mounts:
+            force_unmount(mp)
+
+
+def _launch(base: Path, store: Path, port: int) -> subprocess.CompletedProcess:
+    return mpirun_dlfs("mount", "--mpi", base / "mnt-%n", "--store", store,
+                       "--cache-dir", base / "cache-%n", "--log-file", base / "log-%n",
+                       "--port-base", str(port), "--node-host", "127.0.0.1", "--workers", "1")
+
+
+@pytest.mark.usefixtures("daemon_guard")
+def test_mpi_launch_brings_up_one_pool_and_tears_it_down(tmp_path, launch_site):
+    src, store, names, mounts = launch_site
+    result = _launch(tmp_path, store, LAUNCH_PORT)
+    assert result.returncode == 0, describe_result(result)
+    expected = describe_tree(src)
+    for name, mp in zip(names, mounts, strict=True):
+        assert fstype_at(mp) == "fuse.dlfs", name
+        assert describe_tree(mp / "ds") == expected, name
+        log = (tmp_path / f"log-{name}").read_text()
+        assert f"chunk pool: node {name} of {RANKS}" in log, log
+    secrets_ = {(runtime_dir() / f"mpi-{name}.secret").read_text() for name in names}
+    assert len(secrets_) == 1, "every rank must hold the same secret"
+
+    result = mpirun_dlfs("umount", "--mpi", tmp_path / "mnt-%n")
+    assert result.returncode == 0, describe_result(result)
+    for mp in mounts:
+        assert fstype_at(mp) is None and daemon_pids_for(mp) == []
+    assert not any((runtime_dir() / f"mpi-{name}.secret").exists() for name in names)
+
+
+@pytest.mark.usefixtures("daemon_guard")
+def test_mpi_launch_is_all_or_nothing(tmp_path, launch_site):
+    _, store, names, mounts = launch_site
+    with socket.socket() as busy:  # the last rank's peer port is taken
+        busy.bind(("127.0.0.1", BUSY_LAUNCH_PORT + RANKS - 1))
+        busy.listen()
+        result = _launch(tmp_path, store, BUSY_LAUNCH_PORT)
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1, result.stderr
+    assert f"rank {RANKS - 1} ({names[-1]})" in lines[0] and "cannot listen" in lines[0]
+    for mp in mounts:
+        assert fstype_at(mp) is None, f"{mp} stayed mounted after another rank failed"
+        assert daemon_pids_for(mp) == []

@@ -1,0 +1,269 @@
+"""deploy/slurm prolog and epilog under a real Slurm (tests/slurmcluster.py).
+
+One cluster for the module: this host as node `<hostname>` (partition `one`)
+and simulated nodes node[1-3] (partition `sim`, the default), with the real
+prolog.sh/epilog.sh/common.sh copied next to a test dlfs.conf. Everything
+lives under one /tmp dir (0755, so a job of an unprivileged test user can
+reach its mount); the fixture stops every daemon and unmounts everything in its
+finally. Without Slurm packages and no way to install them, the module skips
+(CI=true: fails).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import (
+    DLFS,
+    daemons_under,
+    force_unmount,
+    in_ci,
+    kill_and_reap,
+    mounts_by_path,
+    populate_store,
+    require_fuse,
+)
+from slurmcluster import SIM_NODES, SlurmCluster, SlurmUnavailable
+from sysusers import temp_user
+from trees import make_small_tree
+
+from dlfs.slurm import derive_job_secret, expand_hostlist
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ("prolog.sh", "epilog.sh", "common.sh")
+PORT_BASE = 7410
+
+
+@dataclass
+class Site:
+    """The scratch site: paths follow the test dlfs.conf (%j/%n -> job/node)."""
+
+    base: Path
+    cluster: SlurmCluster
+    source: Path
+    store: Path
+    key: bytes
+
+    def conf(self, **overrides: str) -> None:
+        settings = {
+            "DLFS_BIN": DLFS[0],
+            "DLFS_STORE": str(self.store),
+            "DLFS_MOUNT": f"{self.base}/mnt/%j/%n",
+            "DLFS_CACHE": f"{self.base}/cache/%j/%n",
+            "DLFS_RUN_DIR": f"{self.base}/run/%j/%n",
+            "DLFS_LOG": f"{self.base}/log/%j-%n.log",
+            "DLFS_SITE_KEY": str(self.base / "site" / "site.key"),
+            "DLFS_PORT_BASE": str(PORT_BASE),
+            "DLFS_NODE_HOST": "127.0.0.1",
+            "DLFS_REPLICAS": "2",
+            "DLFS_OPT_IN": "comment constraint",
+            "DLFS_FEATURE": "dlfs",
+            "DLFS_MOUNT_ARGS": "--workers 2",
+            "DLFS_MOUNT_TIMEOUT": "60",
+            **overrides,
+        }
+        text = "".join(f"{k}='{v}'\n" for k, v in settings.items())
+        (self.base / "site" / "dlfs.conf").write_text(text)
+
+    def mount(self, job: str, node: str) -> Path:
+        return self.base / "mnt" / job / node
+
+    def job_dirs(self, job: str, node: str) -> list[Path]:
+        return [self.base / "cache" / job / node, self.base / "run" / job / node]
+
+    def log(self, job: str, node: str) -> Path:
+        return self.base / "log" / f"{job}-{node}.log"
+
+    def out(self, name: str) -> Path:
+        return self.base / "out" / name
+
+    def leftovers(self) -> list[str]:
+        """Mounts and daemons under the site that should not be there."""
+        prefix = str(self.base) + "/"
+        mounts = [mp for mp in mounts_by_path() if mp.startswith(prefix)]
+        daemons = [f"dlfsd {pid} for {mp}" for pid, mp in daemons_under(self.base).items()]
+        return mounts + daemons
+
+
+def _source_sums(source: Path) -> str:
+    """What `find . -type f | sort | xargs sha256sum` prints in the dataset's root."""
+    rels = sorted(p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file())
+    return "".join(f"{hashlib.sha256((source / r).read_bytes()).hexdigest()}  ./{r}\n"
+                   for r in rels)
+
+
+@pytest.fixture(scope="module")
+def site():
+    require_fuse()
+    base = Path(tempfile.mkdtemp(prefix="dlfs-slurm-", dir="/tmp"))
+    base.chmod(0o755)
+    cluster = SlurmCluster(base / "slurm", base / "site" / "prolog.sh",
+                           base / "site" / "epilog.sh")
+    try:
+        (base / "site").mkdir()
+        for name in SCRIPTS:
+            shutil.copy2(REPO / "deploy" / "slurm" / name, base / "site" / name)
+        key = os.urandom(32)
+        key_file = base / "site" / "site.key"
+        key_file.write_bytes(key)
+        key_file.chmod(0o600)
+        (base / "out").mkdir(mode=0o777)
+        (base / "out").chmod(0o1777)  # jobs of the test user write here too
+        source = base / "src"
+        make_small_tree(source, files=24)
+        (source / "big.bin").write_bytes(os.urandom(700_000))  # spans several chunks
+        store = populate_store(source, base / "store", "ds", "256K")
+        site = Site(base, cluster, source, store, key)
+        site.conf()
+        try:
+            cluster.start()
+        except SlurmUnavailable as err:
+            if in_ci():
+                pytest.fail(str(err))
+            pytest.skip(str(err))
+        yield site
+    finally:
+        cluster.stop()
+        for mp in [mp for mp in mounts_by_path() if mp.startswith(str(base) + "/")]:
+            force_unmount(Path(mp))
+        for pid in daemons_under(base):
+            kill_and_reap(pid)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _wait_for(path: Path, site: Site, job: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        state = site.cluster.job_state(job)
+        assert state in ("PENDING", "CONFIGURING", "RUNNING", ""), \
+            f"job {job} is {state} before writing {path.name}"
+        assert time.monotonic() < deadline, f"job {job} did not write {path} in {timeout} s"
+        time.sleep(0.1)
+
+
+def _assert_cleaned(site: Site, job: str, nodes: list[str]) -> None:
+    assert site.leftovers() == [], "left after the epilog"
+    for node in nodes:
+        for path in [site.mount(job, node), *site.job_dirs(job, node)]:
+            assert not path.exists(), f"epilog left {path}"
+
+
+def test_hostlists_expand_like_scontrol(site):
+    for hostlist in ("node[1-3]", "node[1-3,05],gpu07", "a[01-02]-b[1-2]", "n[9-11],x"):
+        names = site.cluster.scontrol("show", "hostnames", hostlist).split()
+        assert expand_hostlist(hostlist) == names, hostlist
+
+
+def test_opted_in_job_reads_the_dataset_on_every_node(site):
+    script = site.out("read.sh")
+    script.write_text(
+        "#!/bin/bash\n"
+        "srun -l bash -c 'cd " + str(site.base) + "/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME/ds && "
+        "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum "
+        "> " + str(site.base) + "/out/$SLURM_JOB_ID-$SLURMD_NODENAME.sums'\n")
+    job = site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
+                              str(script))
+    assert site.cluster.wait_finished(job) == "COMPLETED", site.out(f"{job}.out").read_text()
+    expected = _source_sums(site.source)
+    for node in SIM_NODES:
+        assert site.out(f"{job}-{node}.sums").read_text() == expected, node
+        log = site.log(job, node).read_text()
+        assert "mounted" in log and f"chunk pool: node {node} of 3, 2 replicas" in log, log
+    _assert_cleaned(site, job, SIM_NODES)
+
+
+def test_constraint_opts_in_too(site):
+    job = site.cluster.sbatch("-N1", "--constraint=dlfs", f"--output={site.out('%j.out')}",
+                              "--wrap", f"ls {site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME "
+                                        f"> {site.base}/out/$SLURM_JOB_ID.ls")
+    assert site.cluster.wait_finished(job) == "COMPLETED", site.out(f"{job}.out").read_text()
+    assert site.out(f"{job}.ls").read_text() == "ds\n"
+    _assert_cleaned(site, job, SIM_NODES)
+
+
+def test_job_that_does_not_ask_gets_nothing(site):
+    script = site.out("look.sh")
+    script.write_text(
+        "#!/bin/bash\n"
+        "srun bash -c 'mp=" + str(site.base) + "/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME; "
+        "{ test -e \"$mp\" && echo exists || echo absent; "
+        "grep -c \" " + str(site.base) + "/\" /proc/mounts || true; } "
+        "> " + str(site.base) + "/out/$SLURM_JOB_ID-$SLURMD_NODENAME.seen'\n")
+    job = site.cluster.sbatch("-N3", f"--output={site.out('%j.out')}", str(script))
+    assert site.cluster.wait_finished(job) == "COMPLETED", site.out(f"{job}.out").read_text()
+    for node in SIM_NODES:
+        assert site.out(f"{job}-{node}.seen").read_text() == "absent\n0\n", node
+        assert not site.log(job, node).exists()
+    _assert_cleaned(site, job, SIM_NODES)
+
+
+@pytest.mark.parametrize(("store", "says"), [
+    ("missing-store", "store not found"),
+    ("empty-store", "has no datasets"),
+])
+def test_prolog_failure_drains_the_node_and_leaves_nothing(site, store, says):
+    node = "node1"
+    (site.base / "empty-store").mkdir(exist_ok=True)
+    site.conf(DLFS_STORE=str(site.base / store))
+    job = None
+    try:
+        job = site.cluster.sbatch("-N1", f"-w{node}", "--no-requeue", "--comment=dlfs",
+                                  f"--output={site.out('%j.out')}", "--wrap", "true")
+        deadline = time.monotonic() + 60
+        while "drain" not in site.cluster.node_states().get(node, ""):
+            assert time.monotonic() < deadline, site.cluster.node_states()
+            time.sleep(0.1)
+        site.cluster.cmd("scancel", job, check=False)
+        site.cluster.wait_finished(job)
+        log = site.cluster.slurmd_log(node).read_text()
+        line = f"dlfs prolog: job {job} on {node}: "
+        assert any(line in row and says in row for row in log.splitlines()), log[-2000:]
+        reason = site.cluster.scontrol("show", "node", node)
+        assert "Prolog" in reason
+        _assert_cleaned(site, job, [node])
+    finally:
+        site.conf()
+        if job is not None:
+            site.cluster.cmd("scancel", job, check=False)
+        site.cluster.resume(node)
+
+
+def test_secret_and_mount_belong_to_the_job_user(site):
+    node = site.cluster.host
+    with temp_user() as owner, temp_user() as other:
+        mark = site.out("owner-ready")
+        job = site.cluster.sbatch(
+            "-p", "one", "-N1", "--comment=please use dlfs", f"--chdir={site.base / 'out'}",
+            f"--output={site.out('%j.out')}", "--wrap",
+            f"ls {site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME/ds/d0 > {mark}.$SLURM_JOB_ID "
+            f"&& sleep 120", user=owner.name)
+        try:
+            _wait_for(site.out(f"owner-ready.{job}"), site, job)
+            assert "f000.bin" in site.out(f"owner-ready.{job}").read_text()
+            mount = site.mount(job, node)
+            secret = site.base / "run" / job / node / "secret"
+            st = secret.stat()
+            assert stat.S_IMODE(st.st_mode) == 0o600
+            assert (st.st_uid, st.st_gid) == (owner.uid, owner.gid)
+            assert secret.read_text().strip() == derive_job_secret(site.key, job)
+            assert owner.run("cat", str(secret)).returncode == 0
+            denied = other.run("cat", str(secret))
+            assert denied.returncode != 0 and "Permission denied" in denied.stderr
+            root = os.stat(mount)
+            assert (stat.S_IMODE(root.st_mode), root.st_uid) == (0o700, owner.uid)
+            listing = other.run("ls", str(mount))
+            assert listing.returncode != 0 and "Permission denied" in listing.stderr
+        finally:
+            site.cluster.cmd("scancel", job, check=False)
+            site.cluster.wait_finished(job)
+        _assert_cleaned(site, job, [node])
