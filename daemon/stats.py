@@ -186,9 +186,17 @@ class Stats:
                            "(sizes in bytes, latencies in microseconds); the last is open",
                 "mount": mount, "datasets": datasets}
 
+    def sources(self) -> dict:
+        """{dataset: {source: {bytes, reads, latency_ns_sum}}}: the cheap part of a snapshot
+        (slab sums only), for the status file the daemon rewrites every second."""
+        totals = self._slabs.sum(axis=0)
+        return {name: _counters(totals[k], 0, 0, 0)["sources"]
+                for k, name in enumerate(self.names)}
+
     def _dataset_snapshot(self, k: int, counts: np.ndarray, top_files: int) -> dict:
         lo, hi = self._file_base[k], self._file_base[k + 1]
-        files = {name: array[lo:hi] for name, array in self._files.items()}
+        # A copy: other processes keep writing, and numpy refuses arrays that change under it.
+        files = {name: array[lo:hi].copy() for name, array in self._files.items()}
         touched = np.flatnonzero(files["first_ns"])
         out = _counters(counts, int(files["opens"].sum(dtype=np.int64)),
                         int(files["reads"].sum(dtype=np.int64)),
@@ -246,6 +254,9 @@ class NullStats:
 
     def record_source(self, ds: int, source: int, nbytes: int, latency_ns: int) -> None:
         pass
+
+    def sources(self) -> dict:
+        return {}
 
     def snapshot(self, top_files: int = TOP_FILES) -> dict:
         return {"format": "dlfs-stats", "version": STATS_FORMAT_VERSION, "enabled": False,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -19,12 +20,14 @@ from dlfs.config import MountConfig
 from dlfs.store import Dataset
 from dlfsd.stats import SOURCE_NAMES
 
+log = logging.getLogger(__name__)
+
 STATUS_INTERVAL = 1.0
 
 
-def _sources(snapshot: dict, name: str) -> dict:
+def _sources(by_dataset: dict, name: str) -> dict:
     """requests, bytes and mean latency per source (local/peer/store) of one dataset."""
-    counted = snapshot.get("datasets", {}).get(name, {}).get("sources", {})
+    counted = by_dataset.get(name, {})
     out = {}
     for source in SOURCE_NAMES:
         c = counted.get(source, {"reads": 0, "bytes": 0, "latency_ns_sum": 0})
@@ -37,7 +40,7 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
                  server=None) -> dict:
     """`stats` is the mount's dlfsd.stats.Stats (or NullStats under --no-stats)."""
     progress = stager.progress() if stager is not None else None
-    snapshot = stats.snapshot(top_files=0)
+    sources = stats.sources()
     out: dict = {
         "mountpoint": config.mountpoint,
         "store": config.store,
@@ -52,7 +55,7 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
                    cache_limit=config.cache_limit)
     for ds, dataset in enumerate(datasets):
         entry = {"name": dataset.name, "chunks": dataset.chunk_count,
-                 "bytes": int(dataset.stats["bytes"]), "sources": _sources(snapshot, dataset.name)}
+                 "bytes": int(dataset.stats["bytes"]), "sources": _sources(sources, dataset.name)}
         if progress is not None:
             p = progress[ds]
             entry["staging"] = {"owned_chunks": p.owned_chunks, "owned_bytes": p.owned_bytes,
@@ -73,11 +76,19 @@ def write_status(path: Path, status: dict) -> None:
 
 
 async def keep_status(path: Path, render) -> None:
-    """Rewrite the status file every STATUS_INTERVAL until cancelled; remove it then."""
+    """Rewrite the status file every STATUS_INTERVAL until cancelled; remove it then.
+
+    A failure here is logged once and never stops the daemon: status is a view.
+    """
+    failed = False
     try:
         while True:
-            with contextlib.suppress(OSError):
+            try:
                 write_status(path, render())
+            except Exception:
+                if not failed:
+                    log.exception("cannot write the status file %s; will keep trying", path)
+                failed = True
             await trio.sleep(STATUS_INTERVAL)
     finally:
         with contextlib.suppress(OSError):

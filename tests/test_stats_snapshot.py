@@ -1,0 +1,47 @@
+"""Snapshots of counters that other processes keep writing (the daemon's status writer
+and `.dlfs/stats.json` run while workers serve reads)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from dlfs.directory import SourceEntry, build_directory
+from dlfsd.slots import ProcessSlot
+from dlfsd.stats import SOURCE_PEER, Stats
+
+
+def _directory(files: int):
+    entries = [SourceEntry(b"", 0o40755, 0, 0)] + [
+        SourceEntry(f"f{i}".encode(), 0o100644, 10, 0) for i in range(files)]
+    return build_directory(entries, 1 << 20)
+
+
+def test_snapshot_while_another_process_writes_never_fails():
+    d = _directory(5000)
+    stats = Stats(["ds"], [d], ProcessSlot(2))
+    pid = os.fork()
+    if pid == 0:  # a worker recording opens and reads as fast as it can
+        try:
+            row = 0
+            while True:
+                row = row % 5000 + 1
+                stats.record_open(0, row)
+                stats.record_read(0, row, 0, 10, 1000)
+                stats.record_source(0, SOURCE_PEER, 10, 1000)
+        finally:
+            os._exit(0)
+    try:
+        deadline = time.monotonic() + 2.0
+        snapshots = 0
+        while time.monotonic() < deadline:
+            snap = stats.snapshot()
+            assert stats.sources()["ds"]["peer"]["reads"] >= 0
+            snapshots += 1
+        assert snapshots > 10
+        assert snap["datasets"]["ds"]["files_touched"] > 0
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        stats.close()
