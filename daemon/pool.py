@@ -29,6 +29,7 @@ from dlfs.placement import owners
 from dlfs.store import Dataset
 from dlfsd.chunkcache import ChunkCache
 from dlfsd.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
+from dlfsd.peersync import BlockingPeerClient
 from dlfsd.stager import DemandChannel
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class ChunkPool:
         self.demand = DemandChannel()
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
         self._clients: dict[int, PeerClient] = {}
+        self._blocking_clients: dict[int, BlockingPeerClient] = {}
         self._down_until: dict[int, float] = {}
 
     def scan_caches(self) -> int:
@@ -65,6 +67,7 @@ class ChunkPool:
     def after_fork(self) -> None:
         """In a forked worker: drop the parent's client objects and peer health."""
         self._clients = {}
+        self._blocking_clients = {}
         self._down_until = {}
 
     async def aclose(self) -> None:
@@ -73,6 +76,8 @@ class ChunkPool:
         self._clients = {}
 
     def close(self) -> None:
+        for client in self._blocking_clients.values():
+            client.close()
         for cache in self.caches:
             cache.close()
         self.demand.close()
@@ -96,12 +101,47 @@ class ChunkPool:
             except PeerError as err:
                 self._mark_down(node, f"refused a read ({err})")
                 continue
-            if len(data) != length or checksum(data) != expected:
-                self._mark_down(node, f"sent wrong bytes for chunk {chunk} of "
-                                f"{self.datasets[ds].name}")
-                continue
-            return data
+            if self._accept(node, ds, chunk, data, length, expected):
+                return data
         return None
+
+    def fetch_blocking(self, ds: int, chunk: int, offset: int, length: int,
+                       expected: int) -> bytes | None:
+        """`fetch` for worker processes (one request at a time, blocking I/O)."""
+        dataset_id = self.datasets[ds].uuid
+        for node in self.remote_owners[ds][chunk]:
+            if self._down_until.get(node, 0.0) > time.monotonic():
+                continue
+            try:
+                data = self._blocking_client(node).read(dataset_id, chunk, offset, length)
+            except PeerMiss:
+                continue
+            except PeerUnavailable as err:
+                self._mark_down(node, f"unavailable ({err})")
+                continue
+            except PeerError as err:
+                self._mark_down(node, f"refused a read ({err})")
+                continue
+            if self._accept(node, ds, chunk, data, length, expected):
+                return data
+        return None
+
+    def _accept(self, node: int, ds: int, chunk: int, data: bytes, length: int,
+                expected: int) -> bool:
+        """Peer bytes count only if they match the manifest checksum."""
+        if len(data) == length and checksum(data) == expected:
+            return True
+        self._mark_down(node, f"sent wrong bytes for chunk {chunk} of {self.datasets[ds].name}")
+        return False
+
+    def _blocking_client(self, node: int) -> BlockingPeerClient:
+        client = self._blocking_clients.get(node)
+        if client is None:
+            peer = self.view.nodes[node]
+            client = BlockingPeerClient(self.view.secret, self.view.me.name, peer.host,
+                                        peer.port, timeout=self.peer_timeout)
+            self._blocking_clients[node] = client
+        return client
 
     def _client(self, node: int) -> PeerClient:
         client = self._clients.get(node)

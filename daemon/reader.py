@@ -207,8 +207,12 @@ class SampleReader:
         whole = self._ext_len[ext]
         data = self._peer_cache.get(ext)
         if data is None:
-            data = await self._single_flight(("peer", ext), self.pool.fetch, self.ds,
-                                             chunk, self._ext_off[ext], whole, self._ext_sum[ext])
+            if self.inline_io:  # a worker process: one request at a time, blocking calls
+                data = self.pool.fetch_blocking(self.ds, chunk, self._ext_off[ext], whole,
+                                                self._ext_sum[ext])
+            else:
+                data = await self._single_flight(("peer", ext), self.pool.fetch, self.ds, chunk,
+                                                 self._ext_off[ext], whole, self._ext_sum[ext])
             if data is None:
                 return None
             if length < whole:

@@ -1,0 +1,144 @@
+"""BlockingPeerClient: the peer protocol over one plain blocking socket.
+
+For the daemon's worker processes, which serve one FUSE request at a time
+and already do their disk reads blocking and inline: a blocking round trip
+costs a few system calls, where the trio client (dlfsd.peer.PeerClient)
+adds task switches, events and a receive task per connection, several
+hundred microseconds of Python per read. Same wire protocol
+(docs/PROTOCOL.md), same errors, same handshake; one request in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+
+from dlfs import protocol
+from dlfs.protocol import LENGTH_PREFIX, Message, ProtocolError
+from dlfsd.peer import PeerMiss, PeerRefused, PeerUnavailable
+
+_PREFIX = LENGTH_PREFIX.size
+
+
+class BlockingPeerClient:
+    """Reads byte ranges from one peer; one connection, opened lazily, reopened after errors."""
+
+    def __init__(self, secret: bytes, node_name: str, host: str, port: int, *,
+                 timeout: float = 5.0) -> None:
+        self._secret = protocol.check_secret(secret)
+        self.node_name = node_name
+        self.host, self.port, self.timeout = host, port, timeout
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+        self._prefix = bytearray(_PREFIX)
+        self._body = bytearray(protocol.MAX_FRAME)
+
+    def read(self, dataset_id: bytes, chunk: int, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` of the chunk's data; PeerUnavailable / PeerMiss /
+        PeerRefused like PeerClient.read, each within `timeout` per socket call."""
+        sock = self._sock or self._connect()
+        self._next_id = (self._next_id + 1) % protocol.MAX_REQUEST_ID
+        request_id = self._next_id
+        try:
+            sock.sendall(protocol.encode(protocol.read(request_id, dataset_id, chunk, offset,
+                                                       length)))
+            reply = self._receive(sock)
+        except (OSError, ProtocolError) as error:  # socket.timeout is an OSError
+            self.close()
+            raise PeerUnavailable(f"peer {self.address}: {error or type(error).__name__}") \
+                from None
+        if reply.get("id") != request_id:
+            self.close()
+            raise PeerUnavailable(f"peer {self.address} answered another request")
+        return self._result(reply, dataset_id, chunk, offset, length)
+
+    def _result(self, reply: Message, dataset_id: bytes, chunk: int, offset: int,
+                length: int) -> bytes:
+        where = f"chunk {chunk} of dataset {dataset_id.hex()} on peer {self.address}"
+        kind = reply["t"]
+        if kind == protocol.DATA:
+            if len(reply["data"]) != length:
+                self.close()
+                raise PeerUnavailable(f"{where}: sent {len(reply['data'])} bytes, not {length}")
+            return reply["data"]
+        if kind == protocol.MISS:
+            raise PeerMiss(f"{where} is not staged")
+        if kind == protocol.FAIL:
+            if reply["code"] in protocol.BOUNDS_FAIL_CODES:
+                raise PeerRefused(f"{where}: read refused ({reply['code']})", reply["code"])
+            raise PeerMiss(f"{where}: the peer could not read it ({reply['code']})",
+                           reply["code"])
+        self.close()
+        raise PeerUnavailable(f"peer {self.address} sent {kind} instead of a reply")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    # -- connection ------------------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as error:
+            raise PeerUnavailable(f"cannot connect to peer {self.address}: "
+                                  f"{error.strerror or error}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._handshake(sock)
+        except (OSError, ProtocolError) as error:
+            sock.close()
+            raise PeerUnavailable(f"handshake with peer {self.address} failed: {error}") \
+                from None
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        return sock
+
+    def _handshake(self, sock: socket.socket) -> None:
+        client_nonce = protocol.new_nonce()
+        sock.sendall(protocol.encode(protocol.hello(self.node_name, client_nonce)))
+        challenge = self._expect(sock, protocol.CHALLENGE)
+        expected = protocol.server_proof(self._secret, client_nonce, challenge["nonce"])
+        if not protocol.proof_matches(expected, challenge["proof"]):
+            with contextlib.suppress(OSError):
+                sock.sendall(protocol.encode(protocol.err(protocol.ERR_AUTH,
+                                                          "server proof does not match")))
+            raise PeerUnavailable(f"peer {self.address} failed authentication "
+                                  "(different job secret)")
+        sock.sendall(protocol.encode(protocol.auth(protocol.client_proof(
+            self._secret, challenge["nonce"], client_nonce))))
+        self._expect(sock, protocol.OK)
+
+    def _expect(self, sock: socket.socket, kind: str) -> Message:
+        msg = self._receive(sock)
+        if msg["t"] == protocol.ERR:
+            raise PeerUnavailable(f"peer {self.address} refused the connection: "
+                                  f"{msg['code']}: {msg['msg']}")
+        if msg["t"] != kind:
+            raise ProtocolError(f"expected {kind}, got {msg['t']}")
+        return msg
+
+    # -- frames ---------------------------------------------------------------------
+    def _receive(self, sock: socket.socket) -> Message:
+        self._fill(sock, memoryview(self._prefix))
+        (size,) = struct.unpack(">I", self._prefix)
+        if size > protocol.MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
+                                f"{protocol.MAX_FRAME}")
+        with memoryview(self._body)[:size] as body:
+            self._fill(sock, body)
+            return protocol.decode_body(body)
+
+    @staticmethod
+    def _fill(sock: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionResetError("connection closed by the peer")
+            got += n
