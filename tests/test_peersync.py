@@ -65,7 +65,7 @@ async def test_miss_refusal_and_io_error_keep_the_connection(nursery):
 async def test_wrong_secret_gets_nothing(nursery):
     peer = await start_peer(nursery)
     client = client_for(peer.port, WRONG_SECRET)
-    with pytest.raises(PeerUnavailable, match="authentication|handshake"):
+    with pytest.raises(PeerUnavailable, match=r"authentication|handshake"):
         await call(client.read, DATASET, 0, 0, 10)
     await trio.sleep(0.1)  # let the server finish its side of the handshake
     assert peer.server.bytes_served == 0
