@@ -210,12 +210,14 @@ class Namespace:
     # -- data ------------------------------------------------------------------
     def open(self, ino: int, caller=None) -> tuple[int, bool]:
         """(handle, direct_io) for a read-only open of `ino` (flags checked by the caller)."""
-        self.check_file(ino)
-        if self.control.owns(ino):
+        if ino < FIRST_DATASET_INODE:
+            self.check_file(ino)  # the root and `.dlfs/`: rare, take the long way
             return self.control.open(ino), True
+        k, row = self._locate(ino)  # once: this runs for every file a job opens
+        if self._dirs[k].is_dir(row):
+            raise IsADirError(ino)
         if not self._counting:
             return ino, False
-        k, row = self._locate(ino)
         if caller is None or not self._tracing[0]:
             self.stats.record_open(k, row)
             return ino, False
