@@ -19,6 +19,7 @@ import contextlib
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ class ChunkCache:
         self._view = np.frombuffer(self._state, dtype=np.uint8)[:count]
         self._fds = [-1] * count  # per process
         self._fd_gen = bytearray(count)
+        self._open_lock = threading.Lock()
 
     # -- state shared by all processes ----------------------------------------
     def is_staged(self, chunk: int) -> bool:
@@ -117,20 +119,27 @@ class ChunkCache:
         return -1
 
     def open_fd(self, chunk: int) -> int:
-        """Open (or reopen) the current staged copy; -1 if it is not staged. May block."""
-        gen = self._state[chunk]
-        if gen == 0:
-            return -1
-        if self._fds[chunk] >= 0:
-            os.close(self._fds[chunk])
-            self._fds[chunk] = -1
-        try:
-            fd = os.open(self.path(chunk), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return -1
-        self._fds[chunk] = fd
-        self._fd_gen[chunk] = gen
-        return fd
+        """Open (or reopen) the current staged copy; -1 if it is not staged. May block.
+
+        Threads of one process may call it at once (the peer server's, the reader's
+        pool): a lock keeps one from closing an fd another has just handed out.
+        """
+        with self._open_lock:
+            gen = self._state[chunk]
+            if gen == 0:
+                return -1
+            if self._fds[chunk] >= 0:
+                if self._fd_gen[chunk] == gen:
+                    return self._fds[chunk]  # another thread opened it meanwhile
+                os.close(self._fds[chunk])
+                self._fds[chunk] = -1
+            try:
+                fd = os.open(self.path(chunk), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return -1
+            self._fds[chunk] = fd
+            self._fd_gen[chunk] = gen
+            return fd
 
     def close(self) -> None:
         for i, fd in enumerate(self._fds):

@@ -241,9 +241,9 @@ class Services:
                                  jobs=config.stage_jobs, cache_limit=config.cache_limit,
                                  store_rate=config.store_bandwidth)
             if len(pool.view.nodes) > 1:
-                from dlfsd.peer import PeerServer
+                from dlfsd.peerthreads import ThreadedPeerServer
 
-                self.server = PeerServer(pool.view.secret, pool, pool.view.me.name)
+                self.server = ThreadedPeerServer(pool.view.secret, pool, pool.view.me.name)
 
     def status(self) -> dict:
         return build_status(self.config, self.datasets, self.stats, self.stager,
@@ -254,12 +254,14 @@ class Services:
             async with trio.open_nursery() as nursery:
                 if self.server is not None:
                     me = self.pool.view.me
-                    await nursery.start(self.server.serve, me.host, me.port)
+                    self.server.start(me.host, me.port)
                 if self.stager is not None:
                     nursery.start_soon(self.stager.run)
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint), self.status)
                 task_status.started()
         finally:
+            if self.server is not None:
+                self.server.stop()
             if self.pool is not None:
                 with trio.CancelScope(shield=True):
                     await self.pool.aclose()

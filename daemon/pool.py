@@ -181,6 +181,23 @@ class ChunkPool:
             data = await trio.to_thread.run_sync(os.pread, fd, length, CHUNK_HEADER_SIZE + offset)
         return data if len(data) == length else None
 
+    def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
+                             length: int) -> bytes | bytearray | None:
+        """read_staged for the threaded peer server (runs in its connection threads)."""
+        ds = self._by_id[dataset_id]
+        cache = self.caches[ds]
+        fd = cache.cached_fd(chunk)
+        if fd < 0:
+            fd = cache.open_fd(chunk)
+        if fd < 0:
+            if self.owned[ds][chunk]:
+                self.demand.send(ds, chunk)  # a peer needs it: stage it next
+            return None
+        data = _pread_cached(fd, length, CHUNK_HEADER_SIZE + offset)
+        if data is None:
+            data = os.pread(fd, length, CHUNK_HEADER_SIZE + offset)
+        return data if len(data) == length else None
+
     # -- reporting ------------------------------------------------------------------------
     def owned_chunks(self, ds: int) -> np.ndarray:
         return np.flatnonzero(self.owned[ds])

@@ -63,9 +63,7 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
                                 "rate": p.rate, "eta": p.eta}
         out["datasets"].append(entry)
     if server is not None:
-        out["peer_server"] = {name: int(getattr(server, name)) for name in dir(server)
-                              if not name.startswith("_")
-                              and isinstance(getattr(server, name), int)}
+        out["peer_server"] = server.counters()
     return out
 
 

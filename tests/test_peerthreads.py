@@ -1,0 +1,196 @@
+"""ThreadedPeerServer (the daemon's peer server) on loopback, with real sockets.
+
+Good clients (the blocking one the workers use, the trio one of single-process
+mode) read exact ranges; hostile ones (no secret, wrong secret, garbage,
+oversized frames, a wrong version, out-of-range reads) get 0 data bytes and
+the server keeps serving good clients after each.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlfs import protocol
+from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
+from dlfsd.peersync import BlockingPeerClient
+from dlfsd.peerthreads import ThreadedPeerServer
+
+SECRET = b"job-secret-0123456789abcdef"
+DATASET = os.urandom(16)
+CHUNKS = [os.urandom(300_000), os.urandom(7)]
+NOT_STAGED = 2
+
+
+class Provider:
+    """Chunks in memory; chunk NOT_STAGED exists but is not staged here."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
+        if dataset_id != DATASET or chunk > NOT_STAGED:
+            return None
+        return len(CHUNKS[chunk]) if chunk < NOT_STAGED else 1000
+
+    def read_staged_blocking(self, dataset_id, chunk, offset, length):
+        self.reads += 1
+        return None if chunk == NOT_STAGED else CHUNKS[chunk][offset:offset + length]
+
+
+@pytest.fixture
+def server():
+    s = ThreadedPeerServer(SECRET, Provider(), "server", handshake_timeout=1.0)
+    s.port = s.start("127.0.0.1", 0)
+    yield s
+    s.stop()
+
+
+def good_read(server) -> None:
+    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", server.port, timeout=2)
+    try:
+        assert client.read(DATASET, 0, 1000, 5000) == CHUNKS[0][1000:6000]
+    finally:
+        client.close()
+
+
+def raw(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=3)
+    return sock
+
+
+def until_closed(sock: socket.socket) -> list[dict]:
+    """Everything the server sent before closing (a reset after that counts as closed)."""
+    received = bytearray()
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return protocol.FrameDecoder().feed(received)
+
+
+def raw_handshake(sock: socket.socket, secret: bytes = SECRET) -> None:
+    decoder = protocol.FrameDecoder()
+    nonce = protocol.new_nonce()
+    sock.sendall(protocol.encode(protocol.hello("raw", nonce)))
+    (challenge,) = decoder.feed(sock.recv(65536))
+    sock.sendall(protocol.encode(protocol.auth(protocol.client_proof(
+        secret, challenge["nonce"], nonce))))
+    assert decoder.feed(sock.recv(65536)) == [protocol.ok()]
+
+
+def test_blocking_client_reads_exact_ranges_and_errors_keep_the_connection(server):
+    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", server.port)
+    try:
+        for chunk, offset, length in [(0, 0, 300_000), (0, 299_999, 1), (1, 0, 7)]:
+            assert client.read(DATASET, chunk, offset, length) == \
+                CHUNKS[chunk][offset:offset + length]
+        with pytest.raises(PeerMiss):
+            client.read(DATASET, NOT_STAGED, 0, 10)
+        with pytest.raises(PeerRefused):
+            client.read(DATASET, 0, 299_999, 2)
+        with pytest.raises(PeerRefused):
+            client.read(os.urandom(16), 0, 0, 1)
+    finally:
+        client.close()
+    c = server.counters()
+    assert c["connections_accepted"] == 1 and c["reads_served"] == 3
+    assert c["bytes_served"] == 300_008 and c["reads_missed"] == 1 and c["reads_refused"] == 2
+
+
+async def test_trio_client_pipelines_against_the_threaded_server(server):
+    import trio
+
+    client = PeerClient(SECRET, "trio", "127.0.0.1", server.port, connections=2)
+    results = []
+
+    async def reader(i: int) -> None:
+        results.append(await client.read(DATASET, 0, i * 1000, 50_000)
+                       == CHUNKS[0][i * 1000:i * 1000 + 50_000])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(40):
+            nursery.start_soon(reader, i)
+    await client.aclose()
+    assert results == [True] * 40
+    assert server.counters()["reads_served"] == 40
+
+
+def test_wrong_secret_gets_nothing(server):
+    client = BlockingPeerClient(b"another-jobs-secret-0123456789", "bad", "127.0.0.1",
+                                server.port)
+    with pytest.raises(PeerUnavailable):
+        client.read(DATASET, 0, 0, 10)
+    good_read(server)
+    c = server.counters()
+    assert c["auth_failures"] == 1 and c["reads_served"] == 1 and server.provider.reads == 1
+
+
+def test_read_before_authenticating_is_refused_with_no_data(server):
+    sock = raw(server)
+    sock.sendall(protocol.encode(protocol.read(1, DATASET, 0, 0, 100)))
+    replies = until_closed(sock)
+    assert all(m["t"] != protocol.DATA for m in replies)
+    assert server.provider.reads == 0
+    good_read(server)
+
+
+@pytest.mark.parametrize("attack", ["garbage", "oversized", "version", "silent"])
+def test_hostile_connections_are_closed_and_the_server_keeps_serving(server, attack):
+    sock = raw(server)
+    if attack == "garbage":
+        sock.sendall(b"\x00\x00\x00\x05hello, this is not msgpack")
+    elif attack == "oversized":
+        sock.sendall((protocol.MAX_FRAME + 1).to_bytes(4, "big"))
+    elif attack == "version":
+        sock.sendall(protocol.encode(protocol.hello("old", protocol.new_nonce(), version=99)))
+    replies = until_closed(sock)  # "silent": the handshake timeout closes it
+    assert all(m["t"] in (protocol.ERR,) for m in replies)
+    assert server.provider.reads == 0
+    good_read(server)
+
+
+def test_after_auth_a_big_frame_or_a_non_read_closes_the_connection(server):
+    sock = raw(server)
+    raw_handshake(sock)
+    sock.sendall((protocol.MAX_CONTROL_FRAME + 1).to_bytes(4, "big") + b"x" * 100)
+    assert [m["t"] for m in until_closed(sock)] == [protocol.ERR]
+    sock = raw(server)
+    raw_handshake(sock)
+    sock.sendall(protocol.encode(protocol.ok()))
+    assert [m["t"] for m in until_closed(sock)] == [protocol.ERR]
+    assert server.counters()["protocol_errors"] == 2
+    good_read(server)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(min_size=1, max_size=300))
+def test_fuzzed_bytes_after_auth_never_get_data_or_kill_the_server(server, junk):
+    sock = raw(server)
+    raw_handshake(sock)
+    reads_before = server.provider.reads
+    sock.sendall(junk)
+    sock.shutdown(socket.SHUT_WR)
+    replies = until_closed(sock)
+    served = [m for m in replies if m["t"] == protocol.DATA]
+    # Junk can only be a READ by being a well-formed frame; then it is bounds-checked.
+    for m in served:
+        assert server.provider.reads > reads_before
+        assert isinstance(m["data"], bytes)
+    good_read(server)
+
+
+def test_stop_closes_open_connections(server):
+    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", server.port, timeout=2)
+    assert client.read(DATASET, 1, 0, 7) == CHUNKS[1]
+    server.stop()
+    with pytest.raises(PeerUnavailable):
+        client.read(DATASET, 1, 0, 7)
+    client.close()
