@@ -50,6 +50,11 @@ MAIN_EPILOG = """examples:
   ls /mnt/dlfs/imagenet/train | head
   dlfs umount /mnt/dlfs
 
+  # a job's nodes as one chunk pool (same flags on every node)
+  dlfs mount /mnt/dlfs --store /lustre/dlfs-store --cache-dir /nvme/dlfs \\
+      --nodes-file nodes.txt --secret-file job.secret
+  dlfs status /mnt/dlfs --watch
+
 """ + EXIT_CODES
 
 
