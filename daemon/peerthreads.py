@@ -146,7 +146,11 @@ class ThreadedPeerServer:
                 request = _receive(conn, buffers)
                 if request["t"] != protocol.READ:
                     raise ProtocolError(f"unexpected {request['t']} message after the handshake")
-                conn.sendall(protocol.encode(self._reply_to(request, peer)))
+                reply = self._reply_to(request, peer)
+                if reply["t"] == protocol.DATA:
+                    _send_data(conn, reply["id"], reply["data"])
+                else:
+                    conn.sendall(protocol.encode(reply))
         except _Closed:
             pass
         except TimeoutError:
@@ -251,6 +255,17 @@ def _fill(conn: socket.socket, view: memoryview, at_boundary: bool) -> bool:
             raise ProtocolError("connection closed in the middle of a frame")
         got += n
     return True
+
+
+def _send_data(conn: socket.socket, request_id: int, payload) -> None:
+    """A DATA frame without copying the payload: header and payload in one sendmsg."""
+    head = protocol.data_frame_head(request_id, len(payload))
+    sent = conn.sendmsg([head, payload])
+    if sent < len(head):
+        conn.sendall(head[sent:])
+        conn.sendall(payload)
+    elif sent < len(head) + len(payload):
+        conn.sendall(memoryview(payload)[sent - len(head):])
 
 
 def _goodbye(conn: socket.socket, msg: Message) -> None:

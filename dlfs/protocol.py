@@ -178,6 +178,24 @@ def data(request_id: int, payload: bytes | bytearray | memoryview) -> Message:
     return {"t": DATA, "id": request_id, "data": payload}
 
 
+def data_frame_head(request_id: int, length: int) -> bytes:
+    """The bytes of a DATA frame that precede its payload.
+
+    head + payload is one frame that decodes to data(request_id, payload), so a
+    server can hand the payload to the kernel as it is (sendmsg) instead of
+    copying it twice into a packed frame.
+    """
+    if not 0 <= request_id <= MAX_REQUEST_ID or not 0 <= length <= MAX_READ:
+        raise ProtocolError(f"bad DATA frame: id {request_id}, {length} bytes")
+    body_head = (_DATA_MAP_HEAD + msgpack.packb(request_id) + _DATA_KEY
+                 + b"\xc6" + length.to_bytes(4, "big"))  # bin 32 header
+    return LENGTH_PREFIX.pack(len(body_head) + length) + body_head
+
+
+_DATA_MAP_HEAD = b"\x83" + msgpack.packb("t") + msgpack.packb(DATA) + msgpack.packb("id")
+_DATA_KEY = msgpack.packb("data")
+
+
 def miss(request_id: int) -> Message:
     return {"t": MISS, "id": request_id}
 

@@ -229,3 +229,17 @@ def test_fuzz_valid_length_frames_of_random_msgpack(values, piece):
         assert got is None
     else:
         assert got == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, protocol.MAX_REQUEST_ID), st.binary(max_size=70_000))
+def test_data_frame_head_plus_payload_is_the_data_frame(request_id, payload):
+    frame = protocol.data_frame_head(request_id, len(payload)) + payload
+    assert protocol.FrameDecoder().feed(frame) == [protocol.data(request_id, payload)]
+
+
+def test_data_frame_head_refuses_what_the_wire_cannot_carry():
+    with pytest.raises(protocol.ProtocolError):
+        protocol.data_frame_head(0, protocol.MAX_READ + 1)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.data_frame_head(-1, 10)
