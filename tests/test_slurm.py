@@ -12,6 +12,7 @@ finally. Without Slurm packages and no way to install them, the module skips
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -180,6 +181,9 @@ def test_opted_in_job_reads_the_dataset_on_every_node(site):
         log = site.log(job, node).read_text()
         assert "mounted" in log and f"chunk pool: node {node} of 3, 2 replicas" in log, log
     _assert_cleaned(site, job, SIM_NODES)
+    for node in SIM_NODES:  # the job's I/O summary outlives the epilog, beside the log
+        summary = json.loads(site.log(job, node).with_suffix(".summary.json").read_text())
+        assert summary["datasets"]["ds"]["files_touched"] == len(expected.splitlines())
 
 
 def test_constraint_opts_in_too(site):

@@ -43,6 +43,7 @@ out=$("$DLFS_BIN" mount "$MOUNT" --slurm --store "$DLFS_STORE" \
       --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
       --cache-dir "$CACHE" --secret-file "$RUN_DIR/secret" --replicas "$replicas" \
       --port-base "$DLFS_PORT_BASE" --node-host "$DLFS_NODE_HOST" \
-      --log-file "$LOG" --timeout "$DLFS_MOUNT_TIMEOUT" $DLFS_MOUNT_ARGS \
+      --log-file "$LOG" --summary-file "${LOG%.log}.summary.json" \
+      --timeout "$DLFS_MOUNT_TIMEOUT" $DLFS_MOUNT_ARGS \
       </dev/null 2>&1) || fail "mount failed: $(printf '%s' "$out" | tail -n 1)"
 exit 0
