@@ -170,8 +170,8 @@ class SampleReader:
         if self._state[ext] & LOCAL_OK:
             try:
                 return await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
-            except CorruptDataError:  # truncated copy
-                self._evict(chunk, "truncated")
+            except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
+                self._evict(chunk, str(err) or "unreadable")
                 return None
         data = await self._single_flight(("local", ext), self._verify_local, ext, fd, chunk)
         return None if data is None else _slice(data, rel, length)
@@ -180,8 +180,9 @@ class SampleReader:
         try:
             data, digest = await self._blocking(
                 _pread_and_hash, fd, self._ext_len[ext], CHUNK_HEADER_SIZE + self._ext_off[ext])
-        except CorruptDataError:
-            digest, data = None, None
+        except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
+            self._evict(chunk, str(err) or "unreadable")
+            return None
         if digest != self._ext_sum[ext]:
             self._evict(chunk, "checksum mismatch")
             return None
