@@ -149,13 +149,6 @@ class ChunkCache:
         self._view = None  # release the export before closing the mapping
         self._state.close()
 
-    def remove_all(self) -> None:
-        """Delete every staged file of this dataset (the epilogue's wipe, tests)."""
-        for entry in os.scandir(self.dir):
-            _remove(entry.path)
-        with contextlib.suppress(OSError):
-            self.dir.rmdir()
-
 
 def _chunk_index(filename: str) -> int | None:
     stem, _, ext = filename.partition(".")

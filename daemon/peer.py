@@ -432,17 +432,8 @@ class _Connection:
                 length: int) -> bytes:
         if waiter.error is not None:
             raise waiter.error
-        reply = waiter.reply
-        where = f"chunk {chunk} of dataset {dataset_id.hex()} on peer {self.address}"
-        if reply["t"] == protocol.DATA:
-            return reply["data"]
-        if reply["t"] == protocol.MISS:
-            raise PeerMiss(f"{where} is not staged")
-        code = reply["code"]
-        if code in protocol.BOUNDS_FAIL_CODES:
-            raise PeerRefused(f"{where}: read of {length} bytes at {offset} refused ({code})",
-                              code)
-        raise PeerMiss(f"{where}: the peer could not read it ({code})", code)
+        return reply_bytes(waiter.reply, f"chunk {chunk} of dataset {dataset_id.hex()} on "
+                           f"peer {self.address}", offset, length)
 
     async def receive_replies(self) -> None:
         """The one reader of this connection; runs as a system task until the connection ends."""
@@ -631,6 +622,21 @@ class PeerClient:
         if msg["t"] != kind:
             raise ProtocolError(f"expected {kind}, got {msg['t']}")
         return msg
+
+
+def reply_bytes(reply: Message, where: str, offset: int, length: int) -> bytes:
+    """The payload of a DATA reply to a READ; PeerMiss or PeerRefused for MISS or FAIL.
+
+    Shared by both clients; each checks beforehand that the reply answers its request.
+    """
+    if reply["t"] == protocol.DATA:
+        return reply["data"]
+    if reply["t"] == protocol.MISS:
+        raise PeerMiss(f"{where} is not staged")
+    code = reply["code"]
+    if code in protocol.BOUNDS_FAIL_CODES:
+        raise PeerRefused(f"{where}: read of {length} bytes at {offset} refused ({code})", code)
+    raise PeerMiss(f"{where}: the peer could not read it ({code})", code)
 
 
 def _check_read_args(dataset_id: bytes, chunk: int, offset: int, length: int) -> None:

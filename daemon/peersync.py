@@ -16,7 +16,7 @@ import struct
 
 from dlfs import protocol
 from dlfs.protocol import LENGTH_PREFIX, Message, ProtocolError
-from dlfsd.peer import PeerMiss, PeerRefused, PeerUnavailable
+from dlfsd.peer import PeerUnavailable, reply_bytes
 
 _PREFIX = LENGTH_PREFIX.size
 
@@ -57,21 +57,13 @@ class BlockingPeerClient:
     def _result(self, reply: Message, dataset_id: bytes, chunk: int, offset: int,
                 length: int) -> bytes:
         where = f"chunk {chunk} of dataset {dataset_id.hex()} on peer {self.address}"
-        kind = reply["t"]
-        if kind == protocol.DATA:
-            if len(reply["data"]) != length:
-                self.close()
-                raise PeerUnavailable(f"{where}: sent {len(reply['data'])} bytes, not {length}")
-            return reply["data"]
-        if kind == protocol.MISS:
-            raise PeerMiss(f"{where} is not staged")
-        if kind == protocol.FAIL:
-            if reply["code"] in protocol.BOUNDS_FAIL_CODES:
-                raise PeerRefused(f"{where}: read refused ({reply['code']})", reply["code"])
-            raise PeerMiss(f"{where}: the peer could not read it ({reply['code']})",
-                           reply["code"])
-        self.close()
-        raise PeerUnavailable(f"peer {self.address} sent {kind} instead of a reply")
+        if reply["t"] not in (protocol.DATA, protocol.MISS, protocol.FAIL):
+            self.close()
+            raise PeerUnavailable(f"peer {self.address} sent {reply['t']} instead of a reply")
+        if reply["t"] == protocol.DATA and len(reply["data"]) != length:
+            self.close()
+            raise PeerUnavailable(f"{where}: sent {len(reply['data'])} bytes, not {length}")
+        return reply_bytes(reply, where, offset, length)
 
     def close(self) -> None:
         if self._sock is not None:

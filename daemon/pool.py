@@ -20,7 +20,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import trio
 
 from dlfs.cluster import ClusterView
@@ -30,12 +29,12 @@ from dlfs.store import Dataset
 from dlfsd.chunkcache import ChunkCache
 from dlfsd.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
 from dlfsd.peersync import BlockingPeerClient
+from dlfsd.reader import pread_nowait
 from dlfsd.stager import DemandChannel
 
 log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
-_HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 
 
 class ChunkPool:
@@ -88,18 +87,11 @@ class ChunkPool:
         """Bytes [offset, offset+length) of a chunk from an owner peer, checked against
         `expected` (the extent's checksum); None when no peer could serve them."""
         dataset_id = self.datasets[ds].uuid
-        for node in self.remote_owners[ds][chunk]:
-            if self._down_until.get(node, 0.0) > time.monotonic():
-                continue
+        for node in self._live_owners(ds, chunk):
             try:
                 data = await self._client(node).read(dataset_id, chunk, offset, length)
-            except PeerMiss:
-                continue
-            except PeerUnavailable as err:
-                self._mark_down(node, f"unavailable ({err})")
-                continue
             except PeerError as err:
-                self._mark_down(node, f"refused a read ({err})")
+                self._peer_failed(node, err)
                 continue
             if self._accept(node, ds, chunk, data, length, expected):
                 return data
@@ -109,22 +101,27 @@ class ChunkPool:
                        expected: int) -> bytes | None:
         """`fetch` for worker processes (one request at a time, blocking I/O)."""
         dataset_id = self.datasets[ds].uuid
-        for node in self.remote_owners[ds][chunk]:
-            if self._down_until.get(node, 0.0) > time.monotonic():
-                continue
+        for node in self._live_owners(ds, chunk):
             try:
                 data = self._blocking_client(node).read(dataset_id, chunk, offset, length)
-            except PeerMiss:
-                continue
-            except PeerUnavailable as err:
-                self._mark_down(node, f"unavailable ({err})")
-                continue
             except PeerError as err:
-                self._mark_down(node, f"refused a read ({err})")
+                self._peer_failed(node, err)
                 continue
             if self._accept(node, ds, chunk, data, length, expected):
                 return data
         return None
+
+    def _live_owners(self, ds: int, chunk: int):
+        """The other owners of a chunk in placement order, skipping peers marked down."""
+        now = time.monotonic()
+        return (n for n in self.remote_owners[ds][chunk] if self._down_until.get(n, 0.0) <= now)
+
+    def _peer_failed(self, node: int, err: PeerError) -> None:
+        """A miss just means "not staged there"; anything else marks the peer down."""
+        if isinstance(err, PeerMiss):
+            return
+        what = "unavailable" if isinstance(err, PeerUnavailable) else "refused a read"
+        self._mark_down(node, f"{what} ({err})")
 
     def _accept(self, node: int, ds: int, chunk: int, data: bytes, length: int,
                 expected: int) -> bool:
@@ -167,19 +164,9 @@ class ChunkPool:
 
     async def read_staged(self, dataset_id: bytes, chunk: int, offset: int,
                           length: int) -> bytes | bytearray | None:
-        ds = self._by_id[dataset_id]
-        cache = self.caches[ds]
-        fd = cache.cached_fd(chunk)
-        if fd < 0:
-            fd = await trio.to_thread.run_sync(cache.open_fd, chunk)
-        if fd < 0:
-            if self.owned[ds][chunk]:
-                self.demand.send(ds, chunk)  # a peer needs it: stage it next
-            return None
-        data = _pread_cached(fd, length, CHUNK_HEADER_SIZE + offset)
-        if data is None:  # not in the page cache: read in a thread, never block the loop
-            data = await trio.to_thread.run_sync(os.pread, fd, length, CHUNK_HEADER_SIZE + offset)
-        return data if len(data) == length else None
+        """ChunkProvider of the trio PeerServer: read_staged_blocking in a thread."""
+        return await trio.to_thread.run_sync(self.read_staged_blocking, dataset_id, chunk,
+                                             offset, length)
 
     def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
                              length: int) -> bytes | bytearray | None:
@@ -193,23 +180,10 @@ class ChunkPool:
             if self.owned[ds][chunk]:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
             return None
-        data = _pread_cached(fd, length, CHUNK_HEADER_SIZE + offset)
+        try:
+            data = pread_nowait(fd, length, CHUNK_HEADER_SIZE + offset)
+        except OSError:  # the cache's file system cannot do RWF_NOWAIT
+            data = None
         if data is None:
             data = os.pread(fd, length, CHUNK_HEADER_SIZE + offset)
         return data if len(data) == length else None
-
-    # -- reporting ------------------------------------------------------------------------
-    def owned_chunks(self, ds: int) -> np.ndarray:
-        return np.flatnonzero(self.owned[ds])
-
-
-def _pread_cached(fd: int, length: int, pos: int) -> bytearray | None:
-    """The bytes if they are all in the page cache (no blocking), else None."""
-    if not _HAVE_NOWAIT:
-        return None
-    buf = bytearray(length)
-    try:
-        got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
-    except OSError:  # BlockingIOError, or a file system without RWF_NOWAIT
-        return None
-    return buf if got == length else None

@@ -254,17 +254,13 @@ class SampleReader:
 
     def _pread_cached(self, fd: int, length: int, pos: int) -> bytearray | None:
         """Read without blocking if the bytes are in the page cache, else None."""
-        buf = bytearray(length)
         try:
-            got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return None
+            return pread_nowait(fd, length, pos)
         except OSError as err:
             if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             self._nowait = False  # the chunk file system cannot do it; always use threads
             return None
-        return buf if got == length else None
 
     async def _load_verified(self, ext: int) -> bytes | None:
         """Load and check a whole extent once; None if another task checked it meanwhile."""
@@ -319,6 +315,21 @@ class SampleReader:
                 return self._fds[chunk]
             self._fds[chunk] = fd
         return fd
+
+
+def pread_nowait(fd: int, length: int, pos: int) -> bytearray | None:
+    """The bytes if all are in the page cache (never blocks), else None.
+
+    Raises OSError (EOPNOTSUPP, EINVAL) where the file system cannot do RWF_NOWAIT.
+    """
+    if not _HAVE_NOWAIT:
+        return None
+    buf = bytearray(length)
+    try:
+        got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    return buf if got == length else None
 
 
 def _pread_exact(fd: int, length: int, pos: int) -> bytes:

@@ -45,11 +45,6 @@ def owners(dataset_id: bytes, chunk_count: int, node_names: list[str],
     return order[:, :r].astype(np.int32)
 
 
-def owned_by(table: np.ndarray, node: int) -> np.ndarray:
-    """Chunk indices that `node` owns (as any replica), ascending."""
-    return np.flatnonzero((table == node).any(axis=1))
-
-
 def summary(table: np.ndarray, chunk_lengths: np.ndarray, node_count: int
             ) -> list[tuple[int, int, int]]:
     """Per node: (chunks owned as primary, chunks owned as any replica, bytes of those)."""
