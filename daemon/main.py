@@ -39,6 +39,7 @@ from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.observe import ObserveConfig
 from dlfsd.ops import DlfsOperations
 from dlfsd.status import build_status, keep_status, write_status
+from dlfsd.wireworker import WireWorker, find_fuse_fd, fuse_fds
 
 log = logging.getLogger("dlfsd")
 
@@ -176,21 +177,6 @@ async def watch_workers(pids: list[int]) -> bool:
     return clean
 
 
-async def serve_worker(config: MountConfig) -> None:
-    """A forked worker: one FUSE request at a time until unmount or SIGTERM."""
-    async with trio.open_nursery() as nursery:
-
-        async def watch_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-                async for _ in sigs:
-                    pyfuse3.terminate()
-                    return
-
-        nursery.start_soon(watch_signals)
-        await pyfuse3.main(min_tasks=1, max_tasks=1)
-        nursery.cancel_scope.cancel()
-
-
 async def supervise(config: MountConfig, worker_pids: list[int], services) -> bool:
     """The main process: run the background services (stager, peer server, status) and
     either serve FUSE itself (single-process mode) or watch the workers that do.
@@ -281,6 +267,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         services = Services(config, namespace.datasets, namespace.stats, pool)
         ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
         _raise_fd_limit()
+        fds_before_mount = fuse_fds()
         pyfuse3.init(ops, config.mountpoint, mount_options(config))
     except DlfsError as err:
         log.error("%s", err)
@@ -299,7 +286,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     try:
         trio.run(_answer_kernel_init, ops)
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
-        workers = start_workers(config, namespace, pool)
+        workers = start_workers(config, namespace, ops, fds_before_mount, pool)
         control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
         write_status(status_path(config.mountpoint), services.status())  # before READY
@@ -334,7 +321,8 @@ async def _answer_kernel_init(ops: DlfsOperations) -> None:
             nursery.cancel_scope.cancel()
 
 
-def start_workers(config: MountConfig, namespace: Namespace, pool=None) -> list[int]:
+def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations,
+                  fds_before_mount: set[int], pool=None) -> list[int]:
     """Fork config.workers processes serving the same FUSE session (none for 1 worker).
 
     The kernel hands each request to exactly one reader of /dev/fuse, so N
@@ -342,12 +330,15 @@ def start_workers(config: MountConfig, namespace: Namespace, pool=None) -> list[
     blocked read() of /dev/fuse must never strand an unfinished request, so
     every process then handles one request at a time with blocking I/O (the
     libfuse multi-thread model); data is immutable and handles are
-    stateless, so no state needs sharing. The main process then only
-    supervises and runs the services (see supervise).
+    stateless, so no state needs sharing. Workers speak the kernel protocol
+    themselves (dlfsd.wireworker: pyfuse3's per-request cost is most of a
+    small file's). The main process then only supervises and runs the
+    services (see supervise).
     """
     if config.workers <= 1:
         return []
     namespace.use_inline_io()
+    fuse_fd = find_fuse_fd(fds_before_mount)
     pids = []
     for _ in range(config.workers):
         pid = os.fork()
@@ -356,7 +347,7 @@ def start_workers(config: MountConfig, namespace: Namespace, pool=None) -> list[
             try:
                 if pool is not None:
                     pool.after_fork()
-                trio.run(serve_worker, config)
+                WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout).serve()
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
                 code = 1

@@ -1,0 +1,260 @@
+"""WireWorker: a forked worker process serving FUSE requests straight off /dev/fuse.
+
+Why not pyfuse3 here: a request through pyfuse3's trio loop costs about 40 µs
+of CPU (epoll registration, a trio task switch, a lock, coroutine wrappers);
+the same request read and answered here with one blocking read() and one
+write() costs about 25 µs, most of it the kernel's own round trip. A file a
+training job reads warm costs two requests (OPEN, RELEASE), so that is most
+of the daemon's share of the time. A blocking read() of /dev/fuse also wakes
+exactly one waiting worker per request, where epoll wakes them all.
+
+The main process still mounts through pyfuse3/libfuse and answers INIT (which
+negotiates the protocol); workers are forked after that and only translate:
+each request becomes one Namespace call, exactly as in dlfsd.ops, and each
+failure an errno (logged once when unexpected). One request at a time per
+process, blocking I/O inline (the readers are in inline mode).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+
+from dlfs.errors import DlfsError
+from dlfsd import fusewire as fw
+from dlfsd.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+_HEADER = fw.IN_HEADER.size
+
+
+class Caller:
+    """Who sent the current request (what the Namespace's trace wants: pid, uid)."""
+
+    __slots__ = ("gid", "pid", "uid")
+
+    def __init__(self) -> None:
+        self.pid = self.uid = self.gid = 0
+
+
+class _Stop(Exception):
+    """Raised by the signal handler to leave a blocking read of /dev/fuse."""
+
+
+def fuse_fds() -> set[int]:
+    """This process's descriptors open on /dev/fuse."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                found.add(int(name))
+        except OSError:  # the listing's own descriptor, gone already
+            continue
+    return found
+
+
+def find_fuse_fd(before: set[int]) -> int:
+    """The /dev/fuse descriptor of our mount: the one not open before mounting."""
+    new = fuse_fds() - before
+    if len(new) != 1:
+        raise RuntimeError(f"cannot tell the mount's /dev/fuse descriptor (candidates {new})")
+    return new.pop()
+
+
+def run_inline(coro):
+    """Run a coroutine that never suspends (inline I/O) to its result."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a request tried to wait for another task in a worker process")
+
+
+class WireWorker:
+    """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
+
+    def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
+                 cache_timeout: float) -> None:
+        self.ns = namespace
+        self.fd = fd
+        self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
+        self.caller = Caller()
+        self._buf = bytearray(fw.REQUEST_BUFFER)
+        self._view = memoryview(self._buf)
+        self._reading = False
+        self._stopping = False
+        self._handlers = {
+            fw.LOOKUP: self.lookup, fw.GETATTR: self.getattr, fw.READLINK: self.readlink,
+            fw.OPEN: self.open, fw.READ: self.read, fw.RELEASE: self.release,
+            fw.STATFS: self.statfs, fw.GETXATTR: self.getxattr, fw.LISTXATTR: self.listxattr,
+            fw.OPENDIR: self.opendir, fw.READDIR: self.readdir,
+            fw.READDIRPLUS: self.readdirplus, fw.RELEASEDIR: self.empty,
+            fw.ACCESS: self.access, fw.DESTROY: self.empty,
+        }
+
+    # -- the loop ---------------------------------------------------------------------
+    def serve(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+        while not self._stopping:
+            n = self._receive()
+            if n <= 0:
+                break
+            self._dispatch(n)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stopping = True
+        if self._reading:  # blocked waiting for a request: nothing is left unanswered
+            raise _Stop
+
+    def _receive(self) -> int:
+        """Read one request; 0 once the file system is unmounted or we must stop."""
+        while True:
+            self._reading = True
+            try:
+                return os.readv(self.fd, [self._buf])
+            except _Stop:
+                return 0
+            except OSError as err:
+                if err.errno == errno.ENODEV:  # unmounted
+                    return 0
+                if err.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
+                    raise  # ENOENT: the request was interrupted before we got it
+            finally:
+                self._reading = False
+
+    def _dispatch(self, n: int) -> None:
+        _, opcode, unique, nodeid, uid, gid, pid, _, _ = fw.IN_HEADER.unpack_from(self._buf)
+        if opcode in fw.NO_REPLY:
+            return
+        caller = self.caller
+        caller.pid, caller.uid, caller.gid = pid, uid, gid
+        handler = self._handlers.get(opcode)
+        try:
+            if handler is None:
+                raise _Errno(errno.EROFS if opcode in fw.MUTATING else errno.ENOSYS)
+            payload = handler(nodeid, n)
+        except _Errno as err:
+            self._send(fw.error_reply(unique, err.errno))
+            return
+        except DlfsError as err:
+            self._send(fw.error_reply(unique, err.errno))
+            return
+        except OSError as err:
+            log.error("%s failed: %s", _name(opcode), err)
+            self._send(fw.error_reply(unique, err.errno or errno.EIO))
+            return
+        except Exception:
+            log.exception("unexpected error in %s; replying EIO", _name(opcode))
+            self._send(fw.error_reply(unique, errno.EIO))
+            return
+        if payload is None:
+            self._send(fw.error_reply(unique, 0))
+        else:
+            self._send(fw.reply_header(unique, len(payload)), payload)
+
+    def _send(self, head: bytes, payload=None) -> None:
+        try:
+            if payload is None:
+                os.write(self.fd, head)
+            else:
+                os.writev(self.fd, (head, payload))
+        except OSError as err:  # ENOENT: the request was interrupted meanwhile
+            if err.errno not in (errno.ENOENT, errno.ENODEV):
+                log.error("cannot answer a FUSE request: %s", err)
+
+    # -- requests: each returns the reply payload (None: empty success) ---------------
+    def _name_arg(self, n: int, start: int = _HEADER) -> bytes:
+        end = self._buf.index(0, start, n)
+        return bytes(self._view[start:end])
+
+    def lookup(self, nodeid: int, n: int) -> bytes:
+        ns = self.ns
+        return self.attrs.entry(ns.getattr(ns.lookup(nodeid, self._name_arg(n), self.caller)))
+
+    def getattr(self, nodeid: int, n: int) -> bytes:
+        return self.attrs.attr(self.ns.getattr(nodeid, self.caller))
+
+    def readlink(self, nodeid: int, n: int) -> bytes:
+        return self.ns.readlink(nodeid)
+
+    def open(self, nodeid: int, n: int) -> bytes:
+        flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
+        if flags & _WRITE_FLAGS:
+            raise _Errno(errno.EROFS)
+        fh, direct_io = self.ns.open(nodeid, self.caller)
+        return fw.OPEN_OUT.pack(fh, fw.FOPEN_DIRECT_IO if direct_io else fw.FOPEN_KEEP_CACHE, 0)
+
+    def read(self, nodeid: int, n: int):
+        fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        return run_inline(self.ns.read(fh, offset, size))
+
+    def release(self, nodeid: int, n: int) -> None:
+        fh, _, _ = fw.RELEASE_IN.unpack_from(self._buf, _HEADER)
+        self.ns.release(fh)
+
+    def statfs(self, nodeid: int, n: int) -> bytes:
+        return fw.statfs(*self.ns.totals())
+
+    def getxattr(self, nodeid: int, n: int) -> bytes:
+        self.ns.getattr(nodeid)
+        raise _Errno(errno.ENODATA)
+
+    def listxattr(self, nodeid: int, n: int) -> bytes:
+        self.ns.getattr(nodeid)
+        size, _ = fw.SIZE_IN.unpack_from(self._buf, _HEADER)
+        return fw.XATTR_SIZE_OUT.pack(0, 0) if size == 0 else b""
+
+    def opendir(self, nodeid: int, n: int) -> bytes:
+        self.ns.check_dir(nodeid)
+        return fw.OPEN_OUT.pack(nodeid, 0, 0)
+
+    def readdir(self, nodeid: int, n: int) -> bytes:
+        fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        out, used = [], 0
+        for name, attr, next_offset in self.ns.readdir(fh, offset):
+            entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
+            if used + len(entry) > size:
+                break
+            out.append(entry)
+            used += len(entry)
+        return b"".join(out)
+
+    def readdirplus(self, nodeid: int, n: int) -> bytes:
+        fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        out, used = [], 0
+        for name, attr, next_offset in self.ns.readdir(fh, offset):
+            entry = self.attrs.entry(attr) + fw.dirent(name, attr.ino, attr.mode, next_offset)
+            if used + len(entry) > size:
+                break
+            out.append(entry)
+            used += len(entry)
+        return b"".join(out)
+
+    def access(self, nodeid: int, n: int) -> None:
+        mask, _ = fw.ACCESS_IN.unpack_from(self._buf, _HEADER)
+        if mask & os.W_OK:
+            raise _Errno(errno.EROFS)
+        self.ns.getattr(nodeid)
+
+    def empty(self, nodeid: int, n: int) -> None:
+        return None
+
+
+class _Errno(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.errno = value
+
+
+_OPNAMES = {v: k.lower() for k, v in vars(fw).items() if k.isupper() and isinstance(v, int)
+            and not k.startswith(("FOPEN", "BLK", "REQUEST"))}
+
+
+def _name(opcode: int) -> str:
+    return _OPNAMES.get(opcode, f"opcode {opcode}")
