@@ -5,13 +5,18 @@ so `ls MOUNTPOINT` still shows exactly the datasets (like a dot file, only
 more hidden; `ls MOUNTPOINT/.dlfs` lists its files). Inodes come from the
 reserved range 2..1023.
 
-Each file is rendered once per open (one consistent snapshot per reader) and
-served with direct_io, so the kernel never caches stale content. Because a
-read may reach any of the daemon's processes, not the one that handled the
-open, the rendered bytes go to a file in a private tmpfs directory that all
-processes share (named after the handle); release removes it, unmount
-removes the directory, and the next daemon removes one whose daemon was
-killed. Handles are CONTROL_FH | process slot << 40 | counter.
+When the daemon sees opens (`--workers 1`, `--count-opens`), each file is
+rendered once per open (one consistent snapshot per reader) and served with
+direct_io, so the kernel never caches stale content. Otherwise the kernel
+opens files without asking (FUSE no_open): the reading process gets a
+snapshot when it looks the file up (latest_attr, read_latest), and the worker
+reports these attributes with a zero timeout, so each read() revalidates and
+a new snapshot drops the old one's cached pages. Because a read may reach any of the daemon's
+processes, not the one that handled the open, the rendered bytes go to a file
+in a private tmpfs directory that all processes share (named after the handle,
+or inode and pid); release removes it, unmount removes the directory, and the
+next daemon removes one whose daemon was killed. Handles are CONTROL_FH |
+process slot << 40 | counter.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ CONTROL_DIR_NAME = b".dlfs"
 CONTROL_DIR_INODE = 2
 LAST_CONTROL_INODE = 1023
 CONTROL_FH = 1 << 62
+SNAPSHOT_FRESH = 0.5  # seconds a no-open reader's snapshot is reused (see latest_attr)
+SNAPSHOT_MAX_AGE = 60.0  # seconds before an unused one is removed
 DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
 
@@ -56,6 +63,14 @@ def _remove_stale_dirs(parent: str) -> None:
             if (entry.name.startswith(_PREFIX) and pid.isdigit() and not pid_alive(int(pid))
                     and entry.stat(follow_symlinks=False).st_uid == os.getuid()):
                 shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _pread_file(path: str, size: int, offset: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
 
 
 def _remove_dir(path: str, owner_pid: int) -> None:
@@ -134,11 +149,56 @@ class ControlFiles:
         return fh
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
-        fd = os.open(self._path(fh), os.O_RDONLY | os.O_CLOEXEC)
+        return _pread_file(self._path(fh), size, offset)
+
+    def latest_attr(self, ino: int, pid: int) -> AttrTuple:
+        """Attributes of the snapshot process `pid` reads next (FUSE no_open).
+
+        Without opens, a snapshot is made when the reading process looks the
+        file up or stats it (which the kernel does before each read() of it,
+        as these attributes carry a zero timeout), and reused for SNAPSHOT_FRESH
+        seconds, so the reads of one pass over the file see one snapshot. The
+        size is the snapshot's and the mtime its render time: a new snapshot
+        makes the kernel drop the old one's cached pages.
+        """
+        path = self._snapshot_path(ino, pid)
         try:
-            return os.pread(fd, size, offset)
-        finally:
-            os.close(fd)
+            st = os.stat(path)
+            if time.time() - st.st_mtime < SNAPSHOT_FRESH:
+                return (ino, FILE_MODE, st.st_size, st.st_mtime_ns, 1)
+        except FileNotFoundError:
+            pass
+        content = self._renderers[self._name[ino]]()
+        self._remove_old_snapshots()
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(content)
+        os.replace(tmp, path)  # readers of `path` never see a partial snapshot
+        return (ino, FILE_MODE, len(content), os.stat(path).st_mtime_ns, 1)
+
+    def read_latest(self, ino: int, pid: int, offset: int, size: int) -> bytes:
+        """Read the snapshot latest_attr gave process `pid` (making one if there is none)."""
+        if ino not in self._name:
+            raise NotFoundError(f"no inode {ino}")
+        path = self._snapshot_path(ino, pid)
+        try:
+            return _pread_file(path, size, offset)
+        except FileNotFoundError:
+            self.latest_attr(ino, pid)
+            return _pread_file(path, size, offset)
+
+    def _snapshot_path(self, ino: int, pid: int) -> str:
+        if ino not in self._name:
+            raise NotFoundError(f"no inode {ino}")
+        return os.path.join(self._dir, f"i{ino}-p{pid}")
+
+    def _remove_old_snapshots(self) -> None:
+        too_old = time.time() - SNAPSHOT_MAX_AGE
+        with contextlib.suppress(OSError), os.scandir(self._dir) as entries:
+            for entry in entries:
+                if entry.name.startswith("i") and entry.stat().st_mtime < too_old:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
 
     def release(self, fh: int) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -347,7 +347,8 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
             try:
                 if pool is not None:
                     pool.after_fork()
-                WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout).serve()
+                WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout,
+                           config.count_opens).serve()
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
                 code = 1

@@ -156,6 +156,12 @@ class Namespace:
         k, row = self._locate(ino)
         return _attr(self._dirs[k], self._bases[k], row)
 
+    def control_attr(self, ino: int, pid: int) -> Attr:
+        """Attributes of a `.dlfs/` entry as process `pid` will read it without an open."""
+        if self.control.is_dir(ino):
+            return Attr(*self.control.attr(ino))
+        return Attr(*self.control.latest_attr(ino, pid))
+
     def readlink(self, ino: int) -> bytes:
         k, row = self._locate(ino)
         try:
@@ -229,6 +235,7 @@ class Namespace:
         return fh, False
 
     async def read(self, fh: int, offset: int, size: int):
+        """Read through an open handle (the daemon answered the open)."""
         if fh >= TRACED_FH:
             if fh >= CONTROL_FH:
                 return self.control.read(fh, offset, size)
@@ -238,6 +245,23 @@ class Namespace:
         k, row = self._locate(ino)
         if not self._counting:
             return await self.readers[k].read(row, offset, size)
+        return await self._read_counted(k, row, offset, size, fh, None)
+
+    async def read_inode(self, ino: int, offset: int, size: int, caller):
+        """Read a file the kernel opened without asking us (no handle; FUSE no_open).
+
+        `caller` (.pid, .uid) is the process whose read this is.
+        """
+        if ino < FIRST_DATASET_INODE:
+            self.check_file(ino)
+            return self.control.read_latest(ino, caller.pid, offset, size)
+        k, row = self._locate(ino)
+        if not self._counting:
+            return await self.readers[k].read(row, offset, size)
+        return await self._read_counted(k, row, offset, size, 0, caller)
+
+    async def _read_counted(self, k: int, row: int, offset: int, size: int, fh: int, caller):
+        """Read, count it, and trace it (caller: the reader; None: the handle's opener)."""
         tracing = self._tracing[0]
         if tracing:
             self.stats.request_sources = 0
@@ -246,7 +270,7 @@ class Namespace:
         latency = perf_counter_ns() - started
         self.stats.record_read(k, row, offset, len(data), latency)
         if tracing:
-            pid, uid = self.trace.opener(fh)
+            pid, uid = (caller.pid, caller.uid) if caller is not None else self.trace.opener(fh)
             self.trace.record(OP_READ, k, row, offset, len(data), latency, pid, uid,
                               self.stats.request_sources)
         return data

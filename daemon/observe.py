@@ -30,13 +30,16 @@ class ObserveConfig:
     enabled: bool = True  # counters (and the trace); False is `--no-stats`
     processes: int = 1  # daemon processes that will record (main + workers)
     trace_capacity: int = DEFAULT_CAPACITY
+    opens_counted: bool = True  # the daemon answers opens (False: FUSE no_open)
 
     @classmethod
     def from_mount(cls, config: MountConfig) -> ObserveConfig:
         # The main process, plus N forked FUSE workers when --workers N > 1.
         processes = 1 + config.workers if config.workers > 1 else 1
+        # pyfuse3 (--workers 1) cannot read without an open: it always answers them.
         return cls(enabled=config.stats, processes=processes,
-                   trace_capacity=config.trace_capacity)
+                   trace_capacity=config.trace_capacity,
+                   opens_counted=config.count_opens or config.workers <= 1)
 
 
 class Observability:
@@ -49,6 +52,7 @@ class Observability:
         if config.enabled:
             self.stats = Stats([d.name for d in datasets], [d.directory for d in datasets],
                                self.slot)
+            self.stats.opens_counted = config.opens_counted
         # Without counters the trace cannot start (see start_trace): one record suffices.
         capacity = config.trace_capacity if config.enabled else 1
         self.trace = Trace(capacity, self.slot)

@@ -72,6 +72,7 @@ class Stats:
         self.directories = list(directories)
         self.slot = slot
         self.mounted_ns = time.time_ns()
+        self.opens_counted = True  # False: the kernel opens files without us (FUSE no_open)
         self._t0 = monotonic_ns() - 1  # so that no access time is ever 0 (0 = never)
         self._file_base = [0]
         for d in self.directories:
@@ -141,11 +142,13 @@ class Stats:
         lock = self._locks[f & (LOCK_STRIPES - 1)]
         lock.acquire()
         try:
-            sequential = self._last_end[f] == offset
+            sequential = offset == 0 or self._last_end[f] == offset
             self._last_end[f] = offset + size
             self._freads[f] += 1
             self._fbytes[f] += size
-            self._last[f] = now  # first_ns was set by the open
+            if not self._first[f]:  # no open seen (the kernel opened it: FUSE no_open)
+                self._first[f] = now
+            self._last[f] = now
         finally:
             lock.release()
         slab = self._slab
@@ -181,7 +184,8 @@ class Stats:
         mount["last_access_ns"] = max(times) if times else 0
         return {"format": "dlfs-stats", "version": STATS_FORMAT_VERSION, "enabled": True,
                 "time_ns": time.time_ns(), "mounted_ns": self.mounted_ns,
-                "processes": self.slot.count, "sources": list(SOURCE_NAMES),
+                "processes": self.slot.count, "opens_counted": self.opens_counted,
+                "sources": list(SOURCE_NAMES),
                 "buckets": "log2: bucket b counts values v with v.bit_length() == b "
                            "(sizes in bytes, latencies in microseconds); the last is open",
                 "mount": mount, "datasets": datasets}

@@ -24,7 +24,7 @@ import signal
 
 from dlfs.errors import DlfsError
 from dlfsd import fusewire as fw
-from dlfsd.namespace import Namespace
+from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,13 @@ class WireWorker:
     """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
 
     def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
-                 cache_timeout: float) -> None:
+                 cache_timeout: float, count_opens: bool = False) -> None:
         self.ns = namespace
         self.fd = fd
+        self.count_opens = count_opens
         self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
+        # `.dlfs/` files change all the time: the kernel must ask again on each read.
+        self.control_attrs = fw.AttrPacker(uid, gid, 0.0)
         self.caller = Caller()
         self._buf = bytearray(fw.REQUEST_BUFFER)
         self._view = memoryview(self._buf)
@@ -173,12 +176,22 @@ class WireWorker:
         end = self._buf.index(0, start, n)
         return bytes(self._view[start:end])
 
+    def _packer(self, ino: int) -> fw.AttrPacker:
+        return self.control_attrs if ROOT_INODE < ino < FIRST_DATASET_INODE else self.attrs
+
+    def _attr(self, ino: int):
+        if self.count_opens or not ROOT_INODE < ino < FIRST_DATASET_INODE:
+            return self.ns.getattr(ino, self.caller)
+        # A `.dlfs/` file the kernel will open without us: its size is that of the
+        # snapshot this process will read (see ControlFiles.latest_attr).
+        return self.ns.control_attr(ino, self.caller.pid)
+
     def lookup(self, nodeid: int, n: int) -> bytes:
-        ns = self.ns
-        return self.attrs.entry(ns.getattr(ns.lookup(nodeid, self._name_arg(n), self.caller)))
+        ino = self.ns.lookup(nodeid, self._name_arg(n), self.caller)
+        return self._packer(ino).entry(self._attr(ino))
 
     def getattr(self, nodeid: int, n: int) -> bytes:
-        return self.attrs.attr(self.ns.getattr(nodeid, self.caller))
+        return self._packer(nodeid).attr(self._attr(nodeid))
 
     def readlink(self, nodeid: int, n: int) -> bytes:
         return self.ns.readlink(nodeid)
@@ -187,11 +200,17 @@ class WireWorker:
         flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
         if flags & _WRITE_FLAGS:
             raise _Errno(errno.EROFS)
+        if not self.count_opens:
+            # FUSE no_open: from this reply on the kernel opens and closes files
+            # itself (keeping their page cache) and reads arrive with handle 0.
+            raise _Errno(errno.ENOSYS)
         fh, direct_io = self.ns.open(nodeid, self.caller)
         return fw.OPEN_OUT.pack(fh, fw.FOPEN_DIRECT_IO if direct_io else fw.FOPEN_KEEP_CACHE, 0)
 
     def read(self, nodeid: int, n: int):
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        if fh == 0:  # opened by the kernel alone (no_open)
+            return run_inline(self.ns.read_inode(nodeid, offset, size, self.caller))
         return run_inline(self.ns.read(fh, offset, size))
 
     def release(self, nodeid: int, n: int) -> None:
@@ -229,7 +248,8 @@ class WireWorker:
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
         out, used = [], 0
         for name, attr, next_offset in self.ns.readdir(fh, offset):
-            entry = self.attrs.entry(attr) + fw.dirent(name, attr.ino, attr.mode, next_offset)
+            entry = (self._packer(attr.ino).entry(attr)
+                     + fw.dirent(name, attr.ino, attr.mode, next_offset))
             if used + len(entry) > size:
                 break
             out.append(entry)

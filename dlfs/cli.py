@@ -231,7 +231,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
         allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
-        stats=not args.no_stats, trace_capacity=args.trace_capacity,
+        stats=not args.no_stats, count_opens=args.count_opens,
+        trace_capacity=args.trace_capacity,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
 
@@ -470,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-file", help="daemon log file")
     p.add_argument("--no-stats", action="store_true",
                    help="switch the I/O counters and the trace off (to measure their cost)")
+    p.add_argument("--count-opens", action="store_true",
+                   help="send every open and close to the daemon, so the counters and the "
+                        "trace see them (two kernel round trips per file opened). By default "
+                        "the kernel opens files itself: a file already in the page cache is "
+                        "read without asking the daemon, and only reads are counted "
+                        "(always on with --workers 1)")
     p.add_argument("--trace-capacity", type=_positive, default=MountConfig.trace_capacity,
                    help="trace records kept while tracing (default 1048576, ~52 MB of "
                         "shared memory; beyond it the oldest are dropped)")

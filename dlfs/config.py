@@ -35,6 +35,9 @@ class MountConfig:
     debug: bool = False
     log_file: str | None = None
     stats: bool = True  # I/O counters and the trace; off (--no-stats) only to measure their cost
+    # Send every open/close to the daemon (counted, traced). Off: the kernel opens files
+    # itself (FUSE no_open), so a page-cache hit costs no daemon round trip at all.
+    count_opens: bool = False
     trace_capacity: int = 1 << 20  # trace records kept (oldest dropped beyond)
     summary_file: str | None = None  # final counters + text summary, written at unmount
     # -- the chunk pool (cluster mode: on when cache_dir is set) --

@@ -73,7 +73,7 @@ class Row:
 
     name: str
     files: int
-    opens: int
+    opens: int | None  # None: not counted (the kernel opened files without the daemon)
     reads: int
     bytes: int
     random_pct: float
@@ -83,10 +83,11 @@ class Row:
     p99: str
 
 
-def make_row(name: str, c: dict) -> Row:
+def make_row(name: str, c: dict, opens_counted: bool = True) -> Row:
     reads = c["reads"]
     return Row(
-        name=name, files=c.get("files_touched", 0), opens=c["opens"], reads=reads,
+        name=name, files=c.get("files_touched", 0),
+        opens=c["opens"] if opens_counted else None, reads=reads,
         bytes=c["bytes"], random_pct=100.0 * c["random_reads"] / reads if reads else 0.0,
         median_request=size_quantile_text(c["read_size_hist"], 0.5),
         source_bytes={s: c["sources"][s]["bytes"] for s in SOURCES},
@@ -98,9 +99,10 @@ def rows(snapshot: dict) -> list[Row]:
     """Per-dataset rows, then the mount total (if more than one dataset)."""
     if not snapshot.get("enabled", False):
         return []
-    out = [make_row(name, c) for name, c in sorted(snapshot["datasets"].items())]
+    counted = snapshot.get("opens_counted", True)
+    out = [make_row(name, c, counted) for name, c in sorted(snapshot["datasets"].items())]
     if len(out) > 1:
-        out.append(make_row("(all)", snapshot["mount"]))
+        out.append(make_row("(all)", snapshot["mount"], counted))
     return out
 
 
@@ -112,11 +114,15 @@ def text_summary(snapshot: dict) -> list[str]:
     for r in rows(snapshot):
         sources = ", ".join(f"{s} {format_size(n)}" for s, n in r.source_bytes.items() if n)
         lines.append(
-            f"{r.name}: {r.files} files touched, {r.opens} opens, {r.reads} reads, "
+            f"{r.name}: {r.files} files touched, {_opens_text(r.opens)}, {r.reads} reads, "
             f"{format_size(r.bytes)} read, {r.random_pct:.1f}% random, median request "
             f"{r.median_request}, latency p50 {r.p50} p99 {r.p99}"
             + (f"; from {sources}" if sources else ""))
     return lines
+
+
+def _opens_text(opens: int | None) -> str:
+    return "opens not counted (see --count-opens)" if opens is None else f"{opens} opens"
 
 
 def rich_table(snapshot: dict, title: str):
@@ -129,7 +135,8 @@ def rich_table(snapshot: dict, title: str):
         table.add_column(header, justify="left" if header == "dataset" else "right",
                          no_wrap=True)
     for r in rows(snapshot):
-        table.add_row(r.name, f"{r.files:,}", f"{r.opens:,}", f"{r.reads:,}",
+        table.add_row(r.name, f"{r.files:,}", "-" if r.opens is None else f"{r.opens:,}",
+                      f"{r.reads:,}",
                       _short_size(r.bytes), f"{r.random_pct:.1f}%", r.median_request,
                       *(_short_size(r.source_bytes[s]) for s in SOURCES), r.p50, r.p99)
     return table
