@@ -179,19 +179,20 @@ class WireWorker:
     def _packer(self, ino: int) -> fw.AttrPacker:
         return self.control_attrs if ROOT_INODE < ino < FIRST_DATASET_INODE else self.attrs
 
-    def _attr(self, ino: int):
+    def _attr(self, ino: int, caller: Caller | None):
+        """Attributes of `ino`; `caller` is traced (None: part of another request)."""
         if self.count_opens or not ROOT_INODE < ino < FIRST_DATASET_INODE:
-            return self.ns.getattr(ino, self.caller)
+            return self.ns.getattr(ino, caller)
         # A `.dlfs/` file the kernel will open without us: its size is that of the
         # snapshot this process will read (see ControlFiles.latest_attr).
         return self.ns.control_attr(ino, self.caller.pid)
 
     def lookup(self, nodeid: int, n: int) -> bytes:
         ino = self.ns.lookup(nodeid, self._name_arg(n), self.caller)
-        return self._packer(ino).entry(self._attr(ino))
+        return self._packer(ino).entry(self._attr(ino, None))
 
     def getattr(self, nodeid: int, n: int) -> bytes:
-        return self._packer(nodeid).attr(self._attr(nodeid))
+        return self._packer(nodeid).attr(self._attr(nodeid, self.caller))
 
     def readlink(self, nodeid: int, n: int) -> bytes:
         return self.ns.readlink(nodeid)
