@@ -38,6 +38,7 @@ from dlfsd.controlsock import ControlServer
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.observe import ObserveConfig
 from dlfsd.ops import DlfsOperations
+from dlfsd.prefetch import available_memory, prefetch_decision
 from dlfsd.status import build_status, keep_status, write_status
 from dlfsd.wireworker import WireWorker, find_fuse_fd, fuse_fds
 
@@ -260,10 +261,15 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     try:
         datasets = load_datasets(config)
         pool = load_pool(config, datasets)
+        prefetch, why = prefetch_decision(
+            config.prefetch, pool is not None, bool(config.store_bandwidth),
+            sum(int(d.stats["bytes"]) for d in datasets), available_memory())
+        log.info("chunk prefetch %s", why)
         namespace = Namespace(datasets, trio.CapacityLimiter(config.io_threads),
                               verify=config.verify, observe=ObserveConfig.from_mount(config),
                               pool=pool, store_rate=config.store_bandwidth,
-                              root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE)
+                              root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE,
+                              prefetch=prefetch)
         services = Services(config, namespace.datasets, namespace.stats, pool)
         ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
         _raise_fd_limit()

@@ -70,12 +70,12 @@ class Namespace:
     def __init__(self, datasets: list[Dataset], limiter: trio.CapacityLimiter,
                  verify: bool = True, observe: ObserveConfig | None = None,
                  pool: ChunkPool | None = None, store_rate: int = 0,
-                 root_mode: int = ROOT_MODE) -> None:
+                 root_mode: int = ROOT_MODE, prefetch: bool = False) -> None:
         """Datasets are ordered by name; a pool must index them in that order too."""
         self.root_mode = root_mode
         self.datasets = sorted(datasets, key=lambda d: d.name)
         self.readers = [SampleReader(d, limiter, verify, pool=pool, ds_index=i,
-                                     store_rate=store_rate)
+                                     store_rate=store_rate, prefetch=prefetch)
                         for i, d in enumerate(self.datasets)]
         self.observe = Observability(self.datasets, observe or ObserveConfig())
         self.stats, self.trace, self.control = (

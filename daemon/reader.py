@@ -29,6 +29,7 @@ from dlfs.directory import display_path
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store import Dataset
+from dlfsd.prefetch import ChunkPrefetch
 from dlfsd.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.throttle import pace
 
@@ -48,7 +49,7 @@ class SampleReader:
 
     def __init__(self, dataset: Dataset, limiter: trio.CapacityLimiter, verify: bool = True,
                  inline_io: bool = False, pool=None, ds_index: int = 0,
-                 store_rate: int = 0):
+                 store_rate: int = 0, prefetch: bool = False):
         self.dataset = dataset
         # inline_io: do blocking I/O right in the handler. Used by worker processes,
         # which serve one request at a time like libfuse's threads (see dlfsd.main).
@@ -83,9 +84,12 @@ class SampleReader:
             self._by_chunk = d.extents_by_chunk(dataset.chunk_count)
         self._peer_cache: OrderedDict[int, bytes] = OrderedDict()
         self._peer_cache_bytes = 0
+        self._prefetch = ChunkPrefetch(dataset.chunk_count) if prefetch else None
 
     def close(self) -> None:
         self._state.close()
+        if self._prefetch is not None:
+            self._prefetch.close()
         for i, fd in enumerate(self._fds):
             if fd >= 0:
                 os.close(fd)
@@ -299,7 +303,10 @@ class SampleReader:
                   self._ext_chunk[ext], self.dataset.chunk_path(self._ext_chunk[ext]))
 
     async def _fd(self, chunk: int) -> int:
+        """The store's chunk file, opened once per process (and prefetched, if on)."""
         fd = self._fds[chunk]
+        if self._prefetch is not None and fd >= 0:
+            self._prefetch.touch(fd, chunk)
         if fd < 0:
             path = self.dataset.chunk_path(chunk)
             try:
@@ -314,6 +321,8 @@ class SampleReader:
                 os.close(fd)
                 return self._fds[chunk]
             self._fds[chunk] = fd
+            if self._prefetch is not None:
+                self._prefetch.touch(fd, chunk)
         return fd
 
 

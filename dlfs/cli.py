@@ -231,7 +231,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
         allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
-        stats=not args.no_stats, count_opens=args.count_opens,
+        stats=not args.no_stats, count_opens=args.count_opens, prefetch=args.prefetch,
         trace_capacity=args.trace_capacity,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
@@ -471,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-file", help="daemon log file")
     p.add_argument("--no-stats", action="store_true",
                    help="switch the I/O counters and the trace off (to measure their cost)")
+    p.add_argument("--prefetch", choices=("auto", "off"), default="auto",
+                   help="auto (default): the first time a sample of a chunk is read, read "
+                        "the whole chunk file into the page cache in the background (large "
+                        "sequential reads instead of many small random ones), when the "
+                        "mount has no chunk pool and its datasets fit in a quarter of the "
+                        "available memory; off: read only what is asked")
     p.add_argument("--count-opens", action="store_true",
                    help="send every open and close to the daemon, so the counters and the "
                         "trace see them (two kernel round trips per file opened). By default "

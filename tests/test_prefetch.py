@@ -1,0 +1,150 @@
+"""Chunk prefetch: reading one sample pulls its whole chunk file into the page cache.
+
+Residency is checked from outside the daemon with mincore(2) on the store's
+chunk files; they are evicted with posix_fadvise(DONTNEED) before each mount.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dlfs.store import Store
+from dlfsd.prefetch import MEMORY_SHARE, prefetch_decision
+
+FILE_SIZE = 100_000
+FILES = 400  # 40 MB: three 16 MiB chunks, packed in name order
+
+
+@pytest.fixture(scope="module")
+def prefetch_store(tmp_path_factory, store_with):
+    src = tmp_path_factory.mktemp("prefetch-src")
+    for i in range(FILES):
+        (src / f"f{i:04d}").write_bytes(bytes([i % 251]) * FILE_SIZE)
+    return store_with(src, "ds", "16M")
+
+
+def chunk_files(store: Path) -> list[Path]:
+    return sorted((store / "ds" / "chunks").iterdir())
+
+
+def placement(store: Path) -> dict[str, tuple[int, int]]:
+    """name -> (chunk, offset in its chunk) of every file (from the manifest)."""
+    d = Store(store).open("ds").directory
+    out = {}
+    for i in range(FILES):
+        row = d.lookup(0, f"f{i:04d}".encode())
+        ext = d.first_extent(row)
+        out[f"f{i:04d}"] = (int(d.ext_chunk_view[ext]), int(d.ext_offset_view[ext]))
+    return out
+
+
+def pick(store: Path, chunk: int, lo: float, hi: float) -> str:
+    """A file of `chunk` that starts between fractions lo and hi of the chunk."""
+    size = chunk_files(store)[chunk].stat().st_size
+    for name, (c, offset) in sorted(placement(store).items()):
+        if c == chunk and lo * size <= offset < hi * size:
+            return name
+    raise AssertionError(f"no file in chunk {chunk} between {lo} and {hi}")
+
+
+def evict(paths: list[Path]) -> None:
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def resident(path: Path, start: int = 0, end: int | None = None) -> bool:
+    """Every page of path[start:end] is in the page cache (mincore; reads nothing, unlike
+    a RWF_NOWAIT read, which starts read-ahead on a miss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        end = size if end is None else end
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            pages = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+            assert _libc.mincore(addr, size, pages) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            _libc.munmap(addr, size)
+        wanted = pages.raw[start // mmap.PAGESIZE : (end + mmap.PAGESIZE - 1) // mmap.PAGESIZE]
+        return all(flag & 1 for flag in wanted)
+    finally:
+        os.close(fd)
+
+
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_store_has_three_chunks(prefetch_store):
+    assert len(chunk_files(prefetch_store)) == 3
+
+
+def test_first_read_pulls_in_its_whole_chunk_only(mounted, prefetch_store):
+    chunks = chunk_files(prefetch_store)
+    evict(chunks)
+    if resident(chunks[0]):
+        pytest.skip("this file system keeps the chunk files cached despite DONTNEED")
+    name = pick(prefetch_store, 0, 0.4, 0.6)
+    m = mounted(prefetch_store)
+    assert (m.path / "ds" / name).read_bytes() == bytes([int(name[1:]) % 251]) * FILE_SIZE
+    # Whole: the head too, which no read-ahead from the middle of the chunk covers.
+    assert wait_until(lambda: resident(chunks[0])), "the touched chunk was not read ahead"
+    time.sleep(0.5)  # an untouched chunk stays out (its tail, past any kernel read-ahead)
+    size = chunks[2].stat().st_size
+    assert not resident(chunks[2], size - (1 << 20), size)
+
+
+def test_prefetch_off_reads_only_what_is_asked(mounted, prefetch_store):
+    chunks = chunk_files(prefetch_store)  # chunk 1: not the one the test above pulled in
+    size = chunks[1].stat().st_size
+    evict(chunks)
+    assert not resident(chunks[1], size - (1 << 20), size)
+    m = mounted(prefetch_store, "--prefetch", "off")
+    # A file near the start of chunk 1: the kernel's own read-ahead (up to the disk's
+    # read_ahead_kb, 8 MiB here) cannot reach the chunk's last MiB.
+    name = pick(prefetch_store, 1, 0.0, 0.1)
+    assert (m.path / "ds" / name).read_bytes() == bytes([int(name[1:]) % 251]) * FILE_SIZE
+    time.sleep(1.0)
+    assert not resident(chunks[1], size - (1 << 20), size)
+
+
+def test_prefetch_log_line_says_why(mounted, prefetch_store):
+    m = mounted(prefetch_store, "--prefetch", "off")
+    assert "chunk prefetch switched off (--prefetch off)" in m.log.read_text()
+
+
+@pytest.mark.parametrize(("args", "on", "why"), [
+    (("auto", False, False, 1 << 30, 8 << 30), True, "on:"),
+    (("off", False, False, 1 << 30, 8 << 30), False, "--prefetch off"),
+    (("auto", True, False, 1 << 30, 8 << 30), False, "chunk pool"),
+    (("auto", False, True, 1 << 30, 8 << 30), False, "throttled"),
+    (("auto", False, False, (8 << 30) // MEMORY_SHARE + 1, 8 << 30), False, "exceed"),
+])
+def test_prefetch_decision(args, on, why):
+    got, reason = prefetch_decision(*args)
+    assert got is on and why in reason
