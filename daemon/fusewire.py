@@ -62,6 +62,7 @@ NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})
 
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_CACHE_DIR = 1 << 3  # the kernel may cache this directory's entries (readdir)
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique

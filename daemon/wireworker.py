@@ -232,7 +232,9 @@ class WireWorker:
 
     def opendir(self, nodeid: int, n: int) -> bytes:
         self.ns.check_dir(nodeid)
-        return fw.OPEN_OUT.pack(nodeid, 0, 0)
+        # Listings never change: the kernel keeps them, and a second walk of the
+        # tree costs no request at all.
+        return fw.OPEN_OUT.pack(nodeid, fw.FOPEN_CACHE_DIR | fw.FOPEN_KEEP_CACHE, 0)
 
     def readdir(self, nodeid: int, n: int) -> bytes:
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
