@@ -18,7 +18,9 @@ list in batches of --batch files, every batch through each mount in turn
   daemon  first read of every file: each read reaches the daemon (the store's
           chunk files stay in the host page cache, so the daemon's CPU per
           request, where the counters cost most, is measured, not the disk)
-  cached  second pass: page-cache hits, the daemon sees opens and releases
+  cached  second pass: page-cache hits; the daemon sees nothing of them (the
+          kernel opens files itself), or opens and releases with
+          --mount-args=--count-opens
 
 files/s per variant = files read / time spent reading them, summed over all
 batches and rounds; the ratios stats/off and trace/off come from the same
@@ -52,6 +54,7 @@ from _common import (
     print_targets,
     run_dlfs,
     run_main,
+    split_args,
     workdir,
 )
 
@@ -80,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="reader processes (default 2)")
     p.add_argument("--batch", type=int, default=200,
                    help="files per interleaved batch (default 200)")
+    p.add_argument("--mount-args", default="",
+                   help="extra `dlfs mount` arguments for all three mounts, e.g. "
+                        "--mount-args=--count-opens (opens and closes reach the daemon)")
     args = p.parse_args(argv)
     if args.quick:
         args.large_files = max(1, args.large_files // 20)
@@ -114,7 +120,8 @@ def one_round(tree: Tree, store: Path, work: Path, args: argparse.Namespace, rnd
         mps = {}
         for variant, extra in VARIANTS.items():
             mp = work / f"mnt-{variant}"
-            stack.enter_context(mounted(store, mp, extra, work / f"dlfsd-{variant}.log"))
+            stack.enter_context(mounted(store, mp, [*extra, *split_args(args.mount_args)],
+                                        work / f"dlfsd-{variant}.log"))
             mps[variant] = mp
         run_dlfs(["trace", "start", str(mps["trace"])])
         names = list(VARIANTS)
