@@ -11,10 +11,11 @@ direct_io, so the kernel never caches stale content. Otherwise the kernel
 opens files without asking (FUSE no_open): the reading process gets a
 snapshot when it looks the file up (latest_attr, read_latest), and the worker
 reports these attributes with a zero timeout, so each read() revalidates and
-a new snapshot drops the old one's cached pages. Because a read may reach any of the daemon's
-processes, not the one that handled the open, the rendered bytes go to a file
-in a private tmpfs directory that all processes share (named after the handle,
-or inode and pid); release removes it, unmount removes the directory, and the
+a new snapshot drops the old one's cached pages. Because a read may reach any
+of the daemon's processes, not the one that handled the open or lookup, the
+rendered bytes go to a file in a private tmpfs directory that all processes
+share (named after the handle, or inode and pid); release removes it (old
+per-pid snapshots go after a minute), unmount removes the directory, and the
 next daemon removes one whose daemon was killed. Handles are CONTROL_FH |
 process slot << 40 | counter.
 """

@@ -18,27 +18,24 @@ the mounted datasets fit in a quarter of the memory available at mount time
 `dlfs mount --prefetch off` switches it off.
 
 One byte per chunk in a shared mapping says it was asked for already (by any
-process of the mount); the fadvise calls run on one daemon thread per
-process, started lazily so forked workers get their own.
+process of the mount); the reads run on one daemon thread per process,
+started lazily so forked workers get their own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import mmap
 import os
 import queue
 import threading
-
-log = logging.getLogger(__name__)
 
 MEMORY_SHARE = 4  # prefetch only if datasets <= available memory / MEMORY_SHARE
 PIECE = 1 << 20  # bytes per sendfile call: small, so the epoch's own reads get turns
 
 
 class ChunkPrefetch:
-    """Asks the kernel to read a chunk file whole, once per chunk per mount."""
+    """Reads a chunk file whole into the page cache, once per chunk per mount."""
 
     def __init__(self, chunk_count: int) -> None:
         self._asked = mmap.mmap(-1, max(1, chunk_count))  # shared with forked workers

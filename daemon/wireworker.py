@@ -3,10 +3,12 @@
 Why not pyfuse3 here: a request through pyfuse3's trio loop costs about 40 µs
 of CPU (epoll registration, a trio task switch, a lock, coroutine wrappers);
 the same request read and answered here with one blocking read() and one
-write() costs about 25 µs, most of it the kernel's own round trip. A file a
-training job reads warm costs two requests (OPEN, RELEASE), so that is most
-of the daemon's share of the time. A blocking read() of /dev/fuse also wakes
-exactly one waiting worker per request, where epoll wakes them all.
+write() costs about 25 µs, most of it the kernel's own round trip. A blocking
+read() of /dev/fuse also wakes exactly one waiting worker per request, where
+epoll wakes them all. And only here can the kernel open files without us
+(FUSE no_open, the default; see `open`): READ then carries no handle, and
+pyfuse3's read() is not given the inode, so it could not serve it. A file
+already in the page cache then costs the daemon no request at all.
 
 The main process still mounts through pyfuse3/libfuse and answers INIT (which
 negotiates the protocol); workers are forked after that and only translate:
@@ -104,11 +106,14 @@ class WireWorker:
     def serve(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
-        while not self._stopping:
-            n = self._receive()
-            if n <= 0:
-                break
-            self._dispatch(n)
+        try:
+            while not self._stopping:
+                n = self._receive()
+                if n <= 0:
+                    break
+                self._dispatch(n)
+        except _Stop:  # the signal came just as a read returned: we are stopping anyway
+            pass
 
     def _on_signal(self, signum, frame) -> None:
         self._stopping = True
