@@ -41,6 +41,8 @@ _HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 STORE_OK = 1  # the store copy was read whole and matched its checksum
 LOCAL_OK = 2  # the staged copy on local NVMe did
 STORE_BAD = 4  # the store copy did not (logged once)
+STORE_LOADING = 8  # a worker process is loading and checking the store copy right now
+LOADING_WAIT = 2.0  # seconds a worker waits for another one's load before loading itself
 PEER_CACHE_BYTES = 64 << 20  # per process: whole extents fetched for partial reads
 
 
@@ -125,6 +127,8 @@ class SampleReader:
         return data
 
     async def _read_store(self, ext: int, rel: int, length: int):
+        if not self._state[ext] & STORE_OK and self.inline_io:
+            self._wait_for_other_load(ext)
         if not self._state[ext] & STORE_OK:
             data = await self._load_verified(ext)
             if data is not None:
@@ -266,6 +270,23 @@ class SampleReader:
             self._nowait = False  # the chunk file system cannot do it; always use threads
             return None
 
+    def _wait_for_other_load(self, ext: int) -> None:
+        """Worker processes: if another one is loading this extent, wait for its result.
+
+        The kernel's read-ahead sends a large file's requests for one extent to
+        several workers at once; without this each would read and hash the whole
+        extent (up to 4 MiB) itself. A loader that dies leaves the mark behind:
+        after LOADING_WAIT seconds we load it ourselves.
+        """
+        state = self._state
+        if not state[ext] & STORE_LOADING:
+            return
+        deadline = time.monotonic() + LOADING_WAIT
+        while state[ext] & STORE_LOADING and not state[ext] & STORE_OK:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.0002)
+
     async def _load_verified(self, ext: int) -> bytes | None:
         """Load and check a whole extent once; None if another task checked it meanwhile."""
         while not self._state[ext] & STORE_OK:
@@ -274,6 +295,7 @@ class SampleReader:
                 await pending.wait()
                 continue
             done = self._loading[("store", ext)] = trio.Event()
+            self._state[ext] |= STORE_LOADING  # other processes wait (_wait_for_other_load)
             try:
                 fd = await self._fd(self._ext_chunk[ext])
                 try:
@@ -289,6 +311,7 @@ class SampleReader:
                 self._state[ext] |= STORE_OK
                 return data
             finally:
+                self._state[ext] &= ~STORE_LOADING & 0xFF
                 del self._loading[("store", ext)]
                 done.set()
         return None
