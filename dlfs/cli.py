@@ -460,9 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="daemon processes serving requests (default: cores, at least 4, "
                         "at most 8)")
     p.add_argument("--io-threads", type=_positive, default=16,
-                   help="threads for blocking disk reads (default 16)")
+                   help="threads for blocking disk reads with --workers 1 (default 16; "
+                        "worker processes read inline, one request each)")
     p.add_argument("--max-tasks", type=_positive, default=64,
-                   help="FUSE requests served concurrently (default 64)")
+                   help="FUSE requests served concurrently with --workers 1 (default 64; "
+                        "otherwise one per worker process)")
     p.add_argument("--cache-timeout", type=float, default=86400.0,
                    help="seconds the kernel may cache names and attributes (default 86400)")
     p.add_argument("--read-ahead-kb", type=int, default=4096,
