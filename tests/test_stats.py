@@ -263,7 +263,8 @@ def test_page_cache_hits_never_reach_the_daemon(mounted, stats_store, dlfs_cli, 
     m = mounted(stats_store, *(["--count-opens"] if count_opens else []))
     path = m.path / "ds" / "mid.bin"
     assert path.read_bytes() == bytes([2]) * SIZES["mid.bin"]  # cold: reads reach us
-    # The kernel's read-ahead may still be answering the cold pass: let it finish first.
+    # A cold-pass request still in flight would show up in the warm trace (this test
+    # once saw a stray read under load): wait until the counters hold the whole pass.
     deadline = time.monotonic() + 10
     while read_json(m.path / ".dlfs" / "stats.json")["datasets"]["ds"]["bytes"] \
             < SIZES["mid.bin"] and time.monotonic() < deadline:
