@@ -1,25 +1,21 @@
 """DlfsOperations: the pyfuse3 adapter. Translates and delegates; no storage logic.
 
 Each handler turns a kernel request into one Namespace call and the result
-into pyfuse3 types. `errno_boundary` is the one place exceptions become
-errno: domain errors map through their `errno`, an unexpected exception is
-logged once with its traceback and becomes EIO (anything but FUSEError
-escaping a handler would leave the request unanswered).
+into pyfuse3 types. `errno_boundary` turns every exception into a FUSEError
+through dlfsd.errnomap (the table the worker processes use too): anything
+but FUSEError escaping a handler would leave the request unanswered.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
-import logging
 import os
 
 import pyfuse3
 
-from dlfs.errors import DlfsError, ReadOnlyError
+from dlfs.errors import ReadOnlyError
+from dlfsd.errnomap import errno_for
 from dlfsd.namespace import Attr, Namespace
-
-log = logging.getLogger(__name__)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -33,14 +29,8 @@ def errno_boundary(handler):
             return await handler(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
-        except DlfsError as err:
-            raise pyfuse3.FUSEError(err.errno) from None
-        except OSError as err:
-            log.error("%s failed: %s", handler.__name__, err)
-            raise pyfuse3.FUSEError(err.errno or errno.EIO) from None
-        except Exception:
-            log.exception("unexpected error in %s; replying EIO", handler.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as err:
+            raise pyfuse3.FUSEError(errno_for(err, handler.__name__)) from None
 
     return wrapper
 

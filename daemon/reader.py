@@ -328,8 +328,6 @@ class SampleReader:
     async def _fd(self, chunk: int) -> int:
         """The store's chunk file, opened once per process (and prefetched, if on)."""
         fd = self._fds[chunk]
-        if self._prefetch is not None and fd >= 0:
-            self._prefetch.touch(fd, chunk)
         if fd < 0:
             path = self.dataset.chunk_path(chunk)
             try:
@@ -342,10 +340,10 @@ class SampleReader:
                 raise CorruptDataError(str(err)) from None
             if self._fds[chunk] >= 0:  # another task opened it meanwhile
                 os.close(fd)
-                return self._fds[chunk]
+                fd = self._fds[chunk]
             self._fds[chunk] = fd
-            if self._prefetch is not None:
-                self._prefetch.touch(fd, chunk)
+        if self._prefetch is not None:
+            self._prefetch.touch(fd, chunk)
         return fd
 
 

@@ -13,7 +13,7 @@ already in the page cache then costs the daemon no request at all.
 The main process still mounts through pyfuse3/libfuse and answers INIT (which
 negotiates the protocol); workers are forked after that and only translate:
 each request becomes one Namespace call, exactly as in dlfsd.ops, and each
-failure an errno (logged once when unexpected). One request at a time per
+failure an errno through the same table (dlfsd.errnomap). One request at a time per
 process, blocking I/O inline (the readers are in inline mode).
 """
 
@@ -24,8 +24,8 @@ import logging
 import os
 import signal
 
-from dlfs.errors import DlfsError
 from dlfsd import fusewire as fw
+from dlfsd.errnomap import errno_for
 from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
 
 log = logging.getLogger(__name__)
@@ -150,16 +150,8 @@ class WireWorker:
         except _Errno as err:
             self._send(fw.error_reply(unique, err.errno))
             return
-        except DlfsError as err:
-            self._send(fw.error_reply(unique, err.errno))
-            return
-        except OSError as err:
-            log.error("%s failed: %s", _name(opcode), err)
-            self._send(fw.error_reply(unique, err.errno or errno.EIO))
-            return
-        except Exception:
-            log.exception("unexpected error in %s; replying EIO", _name(opcode))
-            self._send(fw.error_reply(unique, errno.EIO))
+        except Exception as err:
+            self._send(fw.error_reply(unique, errno_for(err, _name(opcode))))
             return
         if payload is None:
             self._send(fw.error_reply(unique, 0))
@@ -242,22 +234,18 @@ class WireWorker:
         return fw.OPEN_OUT.pack(nodeid, fw.FOPEN_CACHE_DIR | fw.FOPEN_KEEP_CACHE, 0)
 
     def readdir(self, nodeid: int, n: int) -> bytes:
-        fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
-        out, used = [], 0
-        for name, attr, next_offset in self.ns.readdir(fh, offset):
-            entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
-            if used + len(entry) > size:
-                break
-            out.append(entry)
-            used += len(entry)
-        return b"".join(out)
+        return self._listing(lambda attr: b"")
 
     def readdirplus(self, nodeid: int, n: int) -> bytes:
+        return self._listing(lambda attr: self._packer(attr.ino).entry(attr))
+
+    def _listing(self, entry_of) -> bytes:
+        """Directory entries from the request's offset while they fit its size; each is
+        entry_of(attr) (READDIRPLUS: the entry's attributes) then the fuse_dirent."""
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
         out, used = [], 0
         for name, attr, next_offset in self.ns.readdir(fh, offset):
-            entry = (self._packer(attr.ino).entry(attr)
-                     + fw.dirent(name, attr.ino, attr.mode, next_offset))
+            entry = entry_of(attr) + fw.dirent(name, attr.ino, attr.mode, next_offset)
             if used + len(entry) > size:
                 break
             out.append(entry)
