@@ -208,6 +208,14 @@ class Namespace:
             child = kids[off]
             yield d.name(child), _attr(d, base, child), off + 1
 
+    def dataset_directory(self, ino: int) -> tuple[SampleDirectory, int, int] | None:
+        """(directory, inode of its row 0, row) for a dataset inode; None for the root
+        and `.dlfs/` (for packing whole listings at once, see dlfsd.listing)."""
+        if ino < FIRST_DATASET_INODE:
+            return None
+        k, row = self._locate(ino)
+        return self._dirs[k], self._bases[k], row
+
     def totals(self) -> tuple[int, int]:
         """(bytes, entries) over all mounted datasets, for statfs."""
         nbytes = sum(int(d.stats["bytes"]) for d in self.datasets)

@@ -26,6 +26,7 @@ import signal
 
 from dlfsd import fusewire as fw
 from dlfsd.errnomap import errno_for
+from dlfsd.listing import ListingPacker
 from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class WireWorker:
         # `.dlfs/` files change all the time: the kernel must ask again on each read.
         self.control_attrs = fw.AttrPacker(uid, gid, 0.0)
         self.caller = Caller()
+        self._listers: dict[int, ListingPacker] = {}  # by the inode of the dataset's row 0
         self._buf = bytearray(fw.REQUEST_BUFFER)
         self._view = memoryview(self._buf)
         self._reading = False
@@ -234,18 +236,27 @@ class WireWorker:
         return fw.OPEN_OUT.pack(nodeid, fw.FOPEN_CACHE_DIR | fw.FOPEN_KEEP_CACHE, 0)
 
     def readdir(self, nodeid: int, n: int) -> bytes:
-        return self._listing(lambda attr: b"")
+        return self._listing(False)
 
     def readdirplus(self, nodeid: int, n: int) -> bytes:
-        return self._listing(lambda attr: self._packer(attr.ino).entry(attr))
+        return self._listing(True)
 
-    def _listing(self, entry_of) -> bytes:
-        """Directory entries from the request's offset while they fit its size; each is
-        entry_of(attr) (READDIRPLUS: the entry's attributes) then the fuse_dirent."""
+    def _listing(self, plus: bool) -> bytes:
+        """Directory entries from the request's offset while they fit its size; with
+        `plus` (READDIRPLUS) each carries the entry's attributes too."""
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
-        out, used = [], 0
+        found = self.ns.dataset_directory(fh)
+        if found is not None:  # a dataset directory: packed in bulk
+            directory, base, row = found
+            lister = self._listers.get(base)
+            if lister is None:
+                lister = self._listers[base] = ListingPacker(directory, base, self.attrs)
+            return lister.pack(row, offset, size, plus)
+        out, used = [], 0  # the root and `.dlfs/`: a few entries
         for name, attr, next_offset in self.ns.readdir(fh, offset):
-            entry = entry_of(attr) + fw.dirent(name, attr.ino, attr.mode, next_offset)
+            entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
+            if plus:
+                entry = self._packer(attr.ino).entry(attr) + entry
             if used + len(entry) > size:
                 break
             out.append(entry)
