@@ -228,9 +228,9 @@ class Services:
                                  jobs=config.stage_jobs, cache_limit=config.cache_limit,
                                  store_rate=config.store_bandwidth)
             if len(pool.view.nodes) > 1:
-                from dlfsd.peerthreads import ThreadedPeerServer
+                from dlfsd.peerserver import PeerLoopServer
 
-                self.server = ThreadedPeerServer(pool.view.secret, pool, pool.view.me.name)
+                self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name)
 
     def status(self) -> dict:
         return build_status(self.config, self.datasets, self.stats, self.stager,

@@ -170,7 +170,7 @@ class ChunkPool:
 
     def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
                              length: int) -> bytes | bytearray | None:
-        """read_staged for the threaded peer server (runs in its connection threads)."""
+        """read_staged for the peer server (dlfsd.peerserver, in its own thread)."""
         ds = self._by_id[dataset_id]
         cache = self.caches[ds]
         fd = cache.cached_fd(chunk)

@@ -1,4 +1,4 @@
-"""ThreadedPeerServer (the daemon's peer server) on loopback, with real sockets.
+"""PeerLoopServer (the daemon's peer server) on loopback, with real sockets.
 
 Good clients (the blocking one the workers use, the trio one of single-process
 mode) read exact ranges; hostile ones (no secret, wrong secret, garbage,
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from dlfs import protocol
 from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
+from dlfsd.peerserver import PeerLoopServer
 from dlfsd.peersync import BlockingPeerClient
-from dlfsd.peerthreads import ThreadedPeerServer
 
 SECRET = b"job-secret-0123456789abcdef"
 DATASET = os.urandom(16)
@@ -45,7 +45,7 @@ class Provider:
 
 @pytest.fixture
 def server():
-    s = ThreadedPeerServer(SECRET, Provider(), "server", handshake_timeout=1.0)
+    s = PeerLoopServer(SECRET, Provider(), "server", handshake_timeout=1.0)
     s.port = s.start("127.0.0.1", 0)
     yield s
     s.stop()

@@ -1,0 +1,376 @@
+"""PeerLoopServer: the peer protocol served by one thread running a selector loop.
+
+The daemon's server. Why one thread and not one per connection: every
+blocking call releases and re-takes the GIL, and with one thread per peer
+connection (a reader daemon opens one per worker process) the threads fought
+over it: strace showed ~36 futex calls per 110 KiB read served, and the
+server cost more CPU than the reads themselves. Here one thread owns every
+connection with non-blocking sockets; a READ is answered as soon as its frame
+is complete (pread of a staged chunk, then one sendmsg of header + payload).
+
+Same wire protocol (docs/PROTOCOL.md) and checks as the trio server
+(dlfsd.peer.PeerServer): the secret is proven both ways before anything else
+is answered, frames are capped at MAX_CONTROL_FRAME, every READ is
+bounds-checked, a protocol error closes the connection with one log line
+(after telling the peer why) and never stops the server. Pipelined requests
+on one connection are answered in order; while a reply cannot be sent
+(the peer is not reading) that connection is not read either.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import Protocol
+
+from dlfs import protocol
+from dlfs.protocol import FrameDecoder, Message, ProtocolError
+
+log = logging.getLogger("dlfsd.peer")
+
+_RECV = 256 * 1024
+_SWEEP = 0.25  # seconds between timeout checks
+_GOODBYE = 1.0  # seconds a closing connection may take to read our last message
+
+
+class BlockingChunkProvider(Protocol):
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None: ...
+
+    def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
+                             length: int) -> bytes | bytearray | None: ...
+
+
+class _Conn:
+    """One peer connection: where its handshake is, what is received and unsent."""
+
+    __slots__ = ("closing", "deadline", "decoder", "events", "hello", "inbox", "nonce", "out",
+                 "peer", "sock", "state")
+
+    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.decoder = FrameDecoder(protocol.MAX_CONTROL_FRAME)
+        self.state = "hello"  # -> "auth" -> "ready"
+        self.closing = False  # our last message is queued; drain, then close
+        self.hello: Message | None = None
+        self.nonce = b""
+        self.inbox: collections.deque[Message] = collections.deque()
+        self.out: collections.deque[memoryview] = collections.deque()
+        self.events = 0
+
+
+class PeerLoopServer:
+    """Serves byte ranges of staged chunks to authenticated peers from one thread."""
+
+    _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
+                 "auth_failures", "protocol_errors", "reads_served", "reads_missed",
+                 "reads_refused", "read_errors", "bytes_served")
+
+    def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
+                 handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
+                 max_connections: int = 256) -> None:
+        self._secret = protocol.check_secret(secret)
+        self.provider = provider
+        self.node_name = node_name
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._listener: socket.socket | None = None
+        self._selector: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self, host: str, port: int) -> int:
+        """Bind and listen now (errors raise here), serve in a thread; returns the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(128)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        bound = listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"dlfsd.peer server {bound}")
+        self._thread.start()
+        log.info("peer server of %s listening on %s:%d", self.node_name, host, bound)
+        return bound
+
+    def stop(self) -> None:
+        """Stop accepting and drop every connection; returns once the loop has ended."""
+        self._stopping = True
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] += n
+
+    # -- the loop ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_sweep = time.monotonic() + _SWEEP
+        try:
+            while not self._stopping:
+                for key, events in self._selector.select(timeout=_SWEEP):
+                    if key.data == "accept":
+                        self._accept()
+                    elif isinstance(key.data, _Conn):
+                        self._guarded(key.data, events)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self._sweep(now)
+                    next_sweep = now + _SWEEP
+        except Exception:
+            log.exception("peer server of %s stopped by an unexpected error", self.node_name)
+        finally:
+            for conn in list(self._conns.values()):
+                self._close(conn)
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                if sock is not None:
+                    sock.close()
+            self._selector.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as error:  # e.g. EMFILE for a moment; keep serving
+                log.warning("peer server: cannot accept a connection: %s", error)
+                return
+            peer = _address(address)
+            if self._counts["connections_open"] >= self.max_connections:
+                self._count("connections_rejected")
+                log.warning("peer %s: connection refused, %d already open (max_connections)",
+                            peer, self.max_connections)
+                sock.close()
+                continue
+            self._count("connections_accepted")
+            self._count("connections_open")
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, peer, time.monotonic() + self.handshake_timeout)
+            self._conns[sock] = conn
+            self._watch(conn, selectors.EVENT_READ)
+
+    def _sweep(self, now: float) -> None:
+        for conn in [c for c in self._conns.values() if now > c.deadline]:
+            if not conn.closing:
+                log.info("peer %s: silent for too long; closing the connection", conn.peer)
+            self._close(conn)
+
+    def _guarded(self, conn: _Conn, events: int) -> None:
+        """Handle one connection's events; nothing that happens here may escape."""
+        try:
+            if events & selectors.EVENT_WRITE:
+                self._flush(conn)
+                if not conn.out and not conn.closing and conn.sock in self._conns:
+                    self._pump(conn)  # answer what arrived while the reply was queued
+            if events & selectors.EVENT_READ and conn.sock in self._conns:
+                self._receive(conn)
+        except ProtocolError as error:
+            self._count("protocol_errors")
+            log.warning("peer %s: protocol error: %s; closing the connection", conn.peer, error)
+            self._goodbye(conn, protocol.err(protocol.ERR_PROTOCOL, str(error)))
+        except OSError as error:
+            if not self._stopping:
+                log.debug("peer %s: connection lost: %r", conn.peer, error)
+            self._close(conn)
+        except Exception:
+            log.exception("peer %s: unexpected error; closing the connection", conn.peer)
+            self._close(conn)
+
+    # -- input --------------------------------------------------------------------------
+    def _receive(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV)
+        except BlockingIOError:
+            return
+        if not data:
+            if conn.decoder.buffered and not conn.closing:
+                raise ProtocolError("connection closed in the middle of a frame")
+            self._close(conn)
+            return
+        if conn.closing:  # draining until the peer has read our last message
+            return
+        conn.deadline = time.monotonic() + (
+            self.idle_timeout if conn.state == "ready" else self.handshake_timeout)
+        conn.inbox.extend(conn.decoder.feed(data))
+        self._pump(conn)
+
+    def _pump(self, conn: _Conn) -> None:
+        """Answer received messages in order while replies go out; then wait for more."""
+        while conn.inbox and not conn.out and not conn.closing:
+            self._handle(conn, conn.inbox.popleft())
+        if conn.sock in self._conns and not conn.out:
+            self._watch(conn, selectors.EVENT_READ)
+
+    def _handle(self, conn: _Conn, msg: Message) -> None:
+        if conn.state == "ready":
+            if msg["t"] != protocol.READ:
+                raise ProtocolError(f"unexpected {msg['t']} message after the handshake")
+            self._reply_to(conn, msg)
+        elif conn.state == "hello":
+            self._on_hello(conn, msg)
+        else:
+            self._on_auth(conn, msg)
+
+    def _on_hello(self, conn: _Conn, hello: Message) -> None:
+        if hello["t"] != protocol.HELLO:
+            raise ProtocolError(f"expected hello, got {hello['t']}")
+        if hello["v"] != protocol.PROTOCOL_VERSION:
+            self._count("protocol_errors")
+            log.warning("peer %s (node %r): protocol version %d, this daemon speaks %d; "
+                        "closing the connection", conn.peer, hello["node"], hello["v"],
+                        protocol.PROTOCOL_VERSION)
+            self._goodbye(conn, protocol.err(protocol.ERR_VERSION, f"node {self.node_name} "
+                                             f"speaks protocol version "
+                                             f"{protocol.PROTOCOL_VERSION}"))
+            return
+        conn.hello, conn.nonce, conn.state = hello, protocol.new_nonce(), "auth"
+        self._send(conn, protocol.encode(protocol.challenge(conn.nonce, protocol.server_proof(
+            self._secret, hello["nonce"], conn.nonce))))
+
+    def _on_auth(self, conn: _Conn, answer: Message) -> None:
+        node = conn.hello["node"]
+        if answer["t"] == protocol.ERR:
+            self._count("auth_failures")
+            log.warning("peer %s (node %r) rejected this server's proof (%s): the two daemons "
+                        "have different job secrets", conn.peer, node, answer["msg"])
+            self._close(conn)
+            return
+        if answer["t"] != protocol.AUTH:
+            raise ProtocolError(f"expected auth, got {answer['t']}")
+        expected = protocol.client_proof(self._secret, conn.nonce, conn.hello["nonce"])
+        if not protocol.proof_matches(expected, answer["proof"]):
+            self._count("auth_failures")
+            log.warning("peer %s (node %r): authentication failed (wrong job secret); "
+                        "closing the connection", conn.peer, node)
+            self._goodbye(conn, protocol.err(protocol.ERR_AUTH, "authentication failed"))
+            return
+        conn.state = "ready"
+        conn.deadline = time.monotonic() + self.idle_timeout
+        self._send(conn, protocol.encode(protocol.ok()))
+
+    def _reply_to(self, conn: _Conn, request: Message) -> None:
+        """DATA, MISS or FAIL for one READ; provider failures become FAIL_IO."""
+        request_id, dataset_id, chunk = request["id"], request["ds"], request["chunk"]
+        offset, length = request["off"], request["len"]
+        try:
+            problem = protocol.read_bounds_problem(
+                self.provider.chunk_limit(dataset_id, chunk), offset, length)
+            if problem is not None:
+                self._count("reads_refused")
+                self._send(conn, protocol.encode(protocol.fail(request_id, problem)))
+                return
+            payload = self.provider.read_staged_blocking(dataset_id, chunk, offset, length)
+        except Exception as error:
+            self._count("read_errors")
+            log.error("peer %s: cannot read chunk %d of dataset %s: %s", conn.peer, chunk,
+                      dataset_id.hex(), error)
+            self._send(conn, protocol.encode(protocol.fail(request_id, protocol.FAIL_IO)))
+            return
+        if payload is None:
+            self._count("reads_missed")
+            self._send(conn, protocol.encode(protocol.miss(request_id)))
+        elif len(payload) != length:
+            self._count("read_errors")
+            self._send(conn, protocol.encode(protocol.fail(request_id, protocol.FAIL_IO)))
+        else:
+            self._count("reads_served")
+            self._count("bytes_served", length)
+            # Header and payload in one sendmsg: the payload is never copied into a frame.
+            self._send(conn, protocol.data_frame_head(request_id, length), payload)
+
+    # -- output ---------------------------------------------------------------------------
+    def _send(self, conn: _Conn, *parts) -> None:
+        conn.out.extend(memoryview(p) for p in parts)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        """Send what the socket takes; wait for room for the rest, else carry on."""
+        out = conn.out
+        while out:
+            try:
+                sent = conn.sock.sendmsg(list(out)[:64])
+            except BlockingIOError:
+                break
+            conn.deadline = time.monotonic() + (
+                _GOODBYE if conn.closing else self.idle_timeout if conn.state == "ready"
+                else self.handshake_timeout)
+            while sent:
+                head = out[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    out.popleft()
+                else:
+                    out[0] = head[sent:]
+                    sent = 0
+        if out:
+            self._watch(conn, selectors.EVENT_WRITE)
+        elif conn.closing:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
+            self._watch(conn, selectors.EVENT_READ)  # drain until the peer closes
+
+    def _goodbye(self, conn: _Conn, msg: Message) -> None:
+        """Send a last message, then drain briefly: closing with unread input would reset
+        the connection and the peer might never see why."""
+        if conn.sock not in self._conns:
+            return
+        conn.closing = True
+        conn.inbox.clear()
+        conn.deadline = time.monotonic() + _GOODBYE
+        try:
+            self._send(conn, protocol.encode(msg))
+        except OSError:
+            self._close(conn)
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if conn.events == events:
+            return
+        if conn.events:
+            self._selector.modify(conn.sock, events, conn)
+        else:
+            self._selector.register(conn.sock, events, conn)
+        conn.events = events
+
+    def _close(self, conn: _Conn) -> None:
+        conn.closing = True
+        conn.inbox.clear()
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        self._count("connections_open", -1)
+        if conn.events:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+
+def _address(address) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
