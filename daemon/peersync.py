@@ -79,6 +79,7 @@ class BlockingPeerClient:
             raise PeerUnavailable(f"cannot connect to peer {self.address}: "
                                   f"{error.strerror or error}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _kernel_timeouts(sock, self.timeout)
         try:
             self._handshake(sock)
         except (OSError, ProtocolError) as error:
@@ -134,3 +135,17 @@ class BlockingPeerClient:
             if not n:
                 raise ConnectionResetError("connection closed by the peer")
             got += n
+
+
+def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Make `sock` blocking with the timeout enforced by the kernel (SO_RCVTIMEO/SNDTIMEO).
+
+    Python's own socket timeout polls before every send and receive: one more
+    system call each, on every peer read. A kernel timeout ends a call the same
+    way (EAGAIN -> BlockingIOError, an OSError like socket.timeout).
+    """
+    seconds = int(timeout)
+    timeval = struct.pack("@ll", seconds, int((timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.settimeout(None)
