@@ -185,6 +185,8 @@ class PeerLoopServer:
 
     def _guarded(self, conn: _Conn, events: int) -> None:
         """Handle one connection's events; nothing that happens here may escape."""
+        if conn.sock not in self._conns:  # closed earlier in this round of events
+            return
         try:
             if events & selectors.EVENT_WRITE:
                 self._flush(conn)
@@ -351,7 +353,7 @@ class PeerLoopServer:
             self._close(conn)
 
     def _watch(self, conn: _Conn, events: int) -> None:
-        if conn.events == events:
+        if conn.events == events or conn.sock not in self._conns:
             return
         if conn.events:
             self._selector.modify(conn.sock, events, conn)
