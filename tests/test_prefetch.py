@@ -74,6 +74,11 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 def resident(path: Path, start: int = 0, end: int | None = None) -> bool:
     """Every page of path[start:end] is in the page cache (mincore; reads nothing, unlike
     a RWF_NOWAIT read, which starts read-ahead on a miss)."""
+    return not missing_pages(path, start, end)
+
+
+def missing_pages(path: Path, start: int = 0, end: int | None = None) -> list[int]:
+    """Page numbers of path[start:end] that are not in the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -85,8 +90,9 @@ def resident(path: Path, start: int = 0, end: int | None = None) -> bool:
             assert _libc.mincore(addr, size, pages) == 0, os.strerror(ctypes.get_errno())
         finally:
             _libc.munmap(addr, size)
-        wanted = pages.raw[start // mmap.PAGESIZE : (end + mmap.PAGESIZE - 1) // mmap.PAGESIZE]
-        return all(flag & 1 for flag in wanted)
+        first = start // mmap.PAGESIZE
+        wanted = pages.raw[first : (end + mmap.PAGESIZE - 1) // mmap.PAGESIZE]
+        return [first + i for i, flag in enumerate(wanted) if not flag & 1]
     finally:
         os.close(fd)
 
@@ -113,7 +119,10 @@ def test_first_read_pulls_in_its_whole_chunk_only(mounted, prefetch_store):
     m = mounted(prefetch_store)
     assert (m.path / "ds" / name).read_bytes() == bytes([int(name[1:]) % 251]) * FILE_SIZE
     # Whole: the head too, which no read-ahead from the middle of the chunk covers.
-    assert wait_until(lambda: resident(chunks[0])), "the touched chunk was not read ahead"
+    if not wait_until(lambda: resident(chunks[0])):
+        gone = missing_pages(chunks[0])
+        pytest.fail(f"the touched chunk was not read ahead: {len(gone)} pages missing, "
+                    f"first {gone[:5]}, last {gone[-5:]}")
     time.sleep(0.5)  # an untouched chunk stays out (its tail, past any kernel read-ahead)
     size = chunks[2].stat().st_size
     assert not resident(chunks[2], size - (1 << 20), size)
