@@ -47,7 +47,7 @@ class BlockingPeerClient:
             reply = self._receive(sock)
         except (OSError, ProtocolError) as error:  # socket.timeout is an OSError
             self.close()
-            raise PeerUnavailable(f"peer {self.address}: {error or type(error).__name__}") \
+            raise PeerUnavailable(f"peer {self.address}: {self._why(error)}") \
                 from None
         if reply.get("id") != request_id:
             self.close()
@@ -64,6 +64,12 @@ class BlockingPeerClient:
             self.close()
             raise PeerUnavailable(f"{where}: sent {len(reply['data'])} bytes, not {length}")
         return reply_bytes(reply, where, offset, length)
+
+    def _why(self, error: Exception) -> str:
+        """One readable cause; a kernel socket timeout shows up as EAGAIN."""
+        if isinstance(error, BlockingIOError):
+            return f"no answer within {self.timeout:g} s"
+        return str(error) or type(error).__name__
 
     def close(self) -> None:
         if self._sock is not None:
@@ -84,7 +90,8 @@ class BlockingPeerClient:
             self._handshake(sock)
         except (OSError, ProtocolError) as error:
             sock.close()
-            raise PeerUnavailable(f"handshake with peer {self.address} failed: {error}") \
+            raise PeerUnavailable(f"handshake with peer {self.address} failed: "
+                                  f"{self._why(error)}") \
                 from None
         except BaseException:
             sock.close()

@@ -78,7 +78,7 @@ async def test_dead_or_silent_peer_fails_within_the_timeout(nursery):
     assert await call(client.read, DATASET, 0, 0, 10) == CHUNKS[0][:10]
     peer.provider.delay = 5.0  # silent: the reply never comes in time
     started = trio.current_time()
-    with pytest.raises(PeerUnavailable):
+    with pytest.raises(PeerUnavailable, match=r"no answer within 0\.5 s"):
         await call(client.read, DATASET, 0, 0, 10)
     assert trio.current_time() - started < 2.0
     peer.provider.delay = 0.0
