@@ -81,6 +81,7 @@ class PeerLoopServer:
         self.max_connections = max_connections
         self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
         self._conns: dict[socket.socket, _Conn] = {}
+        self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
@@ -209,10 +210,10 @@ class PeerLoopServer:
     # -- input --------------------------------------------------------------------------
     def _receive(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(_RECV)
+            n = conn.sock.recv_into(self._inbuf)
         except BlockingIOError:
             return
-        if not data:
+        if not n:
             if conn.decoder.buffered and not conn.closing:
                 raise ProtocolError("connection closed in the middle of a frame")
             self._close(conn)
@@ -221,7 +222,8 @@ class PeerLoopServer:
             return
         conn.deadline = time.monotonic() + (
             self.idle_timeout if conn.state == "ready" else self.handshake_timeout)
-        conn.inbox.extend(conn.decoder.feed(data))
+        with memoryview(self._inbuf)[:n] as data:  # the decoder copies what it keeps
+            conn.inbox.extend(conn.decoder.feed(data))
         self._pump(conn)
 
     def _pump(self, conn: _Conn) -> None:
