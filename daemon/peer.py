@@ -220,44 +220,24 @@ class PeerServer:
 
     async def _handshake(self, conn: _FramedStream, peer: str) -> bool:
         """HELLO -> CHALLENGE -> AUTH -> OK; True once the peer proved the secret."""
-        hello = await conn.receive()
-        if hello is None:
+        handshake = protocol.ServerHandshake(self._secret, self.node_name)
+        try:
+            hello = await conn.receive()
+            if hello is None:
+                return False
+            await conn.send(handshake.challenge_for(hello))
+            answer = await conn.receive()
+            if answer is None:
+                return False
+            await conn.send(handshake.accept(answer))
+        except protocol.HandshakeRefused as refused:
+            setattr(self, refused.counter, getattr(self, refused.counter) + 1)
+            log.warning("peer %s (node %r): %s; closing the connection", peer,
+                        handshake.client_node, refused.why)
+            if refused.reply is not None:
+                await self._send_goodbye(conn, refused.reply)
             return False
-        if hello["t"] != protocol.HELLO:
-            raise ProtocolError(f"expected hello, got {hello['t']}")
-        if hello["v"] != protocol.PROTOCOL_VERSION:
-            self.protocol_errors += 1
-            log.warning("peer %s (node %r): protocol version %d, this daemon speaks %d; "
-                        "closing the connection", peer, hello["node"], hello["v"],
-                        protocol.PROTOCOL_VERSION)
-            await self._send_goodbye(conn, protocol.err(
-                protocol.ERR_VERSION, f"node {self.node_name} speaks protocol version "
-                f"{protocol.PROTOCOL_VERSION}, not {hello['v']}"))
-            return False
-        server_nonce = protocol.new_nonce()
-        await conn.send(protocol.challenge(server_nonce, protocol.server_proof(
-            self._secret, hello["nonce"], server_nonce)))
-        answer = await conn.receive()
-        if answer is None:
-            return False
-        if answer["t"] == protocol.ERR:
-            # The client found our proof wrong: one of us has another job's secret.
-            self.auth_failures += 1
-            log.warning("peer %s (node %r) rejected this server's proof (%s): the two "
-                        "daemons have different job secrets", peer, hello["node"], answer["msg"])
-            return False
-        if answer["t"] != protocol.AUTH:
-            raise ProtocolError(f"expected auth, got {answer['t']}")
-        expected = protocol.client_proof(self._secret, server_nonce, hello["nonce"])
-        if not protocol.proof_matches(expected, answer["proof"]):
-            self.auth_failures += 1
-            log.warning("peer %s (node %r): authentication failed (wrong job secret); "
-                        "closing the connection", peer, hello["node"])
-            await self._send_goodbye(conn, protocol.err(protocol.ERR_AUTH,
-                                                        "authentication failed"))
-            return False
-        await conn.send(protocol.ok())
-        log.debug("peer %s (node %r) authenticated", peer, hello["node"])
+        log.debug("peer %s (node %r) authenticated", peer, handshake.client_node)
         return True
 
     async def _send_goodbye(self, conn: _FramedStream, msg: Message) -> None:

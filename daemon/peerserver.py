@@ -48,16 +48,15 @@ class BlockingChunkProvider(Protocol):
 class _Conn:
     """One peer connection: where its handshake is, what is received and unsent."""
 
-    __slots__ = ("closing", "deadline", "decoder", "events", "hello", "inbox", "nonce", "out",
+    __slots__ = ("closing", "deadline", "decoder", "events", "handshake", "inbox", "out",
                  "peer", "sock", "state")
 
-    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
-        self.sock, self.peer, self.deadline = sock, peer, deadline
+    def __init__(self, sock: socket.socket, peer: str, deadline: float,
+                 handshake: protocol.ServerHandshake) -> None:
+        self.sock, self.peer, self.deadline, self.handshake = sock, peer, deadline, handshake
         self.decoder = FrameDecoder(protocol.MAX_CONTROL_FRAME)
         self.state = "hello"  # -> "auth" -> "ready"
         self.closing = False  # our last message is queued; drain, then close
-        self.hello: Message | None = None
-        self.nonce = b""
         self.inbox: collections.deque[Message] = collections.deque()
         self.out: collections.deque[memoryview] = collections.deque()
         self.events = 0
@@ -174,7 +173,8 @@ class PeerLoopServer:
             self._count("connections_open")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, peer, time.monotonic() + self.handshake_timeout)
+            conn = _Conn(sock, peer, time.monotonic() + self.handshake_timeout,
+                         protocol.ServerHandshake(self._secret, self.node_name))
             self._conns[sock] = conn
             self._watch(conn, selectors.EVENT_READ)
 
@@ -234,51 +234,27 @@ class PeerLoopServer:
             self._watch(conn, selectors.EVENT_READ)
 
     def _handle(self, conn: _Conn, msg: Message) -> None:
-        if conn.state == "ready":
-            if msg["t"] != protocol.READ:
-                raise ProtocolError(f"unexpected {msg['t']} message after the handshake")
-            self._reply_to(conn, msg)
-        elif conn.state == "hello":
-            self._on_hello(conn, msg)
-        else:
-            self._on_auth(conn, msg)
-
-    def _on_hello(self, conn: _Conn, hello: Message) -> None:
-        if hello["t"] != protocol.HELLO:
-            raise ProtocolError(f"expected hello, got {hello['t']}")
-        if hello["v"] != protocol.PROTOCOL_VERSION:
-            self._count("protocol_errors")
-            log.warning("peer %s (node %r): protocol version %d, this daemon speaks %d; "
-                        "closing the connection", conn.peer, hello["node"], hello["v"],
-                        protocol.PROTOCOL_VERSION)
-            self._goodbye(conn, protocol.err(protocol.ERR_VERSION, f"node {self.node_name} "
-                                             f"speaks protocol version "
-                                             f"{protocol.PROTOCOL_VERSION}"))
-            return
-        conn.hello, conn.nonce, conn.state = hello, protocol.new_nonce(), "auth"
-        self._send(conn, protocol.encode(protocol.challenge(conn.nonce, protocol.server_proof(
-            self._secret, hello["nonce"], conn.nonce))))
-
-    def _on_auth(self, conn: _Conn, answer: Message) -> None:
-        node = conn.hello["node"]
-        if answer["t"] == protocol.ERR:
-            self._count("auth_failures")
-            log.warning("peer %s (node %r) rejected this server's proof (%s): the two daemons "
-                        "have different job secrets", conn.peer, node, answer["msg"])
-            self._close(conn)
-            return
-        if answer["t"] != protocol.AUTH:
-            raise ProtocolError(f"expected auth, got {answer['t']}")
-        expected = protocol.client_proof(self._secret, conn.nonce, conn.hello["nonce"])
-        if not protocol.proof_matches(expected, answer["proof"]):
-            self._count("auth_failures")
-            log.warning("peer %s (node %r): authentication failed (wrong job secret); "
-                        "closing the connection", conn.peer, node)
-            self._goodbye(conn, protocol.err(protocol.ERR_AUTH, "authentication failed"))
-            return
-        conn.state = "ready"
-        conn.deadline = time.monotonic() + self.idle_timeout
-        self._send(conn, protocol.encode(protocol.ok()))
+        try:
+            if conn.state == "ready":
+                if msg["t"] != protocol.READ:
+                    raise ProtocolError(f"unexpected {msg['t']} message after the handshake")
+                self._reply_to(conn, msg)
+            elif conn.state == "hello":
+                reply = conn.handshake.challenge_for(msg)
+                conn.state = "auth"
+                self._send(conn, protocol.encode(reply))
+            else:
+                reply = conn.handshake.accept(msg)
+                conn.state, conn.deadline = "ready", time.monotonic() + self.idle_timeout
+                self._send(conn, protocol.encode(reply))
+        except protocol.HandshakeRefused as refused:
+            self._count(refused.counter)
+            log.warning("peer %s (node %r): %s; closing the connection", conn.peer,
+                        conn.handshake.client_node, refused.why)
+            if refused.reply is None:
+                self._close(conn)
+            else:
+                self._goodbye(conn, refused.reply)
 
     def _reply_to(self, conn: _Conn, request: Message) -> None:
         """DATA, MISS or FAIL for one READ; provider failures become FAIL_IO."""

@@ -241,6 +241,59 @@ def proof_matches(expected: bytes, got: bytes) -> bool:
 
 # -- request bounds ------------------------------------------------------------
 
+class HandshakeRefused(Exception):
+    """The server ends the handshake: count it under `counter`, log `why`, send `reply`
+    (an ERR, or None when the client already said why) and close."""
+
+    def __init__(self, counter: str, why: str, reply: Message | None) -> None:
+        super().__init__(why)
+        self.counter, self.why, self.reply = counter, why, reply
+
+
+class ServerHandshake:
+    """The server's side of HELLO -> CHALLENGE -> AUTH -> OK, without I/O.
+
+    Both peer servers (trio and selector loop) feed it the client's two
+    messages; the decisions, the proofs and the refusals live here once.
+    """
+
+    def __init__(self, secret: bytes, node_name: str) -> None:
+        self._secret = secret
+        self.node_name = node_name
+        self.client_node = "?"
+        self._client_nonce = b""
+        self._nonce = b""
+
+    def challenge_for(self, hello_msg: Message) -> Message:
+        """The CHALLENGE answering the client's HELLO."""
+        if hello_msg["t"] != HELLO:
+            raise ProtocolError(f"expected hello, got {hello_msg['t']}")
+        self.client_node = hello_msg["node"]
+        if hello_msg["v"] != PROTOCOL_VERSION:
+            raise HandshakeRefused(
+                "protocol_errors",
+                f"protocol version {hello_msg['v']}, this daemon speaks {PROTOCOL_VERSION}",
+                err(ERR_VERSION, f"node {self.node_name} speaks protocol version "
+                                 f"{PROTOCOL_VERSION}, not {hello_msg['v']}"))
+        self._client_nonce, self._nonce = hello_msg["nonce"], new_nonce()
+        return challenge(self._nonce, server_proof(self._secret, self._client_nonce,
+                                                   self._nonce))
+
+    def accept(self, answer: Message) -> Message:
+        """OK once the client's AUTH proves the secret."""
+        if answer["t"] == ERR:  # the client found our proof wrong
+            raise HandshakeRefused(
+                "auth_failures", f"rejected this server's proof ({answer['msg']}): the two "
+                "daemons have different job secrets", None)
+        if answer["t"] != AUTH:
+            raise ProtocolError(f"expected auth, got {answer['t']}")
+        expected = client_proof(self._secret, self._nonce, self._client_nonce)
+        if not proof_matches(expected, answer["proof"]):
+            raise HandshakeRefused("auth_failures", "authentication failed (wrong job secret)",
+                                   err(ERR_AUTH, "authentication failed"))
+        return ok()
+
+
 def read_bounds_problem(chunk_length: int | None, offset: int, length: int) -> str | None:
     """The FAIL code for a READ of `length` bytes at `offset` of a chunk, or None if valid.
 
