@@ -354,7 +354,7 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
                 if pool is not None:
                     pool.after_fork()
                 WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout,
-                           config.count_opens).serve()
+                           config.count_opens, config.splice).serve()
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
                 code = 1

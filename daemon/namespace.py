@@ -99,6 +99,12 @@ class Namespace:
         for reader in self.readers:
             reader.inline_io = True
 
+    def use_spans(self, max_length: int) -> None:
+        """Worker processes that splice replies: reads of verified bytes up to
+        `max_length` may return a dlfsd.reader.FileSpan (0: never)."""
+        for reader in self.readers:
+            reader.use_spans(max_length)
+
     def close(self) -> None:
         for reader in self.readers:
             reader.close()

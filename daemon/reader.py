@@ -44,6 +44,36 @@ STORE_BAD = 4  # the store copy did not (logged once)
 STORE_LOADING = 8  # a worker process is loading and checking the store copy right now
 LOADING_WAIT = 2.0  # seconds a worker waits for another one's load before loading itself
 PEER_CACHE_BYTES = 64 << 20  # per process: whole extents fetched for partial reads
+#: Reads at least this large of verified bytes may be answered as a FileSpan (the
+#: worker splices them into its reply); below it a copy costs less than the extra
+#: system call.
+SPAN_MIN = 32 << 10
+
+
+class FileSpan:
+    """Verified bytes left where they are: `length` bytes at `pos` of descriptor `fd`.
+
+    What a read returns instead of the bytes when its caller asked for spans
+    (SampleReader.use_spans): worker processes splice such a span from the chunk
+    file into their FUSE reply, so the bytes never pass through user memory. One
+    object per reader, reused by every read (workers serve one request at a time).
+    """
+
+    __slots__ = ("fd", "length", "pos")
+
+    def __init__(self) -> None:
+        self.fd = self.pos = self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def set(self, fd: int, pos: int, length: int) -> FileSpan:
+        self.fd, self.pos, self.length = fd, pos, length
+        return self
+
+    def read(self) -> bytes:
+        """The bytes themselves (for a caller that cannot splice this one)."""
+        return _pread_exact(self.fd, self.length, self.pos)
 
 
 class SampleReader:
@@ -87,6 +117,15 @@ class SampleReader:
         self._peer_cache: OrderedDict[int, bytes] = OrderedDict()
         self._peer_cache_bytes = 0
         self._prefetch = ChunkPrefetch(dataset.chunk_count) if prefetch else None
+        self._span: FileSpan | None = None
+        self._span_max = 0
+
+    def use_spans(self, max_length: int) -> None:
+        """From now on a read of verified bytes from one chunk file, SPAN_MIN up to
+        `max_length` long, may return a FileSpan (reused: consume it before the next
+        read) instead of the bytes. 0: never."""
+        self._span = FileSpan() if max_length else None
+        self._span_max = max_length
 
     def close(self) -> None:
         self._state.close()
@@ -108,25 +147,28 @@ class SampleReader:
         first = offset // piece
         last = (end - 1) // piece
         if first == last:
-            return await self._read_extent(base + first, offset - first * piece, end - offset)
+            return await self._read_extent(base + first, offset - first * piece, end - offset,
+                                           self._span is not None)
         parts = []
         for i in range(first, last + 1):
             lo = max(offset, i * piece) - i * piece
             hi = min(end, (i + 1) * piece) - i * piece
-            parts.append(await self._read_extent(base + i, lo, hi - lo))
+            parts.append(await self._read_extent(base + i, lo, hi - lo, False))
         return b"".join(parts)
 
-    async def _read_extent(self, ext: int, rel: int, length: int):
+    async def _read_extent(self, ext: int, rel: int, length: int, span: bool):
+        """`span`: the bytes may be returned as a FileSpan if verified already."""
+        span = span and SPAN_MIN <= length <= self._span_max
         if self.pool is not None:
-            data = await self._read_pooled(ext, rel, length)
+            data = await self._read_pooled(ext, rel, length, span)
             if data is not None:
                 return data
         started = time.perf_counter_ns()
-        data = await self._read_store(ext, rel, length)
+        data = await self._read_store(ext, rel, length, span)
         self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
         return data
 
-    async def _read_store(self, ext: int, rel: int, length: int):
+    async def _read_store(self, ext: int, rel: int, length: int, span: bool):
         if not self._state[ext] & STORE_OK and self.inline_io:
             self._wait_for_other_load(ext)
         if not self._state[ext] & STORE_OK:
@@ -135,6 +177,8 @@ class SampleReader:
                 return _slice(data, rel, length)
         fd = await self._fd(self._ext_chunk[ext])
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
+        if span and not self._store_rate:
+            return self._span.set(fd, pos, length)
         return await self._pread(fd, length, pos, self._store_rate)
 
     async def _pread(self, fd: int, length: int, pos: int, rate: int = 0):
@@ -148,12 +192,12 @@ class SampleReader:
         return await self._blocking(_pread_exact, fd, length, pos)
 
     # -- the chunk pool: local NVMe, then peers -----------------------------------------
-    async def _read_pooled(self, ext: int, rel: int, length: int):
+    async def _read_pooled(self, ext: int, rel: int, length: int, span: bool):
         """From the staged copy or an owner peer; None: go to the store."""
         chunk = self._ext_chunk[ext]
         started = time.perf_counter_ns()
         if self._cache.is_staged(chunk):
-            data = await self._read_local(ext, rel, length, chunk)
+            data = await self._read_local(ext, rel, length, chunk, span)
             if data is not None:
                 self._count(SOURCE_LOCAL, length, started)
                 return data
@@ -169,15 +213,18 @@ class SampleReader:
     def _count(self, source: int, nbytes: int, started: int) -> None:
         self.stats.record_source(self.ds, source, nbytes, time.perf_counter_ns() - started)
 
-    async def _read_local(self, ext: int, rel: int, length: int, chunk: int):
+    async def _read_local(self, ext: int, rel: int, length: int, chunk: int, span: bool):
         fd = self._cache.cached_fd(chunk)
         if fd < 0:
             fd = await self._blocking(self._cache.open_fd, chunk)
             if fd < 0:
                 return None
         if self._state[ext] & LOCAL_OK:
+            pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
+            if span:  # a truncated copy then fails the splice: EIO, not wrong bytes
+                return self._span.set(fd, pos, length)
             try:
-                return await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
+                return await self._pread(fd, length, pos)
             except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
                 self._evict(chunk, str(err) or "unreadable")
                 return None

@@ -28,6 +28,8 @@ from dlfsd import fusewire as fw
 from dlfsd.errnomap import errno_for
 from dlfsd.listing import ListingPacker
 from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
+from dlfsd.reader import FileSpan
+from dlfsd.splicer import ReplySplicer, SpliceFailed
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class WireWorker:
     """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
 
     def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
-                 cache_timeout: float, count_opens: bool = False) -> None:
+                 cache_timeout: float, count_opens: bool = False, splice: bool = True) -> None:
         self.ns = namespace
         self.fd = fd
         self.count_opens = count_opens
@@ -95,6 +97,9 @@ class WireWorker:
         self._view = memoryview(self._buf)
         self._reading = False
         self._stopping = False
+        self.splicer = ReplySplicer(fd) if splice else None
+        self._splice_warned = False
+        self._use_spans(True)
         self._handlers = {
             fw.LOOKUP: self.lookup, fw.GETATTR: self.getattr, fw.READLINK: self.readlink,
             fw.OPEN: self.open, fw.READ: self.read, fw.RELEASE: self.release,
@@ -157,8 +162,38 @@ class WireWorker:
             return
         if payload is None:
             self._send(fw.error_reply(unique, 0))
+        elif type(payload) is FileSpan:
+            self._send_span(unique, payload, nodeid, n)
         else:
             self._send(fw.reply_header(unique, len(payload)), payload)
+
+    def _use_spans(self, on: bool) -> None:
+        """Let large reads of verified bytes come back as spans we splice (dlfsd.splicer)."""
+        capacity = self.splicer.capacity if self.splicer is not None and on else 0
+        self.ns.use_spans(capacity)
+
+    def _send_span(self, unique: int, span: FileSpan, nodeid: int, n: int) -> None:
+        try:
+            self.splicer.send(fw.reply_header(unique, span.length), span.fd, span.pos,
+                              span.length)
+            return
+        except SpliceFailed as err:
+            if not self._splice_warned:
+                self._splice_warned = True
+                log.warning("worker %d: cannot splice a read reply (%s); reading it again "
+                            "the copying way", os.getpid(), err)
+        # Read again without spans: a staged copy that fails now is evicted and the
+        # read served from elsewhere, a corrupt store copy answers EIO. (The read's
+        # counters then count it twice: a rare failure path.)
+        self._use_spans(False)
+        try:
+            payload = self.read(nodeid, n)
+        except Exception as err:
+            self._send(fw.error_reply(unique, errno_for(err, "read")))
+            return
+        finally:
+            self._use_spans(True)
+        self._send(fw.reply_header(unique, len(payload)), payload)
 
     def _send(self, head: bytes, payload=None) -> None:
         try:

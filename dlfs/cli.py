@@ -232,6 +232,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         stats=not args.no_stats, count_opens=args.count_opens, prefetch=args.prefetch,
+        splice=not args.no_splice,
         trace_capacity=args.trace_capacity,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
@@ -479,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequential reads instead of many small random ones), when the "
                         "mount has no chunk pool and its datasets fit in a quarter of the "
                         "available memory; off: read only what is asked")
+    p.add_argument("--no-splice", action="store_true",
+                   help="answer large reads by copying the bytes through the daemon instead "
+                        "of splicing them from the chunk file (to measure what splicing "
+                        "saves)")
     p.add_argument("--count-opens", action="store_true",
                    help="send every open and close to the daemon, so the counters and the "
                         "trace see them (two kernel round trips per file opened). By default "

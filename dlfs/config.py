@@ -38,6 +38,9 @@ class MountConfig:
     # Send every open/close to the daemon (counted, traced). Off: the kernel opens files
     # itself (FUSE no_open), so a page-cache hit costs no daemon round trip at all.
     count_opens: bool = False
+    # Worker processes answer large reads of verified bytes by splice(2) from the chunk
+    # file (one kernel copy instead of two); off only to measure what it saves.
+    splice: bool = True
     prefetch: str = "auto"  # read a chunk whole on its first sample read (dlfsd.prefetch)
     trace_capacity: int = 1 << 20  # trace records kept (oldest dropped beyond)
     summary_file: str | None = None  # final counters + text summary, written at unmount
