@@ -39,6 +39,7 @@ from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.observe import ObserveConfig
 from dlfsd.ops import DlfsOperations
 from dlfsd.prefetch import available_memory, prefetch_decision
+from dlfsd.splicer import describe_pipe_size, usable_pipe_size
 from dlfsd.status import build_status, keep_status, write_status
 from dlfsd.wireworker import WireWorker, find_fuse_fd, fuse_fds
 
@@ -345,6 +346,9 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
         return []
     namespace.use_inline_io()
     fuse_fd = find_fuse_fd(fds_before_mount)
+    pipe_size = usable_pipe_size() if config.splice else 0
+    if config.splice:
+        log.info(describe_pipe_size(pipe_size))
     pids = []
     for _ in range(config.workers):
         pid = os.fork()
@@ -354,7 +358,7 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
                 if pool is not None:
                     pool.after_fork()
                 WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout,
-                           config.count_opens, config.splice).serve()
+                           config.count_opens, pipe_size).serve()
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
                 code = 1

@@ -36,6 +36,7 @@ from dlfsd.throttle import pace
 log = logging.getLogger(__name__)
 
 _HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in with one call
 
 # Per-extent state bits, shared by all processes of the mount.
 STORE_OK = 1  # the store copy was read whole and matched its checksum
@@ -172,8 +173,9 @@ class SampleReader:
         if not self._state[ext] & STORE_OK and self.inline_io:
             self._wait_for_other_load(ext)
         if not self._state[ext] & STORE_OK:
-            data = await self._load_verified(ext)
-            if data is not None:
+            # A span needs no bytes in hand: check the extent where it lies (mapped).
+            data = await self._load_verified(ext, keep=not span)
+            if data is not None and not span:
                 return _slice(data, rel, length)
         fd = await self._fd(self._ext_chunk[ext])
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
@@ -334,8 +336,11 @@ class SampleReader:
                 return
             time.sleep(0.0002)
 
-    async def _load_verified(self, ext: int) -> bytes | None:
-        """Load and check a whole extent once; None if another task checked it meanwhile."""
+    async def _load_verified(self, ext: int, keep: bool = True) -> bytes | None:
+        """Load and check a whole extent once; None if another task checked it meanwhile.
+
+        keep=False: only check it (hashed where it lies, no copy); returns b"".
+        """
         while not self._state[ext] & STORE_OK:
             pending = self._loading.get(("store", ext))
             if pending is not None:
@@ -347,8 +352,9 @@ class SampleReader:
                 fd = await self._fd(self._ext_chunk[ext])
                 try:
                     data, digest = await self._blocking(
-                        _pread_and_hash, fd, self._ext_len[ext],
-                        CHUNK_HEADER_SIZE + self._ext_off[ext], self._store_rate)
+                        _pread_and_hash if keep or self._store_rate else _map_and_hash,
+                        fd, self._ext_len[ext], CHUNK_HEADER_SIZE + self._ext_off[ext],
+                        self._store_rate)
                 except CorruptDataError as err:
                     self._report_corrupt(ext, str(err))
                     raise
@@ -426,6 +432,28 @@ def _pread_paced(fd: int, length: int, pos: int, rate: int) -> bytes:
 def _pread_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes, int]:
     data = _pread_paced(fd, length, pos, rate) if rate else _pread_exact(fd, length, pos)
     return data, checksum(data)
+
+
+def _map_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes, int]:
+    """The checksum of `length` bytes at `pos`, hashed in place (mapped, not copied).
+
+    Saves copying the extent out of the page cache when the caller splices its
+    bytes anyway. The size check first: touching a mapping beyond the end of the
+    file would kill the process (SIGBUS); store chunk files are never truncated
+    in place (published by rename, replaced by rename).
+    """
+    if pos + length > os.fstat(fd).st_size:
+        raise CorruptDataError(f"chunk file is truncated at offset {pos}")
+    if length == 0:
+        return b"", checksum(b"")
+    start = pos - pos % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, pos + length - start, mmap.MAP_SHARED | _MAP_POPULATE,
+                       mmap.PROT_READ, offset=start)
+    try:
+        with memoryview(mapped) as view:
+            return b"", checksum(view[pos - start :])
+    finally:
+        mapped.close()
 
 
 def _slice(data, rel: int, length: int):

@@ -46,33 +46,58 @@ class SpliceFailed(Exception):
     """The reply was not sent; the caller should answer the copying way."""
 
 
+def usable_pipe_size() -> int:
+    """The pipe size this process can get for its replies (0: no splice here).
+
+    PIPE_BYTES if allowed, else the unprivileged limit; asked of a scratch pipe
+    once, before workers fork, so the mount logs the outcome once.
+    """
+    if not _HAVE_SPLICE:
+        return 0
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        for wanted in (PIPE_BYTES, _pipe_max_size()):
+            try:
+                return fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, wanted)
+            except OSError:  # EPERM above pipe-max-size without CAP_SYS_RESOURCE
+                continue
+        return 0
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def describe_pipe_size(size: int) -> str:
+    """One log line: what splicing can do with a pipe of `size` bytes."""
+    if size >= PIPE_BYTES:
+        return f"read replies spliced from chunk files (reply pipe {size >> 10} KiB)"
+    if size == 0:
+        return "read replies copied: splice(2) is not available"
+    return (f"read replies spliced up to {(size - 2 * _PAGE) >> 10} KiB only; 1 MiB reads are "
+            f"copied (the reply pipe is limited to {size >> 10} KiB: no CAP_SYS_RESOURCE, "
+            f"fs.pipe-max-size; `sysctl fs.pipe-max-size={PIPE_BYTES}` lifts it)")
+
+
 class ReplySplicer:
     """One pipe per worker process; `send` answers one request at a time."""
 
-    def __init__(self, fuse_fd: int) -> None:
+    def __init__(self, fuse_fd: int, pipe_size: int) -> None:
         self.fuse_fd = fuse_fd
-        self.capacity = 0  # bytes of payload a reply may carry; 0: splicing is off
+        self.capacity = 0  # bytes of payload a reply surely fits; 0: splicing is off
+        self._pipe_size = pipe_size
         self._read_end = self._write_end = -1
         self._slots = 0
-        self._told = False
-        if _HAVE_SPLICE:
+        if pipe_size:
             self._open_pipe()
 
     def _open_pipe(self) -> None:
         self._read_end, self._write_end = os.pipe2(os.O_CLOEXEC)
-        size = 0
-        for wanted in (PIPE_BYTES, _pipe_max_size()):
-            try:
-                size = fcntl.fcntl(self._write_end, fcntl.F_SETPIPE_SZ, wanted)
-                break
-            except OSError:  # EPERM above pipe-max-size without CAP_SYS_RESOURCE
-                continue
-        if size < PIPE_BYTES and not self._told:
-            self._told = True
-            log.info("reply pipe limited to %d bytes (fs.pipe-max-size, no CAP_SYS_RESOURCE): "
-                     "reads larger than %d bytes are copied, not spliced; `sysctl "
-                     "fs.pipe-max-size=%d` lets them be spliced", size,
-                     size - _PAGE, PIPE_BYTES)
+        try:
+            size = fcntl.fcntl(self._write_end, fcntl.F_SETPIPE_SZ, self._pipe_size)
+        except OSError as err:
+            log.warning("cannot size the reply pipe (%s); read replies are copied", err)
+            self.disable()
+            return
         self._slots = size // _PAGE
         # Bytes a reply surely fits: the header takes a slot, and unaligned data
         # one more than its length in pages.

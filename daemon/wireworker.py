@@ -84,7 +84,7 @@ class WireWorker:
     """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
 
     def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
-                 cache_timeout: float, count_opens: bool = False, splice: bool = True) -> None:
+                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
         self.ns = namespace
         self.fd = fd
         self.count_opens = count_opens
@@ -97,7 +97,8 @@ class WireWorker:
         self._view = memoryview(self._buf)
         self._reading = False
         self._stopping = False
-        self.splicer = ReplySplicer(fd) if splice else None
+        # pipe_size: for spliced read replies (dlfsd.splicer.usable_pipe_size); 0: copy.
+        self.splicer = ReplySplicer(fd, pipe_size) if pipe_size else None
         self._splice_warned = False
         self._use_spans(True)
         self._handlers = {

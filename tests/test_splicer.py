@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlfsd.splicer import ReplySplicer, SpliceFailed
+from dlfsd.splicer import ReplySplicer, SpliceFailed, usable_pipe_size
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -65,7 +65,7 @@ def pipe_is_empty(fd: int) -> bool:
 def test_reply_is_header_then_exact_file_bytes(data_file, target, pos, length):
     fd, blob, _ = data_file
     out, check = target
-    splicer = ReplySplicer(out)
+    splicer = ReplySplicer(out, usable_pipe_size())
     try:
         header = struct.pack("<IiQ", 16 + length, 0, pos)
         splicer.send(header, fd, pos, length)
@@ -76,7 +76,7 @@ def test_reply_is_header_then_exact_file_bytes(data_file, target, pos, length):
 
 
 def test_fit_counts_the_header_and_unaligned_pages(target):
-    splicer = ReplySplicer(target[0])
+    splicer = ReplySplicer(target[0], usable_pipe_size())
     try:
         assert splicer.capacity > 0, "this machine must allow at least a 1 MiB pipe"
         slots = (splicer.capacity + 2 * PAGE) // PAGE
@@ -93,7 +93,7 @@ def test_fit_counts_the_header_and_unaligned_pages(target):
 def test_too_large_a_reply_sends_nothing(data_file, target):
     fd, blob, _ = data_file
     out, check = target
-    splicer = ReplySplicer(out)
+    splicer = ReplySplicer(out, usable_pipe_size())
     try:
         length = splicer.capacity + 2 * PAGE
         with pytest.raises(SpliceFailed, match="do not fit"):
@@ -106,7 +106,7 @@ def test_too_large_a_reply_sends_nothing(data_file, target):
 def test_short_file_fails_and_leaves_no_half_reply(data_file, target):
     fd, blob, _ = data_file
     out, check = target
-    splicer = ReplySplicer(out)
+    splicer = ReplySplicer(out, usable_pipe_size())
     try:
         with pytest.raises(SpliceFailed, match="ends before"):
             splicer.send(b"H" * 16, fd, len(blob) - 100, 4096)
@@ -182,3 +182,31 @@ def test_chunk_cut_short_after_verification_reads_eio(tmp_path, store_with, moun
         assert err.value.errno == errno.EIO
     finally:
         os.close(fd)
+
+
+def test_flipped_byte_in_a_large_file_reads_eio_on_the_spliced_path(tmp_path, store_with,
+                                                                   mounted):
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(9)
+    bad, good = rng.randbytes(3 << 20), rng.randbytes(3 << 20)
+    (src / "a.bin").write_bytes(bad)
+    (src / "b.bin").write_bytes(good)
+    store = store_with(src, "ds", "4M")
+    chunks = sorted((store / "ds").rglob("*.chunk"))
+    data = bytearray(chunks[0].read_bytes())
+    at = data.find(bad[1 << 20 : (1 << 20) + 64])  # a.bin's second MiB, in the chunk
+    assert at > 0
+    data[at + 5] ^= 0xFF
+    chunks[0].write_bytes(data)
+    m = mounted(store)
+    fd = os.open(m / "ds" / "a.bin", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # just the range we ask for
+        with pytest.raises(OSError) as err:
+            os.pread(fd, 256 << 10, 1 << 20)
+        assert err.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    assert (m / "ds" / "b.bin").read_bytes() == good
+    assert "checksum mismatch" in m.log_text()
