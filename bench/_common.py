@@ -285,6 +285,37 @@ def read_ahead_kb(mountpoint: Path, set_to: int | None = None) -> int | None:
 
 
 # -- caches ------------------------------------------------------------------
+PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
+
+
+@contextlib.contextmanager
+def pipe_max_size(at_least: int | None) -> Iterator[None]:
+    """Raise fs.pipe-max-size to `at_least` for the block (None: leave it), then restore.
+
+    What a daemon without CAP_SYS_RESOURCE needs to splice 1 MiB read replies
+    (see dlfsd.splicer); root on a real node has that capability.
+    """
+    if at_least is None:
+        yield
+        return
+    before = int(PIPE_MAX_SIZE.read_text())
+    if before >= at_least:
+        yield
+        return
+    PIPE_MAX_SIZE.write_text(str(at_least))
+    try:
+        yield
+    finally:
+        PIPE_MAX_SIZE.write_text(str(before))
+
+
+def splice_state() -> str:
+    """What the daemon's spliced read replies can carry on this machine (one line)."""
+    from dlfsd.splicer import describe_pipe_size, usable_pipe_size
+
+    return describe_pipe_size(usable_pipe_size())
+
+
 def drop_caches() -> bool:
     """sync; echo 3 > /proc/sys/vm/drop_caches. Warns (once) if it cannot."""
     global _warned_cold

@@ -15,6 +15,8 @@ examples (from the repository root; run as root for cache drops):
   .venv/bin/python bench/large_read.py --quick
   .venv/bin/python bench/large_read.py
   .venv/bin/python bench/large_read.py --mount-args='--workers 1'
+  .venv/bin/python bench/large_read.py --pipe-max-size 2M   # as root with CAP_SYS_RESOURCE
+  .venv/bin/python bench/large_read.py --mount-args='--no-splice'
   .venv/bin/python bench/large_read.py --file-size 1G --block-size 4M
 """
 
@@ -31,12 +33,14 @@ from _common import (
     formatter,
     median,
     mounted,
+    pipe_max_size,
     populate,
     print_table,
     print_targets,
     read_ahead_kb,
     run_main,
     size_arg,
+    splice_state,
     split_args,
     workdir,
 )
@@ -58,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="set the mount's kernel read-ahead (/sys/class/bdi/DEV/read_ahead_kb) "
                         "after mounting; default: leave what `dlfs mount` set (its "
                         "--read-ahead-kb, 4096; the FUSE kernel default is 128)")
+    p.add_argument("--pipe-max-size", type=size_arg, default=None, metavar="SIZE",
+                   help="raise fs.pipe-max-size to SIZE during the run (e.g. 2M) and restore "
+                        "it: lets a daemon without CAP_SYS_RESOURCE splice 1 MiB reads, as "
+                        "root on a real node does (default: leave it)")
     p.add_argument("--populate-args", default="",
                    help="extra arguments for `dlfs populate`, e.g. --populate-args='-j 4'")
     args = p.parse_args(argv)
@@ -84,6 +92,11 @@ def read_sequential(paths: list[Path], block: int) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with pipe_max_size(args.pipe_max_size):
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
     mount_args = split_args(args.mount_args)
     with workdir(args.workdir, args.keep, "large-read") as work:
         src = work / "src"
@@ -94,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.files} files x {args.file_size / (1 << 20):.1f} MiB "
               f"({summary.bytes / (1 << 20):.1f} MiB); populate {took:.1f} s; "
               f"block {args.block_size} B; mount args: {mount_args or '(default)'}")
+        print(f"splice: {splice_state()}")
         names = [p.name for p in summary.paths]
         speeds: dict[str, list[float]] = {"source": [], "mount": []}
         ra = None

@@ -49,6 +49,8 @@ PEER_CACHE_BYTES = 64 << 20  # per process: whole extents fetched for partial re
 #: worker splices them into its reply); below it a copy costs less than the extra
 #: system call.
 SPAN_MIN = 32 << 10
+#: Extents at least this large are checked in place (mmap) when their read is spliced.
+MAP_HASH_MIN = 1 << 20
 
 
 class FileSpan:
@@ -173,7 +175,9 @@ class SampleReader:
         if not self._state[ext] & STORE_OK and self.inline_io:
             self._wait_for_other_load(ext)
         if not self._state[ext] & STORE_OK:
-            # A span needs no bytes in hand: check the extent where it lies (mapped).
+            # A span needs no bytes in hand: check a large extent where it lies
+            # (mapped); a small one costs less to copy than to map.
+            span = span and self._ext_len[ext] >= MAP_HASH_MIN
             data = await self._load_verified(ext, keep=not span)
             if data is not None and not span:
                 return _slice(data, rel, length)
