@@ -67,7 +67,8 @@ class PeerLoopServer:
 
     _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
                  "auth_failures", "protocol_errors", "reads_served", "reads_missed",
-                 "reads_refused", "read_errors", "bytes_served")
+                 "reads_refused", "read_errors", "bytes_served",
+                 "replies_waited")  # replies that had to wait for the peer to read
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
@@ -311,6 +312,8 @@ class PeerLoopServer:
                     out[0] = head[sent:]
                     sent = 0
         if out:
+            if conn.events != selectors.EVENT_WRITE:
+                self._count("replies_waited")
             self._watch(conn, selectors.EVENT_WRITE)
         elif conn.closing:
             with contextlib.suppress(OSError):

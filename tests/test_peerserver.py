@@ -23,15 +23,29 @@ from dlfsd.peersync import BlockingPeerClient
 
 SECRET = b"job-secret-0123456789abcdef"
 DATASET = os.urandom(16)
-CHUNKS = [os.urandom(300_000), os.urandom(7)]
+CHUNKS = [os.urandom(4 << 20), os.urandom(7)]
 NOT_STAGED = 2
 
 
-class Provider:
-    """Chunks in memory; chunk NOT_STAGED exists but is not staged here."""
+HEADER = 64  # bytes before a chunk's data in its staged file (like a chunk header)
 
-    def __init__(self) -> None:
+
+class Provider:
+    """Chunks in real files, like staged copies; chunk NOT_STAGED exists but is not
+    staged here."""
+
+    def __init__(self, directory) -> None:
         self.reads = 0
+        self.fds, self.paths = [], []
+        for i, data in enumerate(CHUNKS):
+            path = directory / f"chunk{i}"
+            path.write_bytes(b"h" * HEADER + data)
+            self.paths.append(path)
+            self.fds.append(os.open(path, os.O_RDONLY))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
     def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
         if dataset_id != DATASET or chunk > NOT_STAGED:
@@ -40,15 +54,20 @@ class Provider:
 
     def read_staged_blocking(self, dataset_id, chunk, offset, length):
         self.reads += 1
-        return None if chunk == NOT_STAGED else CHUNKS[chunk][offset:offset + length]
+        if chunk == NOT_STAGED:
+            return None
+        data = os.pread(self.fds[chunk], length, HEADER + offset)
+        return data if len(data) == length else None
 
 
 @pytest.fixture
-def server():
-    s = PeerLoopServer(SECRET, Provider(), "server", handshake_timeout=1.0)
+def server(tmp_path):
+    provider = Provider(tmp_path)
+    s = PeerLoopServer(SECRET, provider, "server", handshake_timeout=1.0)
     s.port = s.start("127.0.0.1", 0)
     yield s
     s.stop()
+    provider.close()
 
 
 def good_read(server) -> None:
@@ -103,13 +122,13 @@ def raw_handshake(sock: socket.socket, secret: bytes = SECRET) -> None:
 def test_blocking_client_reads_exact_ranges_and_errors_keep_the_connection(server):
     client = BlockingPeerClient(SECRET, "good", "127.0.0.1", server.port)
     try:
-        for chunk, offset, length in [(0, 0, 300_000), (0, 299_999, 1), (1, 0, 7)]:
+        for chunk, offset, length in [(0, 0, 300_000), (0, (4 << 20) - 1, 1), (1, 0, 7)]:
             assert client.read(DATASET, chunk, offset, length) == \
                 CHUNKS[chunk][offset:offset + length]
         with pytest.raises(PeerMiss):
             client.read(DATASET, NOT_STAGED, 0, 10)
         with pytest.raises(PeerRefused):
-            client.read(DATASET, 0, 299_999, 2)
+            client.read(DATASET, 0, (4 << 20) - 1, 2)
         with pytest.raises(PeerRefused):
             client.read(os.urandom(16), 0, 0, 1)
     finally:
@@ -210,3 +229,40 @@ def test_stop_closes_open_connections(server):
     with pytest.raises(PeerUnavailable):
         client.read(DATASET, 1, 0, 7)
     client.close()
+
+
+def test_a_reply_that_waits_for_a_slow_reader_arrives_whole_and_unchanged(server, tmp_path):
+    """A whole 4 MiB reply to a client that does not read yet cannot leave at once; what
+    is still to be sent must not change when the staged copy does meanwhile (re-staging:
+    the provider's descriptor is now another file)."""
+    client = BlockingPeerClient(SECRET, "slow", "127.0.0.1", server.port, timeout=5)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: tiny window
+    sock.connect(("127.0.0.1", server.port))
+    try:
+        client._handshake(sock)
+        sock.sendall(protocol.encode(protocol.read(1, DATASET, 0, 0, 4 << 20)))
+        assert counter_reaches(server, "replies_waited", 1), "the reply never had to wait"
+        other = tmp_path / "restaged"
+        other.write_bytes(b"X" * (HEADER + (4 << 20)))
+        replaced = os.open(other, os.O_RDONLY)
+        os.dup2(replaced, server.provider.fds[0])  # the provider's copy is now other bytes
+        os.close(replaced)
+        reply = client._receive(sock)
+        assert reply["t"] == protocol.DATA and reply["id"] == 1
+        assert reply["data"] == CHUNKS[0]
+    finally:
+        sock.close()
+
+
+def test_truncated_staged_copy_is_a_failure_not_short_data(server):
+    os.truncate(server.provider.paths[0], HEADER + 1000)
+    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", server.port, timeout=2)
+    try:
+        assert client.read(DATASET, 0, 0, 1000) == CHUNKS[0][:1000]
+        with pytest.raises(PeerMiss):  # the reader then goes to another owner or the store
+            client.read(DATASET, 0, 500, 1000)
+        assert client.read(DATASET, 1, 0, 7) == CHUNKS[1]  # the connection still serves
+    finally:
+        client.close()
+    assert server.counters()["bytes_served"] == 1000 + 7  # nothing short went out
