@@ -141,9 +141,23 @@ def check_port(port: int, host: str = "0.0.0.0") -> Check:
     return Check(OK, f"port {port}", "free")
 
 
+def check_spliced_reads() -> Check:
+    """Whether the daemon can splice 1 MiB read replies (dlfsd.splicer); not fatal."""
+    from dlfsd.splicer import PIPE_BYTES, usable_pipe_size  # no pyfuse3 behind it
+
+    size = usable_pipe_size()
+    if size >= PIPE_BYTES:
+        return Check(OK, "spliced reads", f"1 MiB reads spliced from chunk files (pipe "
+                                          f"{format_size(size)})")
+    return Check(WARN, "spliced reads",
+                 f"pipes are limited to {format_size(size)} here, so 1 MiB reads are copied "
+                 f"(slower large reads); mount as root with CAP_SYS_RESOURCE, or run `sysctl "
+                 f"fs.pipe-max-size={PIPE_BYTES}`")
+
+
 def run_checks(store: str | None, cache_dir: str | None, port: int | None) -> list[Check]:
     checks: list[Callable[[], Check]] = [
-        check_fuse_device, check_fusermount, check_allow_other,
+        check_fuse_device, check_fusermount, check_allow_other, check_spliced_reads,
         lambda: check_module("pyfuse3", True, "mounting"),
         lambda: check_module("trio", True, "mounting"),
         lambda: check_module("mpi4py", False, "mpirun populate and launch"),

@@ -13,7 +13,8 @@ CORE_MODULES = sorted(f"dlfs.{m.name}" for m in pkgutil.iter_modules(dlfs.__path
 # placement and protocol code never import pyfuse3.
 PURE_DAEMON_MODULES = ["dlfsd.namespace", "dlfsd.reader", "dlfsd.peer", "dlfsd.pool",
                        "dlfsd.stager", "dlfsd.chunkcache", "dlfsd.stats", "dlfsd.status",
-                       "dlfsd.throttle", "dlfsd.peersync", "dlfsd.peerserver"]
+                       "dlfsd.throttle", "dlfsd.peersync", "dlfsd.peerserver",
+                       "dlfsd.splicer"]
 
 
 def test_core_and_daemon_internals_import_without_pyfuse3():
