@@ -74,10 +74,6 @@ class FileSpan:
         self.fd, self.pos, self.length = fd, pos, length
         return self
 
-    def read(self) -> bytes:
-        """The bytes themselves (for a caller that cannot splice this one)."""
-        return _pread_exact(self.fd, self.length, self.pos)
-
 
 class SampleReader:
     """Reads (row, offset, size) of one dataset; verifies extents on first touch."""
@@ -160,8 +156,9 @@ class SampleReader:
         return b"".join(parts)
 
     async def _read_extent(self, ext: int, rel: int, length: int, span: bool):
-        """`span`: the bytes may be returned as a FileSpan if verified already."""
-        span = span and SPAN_MIN <= length <= self._span_max
+        """`span`: the bytes may be returned as a FileSpan if verified already (never
+        from a throttled store: the pacing is in the reads)."""
+        span = span and SPAN_MIN <= length <= self._span_max and not self._store_rate
         if self.pool is not None:
             data = await self._read_pooled(ext, rel, length, span)
             if data is not None:
@@ -183,7 +180,7 @@ class SampleReader:
                 return _slice(data, rel, length)
         fd = await self._fd(self._ext_chunk[ext])
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
-        if span and not self._store_rate:
+        if span:
             return self._span.set(fd, pos, length)
         return await self._pread(fd, length, pos, self._store_rate)
 
@@ -227,8 +224,8 @@ class SampleReader:
                 return None
         if self._state[ext] & LOCAL_OK:
             pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
-            if span:  # a truncated copy then fails the splice: EIO, not wrong bytes
-                return self._span.set(fd, pos, length)
+            if span:  # if the splice fails, the worker reads again without a span:
+                return self._span.set(fd, pos, length)  # a bad copy is evicted then
             try:
                 return await self._pread(fd, length, pos)
             except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
@@ -356,7 +353,7 @@ class SampleReader:
                 fd = await self._fd(self._ext_chunk[ext])
                 try:
                     data, digest = await self._blocking(
-                        _pread_and_hash if keep or self._store_rate else _map_and_hash,
+                        _pread_and_hash if keep else _map_and_hash,
                         fd, self._ext_len[ext], CHUNK_HEADER_SIZE + self._ext_off[ext],
                         self._store_rate)
                 except CorruptDataError as err:
@@ -440,6 +437,8 @@ def _pread_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[byte
 
 def _map_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes, int]:
     """The checksum of `length` bytes at `pos`, hashed in place (mapped, not copied).
+
+    (`rate` is unused, never set for it, but keeps _pread_and_hash's signature.)
 
     Saves copying the extent out of the page cache when the caller splices its
     bytes anyway. The size check first: touching a mapping beyond the end of the

@@ -146,6 +146,9 @@ def check_spliced_reads() -> Check:
     from dlfsd.splicer import PIPE_BYTES, usable_pipe_size  # no pyfuse3 behind it
 
     size = usable_pipe_size()
+    if size == 0:
+        return Check(WARN, "spliced reads", "splice(2) is not available here; read replies "
+                                            "are copied (slower large reads)")
     if size >= PIPE_BYTES:
         return Check(OK, "spliced reads", f"1 MiB reads spliced from chunk files (pipe "
                                           f"{format_size(size)})")
