@@ -9,12 +9,13 @@ into the pipe as header (16 bytes, written) + data (spliced from the file),
 then spliced from the pipe into /dev/fuse in one go, which the device needs:
 a reply must arrive whole.
 
-The pipe must hold a whole reply: it is grown to PIPE_BYTES if allowed
-(CAP_SYS_RESOURCE, or fs.pipe-max-size that large), else to pipe-max-size
-(1 MiB by default: then 1 MiB reads, which need one more page for the header,
-are copied). Replies that do not fit, and everything after a file system
-refuses splice, go the copying way. If anything fails half-way
-the pipe is replaced, so no stale bytes can start the next reply.
+Only 1 MiB reads are spliced (smaller ones measured faster copied, see
+dlfsd.reader.SPAN_MIN), and the pipe must hold a whole reply: 1 MiB plus a
+header, 258 pages at worst, so the pipe is made PIPE_BYTES, which needs
+CAP_SYS_RESOURCE or fs.pipe-max-size >= 2 MiB; without either, nothing is
+spliced. Replies that do not fit, and everything after a file system refuses
+splice, go the copying way. If anything fails half-way the pipe is replaced,
+so no stale bytes can start the next reply.
 """
 
 from __future__ import annotations
@@ -47,20 +48,18 @@ class SpliceFailed(Exception):
 
 
 def usable_pipe_size() -> int:
-    """The pipe size this process can get for its replies (0: no splice here).
+    """PIPE_BYTES if this process may make a pipe that large, else 0 (no splicing).
 
-    PIPE_BYTES if allowed, else the unprivileged limit; asked of a scratch pipe
-    once, before workers fork, so the mount logs the outcome once.
+    Asked of a scratch pipe once, before workers fork, so the mount logs the
+    outcome once. Only 1 MiB reads are worth splicing (see dlfsd.reader.SPAN_MIN),
+    and they need the whole PIPE_BYTES.
     """
     if not _HAVE_SPLICE:
         return 0
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     try:
-        for wanted in (PIPE_BYTES, _pipe_max_size()):
-            try:
-                return fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, wanted)
-            except OSError:  # EPERM above pipe-max-size without CAP_SYS_RESOURCE
-                continue
+        return fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:  # EPERM above pipe-max-size without CAP_SYS_RESOURCE
         return 0
     finally:
         os.close(read_end)
@@ -68,14 +67,14 @@ def usable_pipe_size() -> int:
 
 
 def describe_pipe_size(size: int) -> str:
-    """One log line: what splicing can do with a pipe of `size` bytes."""
+    """One log line: what splicing can do here, given usable_pipe_size()."""
     if size >= PIPE_BYTES:
-        return f"read replies spliced from chunk files (reply pipe {size >> 10} KiB)"
-    if size == 0:
+        return f"1 MiB read replies spliced from chunk files (reply pipe {size >> 10} KiB)"
+    if not _HAVE_SPLICE:
         return "read replies copied: splice(2) is not available"
-    return (f"read replies spliced up to {(size - 2 * _PAGE) >> 10} KiB only; 1 MiB reads are "
-            f"copied (the reply pipe is limited to {size >> 10} KiB: no CAP_SYS_RESOURCE, "
-            f"fs.pipe-max-size; `sysctl fs.pipe-max-size={PIPE_BYTES}` lifts it)")
+    return (f"1 MiB read replies copied, not spliced: pipes are limited to "
+            f"{_pipe_max_size() >> 10} KiB (fs.pipe-max-size, no CAP_SYS_RESOURCE); "
+            f"`sysctl fs.pipe-max-size={PIPE_BYTES}` lifts it")
 
 
 class ReplySplicer:

@@ -143,19 +143,10 @@ def check_port(port: int, host: str = "0.0.0.0") -> Check:
 
 def check_spliced_reads() -> Check:
     """Whether the daemon can splice 1 MiB read replies (dlfsd.splicer); not fatal."""
-    from dlfsd.splicer import PIPE_BYTES, usable_pipe_size  # no pyfuse3 behind it
+    from dlfsd.splicer import PIPE_BYTES, describe_pipe_size, usable_pipe_size
 
     size = usable_pipe_size()
-    if size == 0:
-        return Check(WARN, "spliced reads", "splice(2) is not available here; read replies "
-                                            "are copied (slower large reads)")
-    if size >= PIPE_BYTES:
-        return Check(OK, "spliced reads", f"1 MiB reads spliced from chunk files (pipe "
-                                          f"{format_size(size)})")
-    return Check(WARN, "spliced reads",
-                 f"pipes are limited to {format_size(size)} here, so 1 MiB reads are copied "
-                 f"(slower large reads); mount as root with CAP_SYS_RESOURCE, or run `sysctl "
-                 f"fs.pipe-max-size={PIPE_BYTES}`")
+    return Check(OK if size >= PIPE_BYTES else WARN, "spliced reads", describe_pipe_size(size))
 
 
 def run_checks(store: str | None, cache_dir: str | None, port: int | None) -> list[Check]:

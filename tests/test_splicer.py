@@ -23,9 +23,30 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlfsd.splicer import ReplySplicer, SpliceFailed, usable_pipe_size
+from dlfsd.splicer import PIPE_BYTES, ReplySplicer, SpliceFailed
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+TEST_PIPE = 1 << 20  # any process may make a pipe this large; the logic is size-independent
+PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
+
+
+@pytest.fixture
+def splicing_allowed():
+    """Workers splice only 1 MiB reads, which need 2 MiB pipes: root with
+    CAP_SYS_RESOURCE may make them anyway; for the CI VM (root without it) raise
+    fs.pipe-max-size for the test and put it back."""
+    before = int(PIPE_MAX_SIZE.read_text())
+    if before < PIPE_BYTES:
+        PIPE_MAX_SIZE.write_text(str(PIPE_BYTES))
+    try:
+        yield
+    finally:
+        if before < PIPE_BYTES:
+            PIPE_MAX_SIZE.write_text(str(before))
+
+
+def assert_splicing(m) -> None:
+    assert "1 MiB read replies spliced from chunk files" in m.log_text(), m.log_text()
 
 
 @pytest.fixture
@@ -65,7 +86,7 @@ def pipe_is_empty(fd: int) -> bool:
 def test_reply_is_header_then_exact_file_bytes(data_file, target, pos, length):
     fd, blob, _ = data_file
     out, check = target
-    splicer = ReplySplicer(out, usable_pipe_size())
+    splicer = ReplySplicer(out, TEST_PIPE)
     try:
         header = struct.pack("<IiQ", 16 + length, 0, pos)
         splicer.send(header, fd, pos, length)
@@ -76,7 +97,7 @@ def test_reply_is_header_then_exact_file_bytes(data_file, target, pos, length):
 
 
 def test_fit_counts_the_header_and_unaligned_pages(target):
-    splicer = ReplySplicer(target[0], usable_pipe_size())
+    splicer = ReplySplicer(target[0], TEST_PIPE)
     try:
         assert splicer.capacity > 0, "this machine must allow at least a 1 MiB pipe"
         slots = (splicer.capacity + 2 * PAGE) // PAGE
@@ -93,7 +114,7 @@ def test_fit_counts_the_header_and_unaligned_pages(target):
 def test_too_large_a_reply_sends_nothing(data_file, target):
     fd, blob, _ = data_file
     out, check = target
-    splicer = ReplySplicer(out, usable_pipe_size())
+    splicer = ReplySplicer(out, TEST_PIPE)
     try:
         length = splicer.capacity + 2 * PAGE
         with pytest.raises(SpliceFailed, match="do not fit"):
@@ -106,7 +127,7 @@ def test_too_large_a_reply_sends_nothing(data_file, target):
 def test_short_file_fails_and_leaves_no_half_reply(data_file, target):
     fd, blob, _ = data_file
     out, check = target
-    splicer = ReplySplicer(out, usable_pipe_size())
+    splicer = ReplySplicer(out, TEST_PIPE)
     try:
         with pytest.raises(SpliceFailed, match="ends before"):
             splicer.send(b"H" * 16, fd, len(blob) - 100, 4096)
@@ -139,10 +160,13 @@ def _drop_page_cache(path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["splice", "no-splice"])
-def test_mount_reads_equal_source_with_and_without_splice(tmp_path, store_with, mounted, mode):
+def test_mount_reads_equal_source_with_and_without_splice(tmp_path, store_with, mounted, mode,
+                                                          splicing_allowed):
     files = _tree(tmp_path / "src")
     store = store_with(tmp_path / "src", "ds", "4M")
     m = mounted(store, *([] if mode == "splice" else ["--no-splice"]))
+    if mode == "splice":
+        assert_splicing(m)
     rng = random.Random(5)
     for rnd in range(2):  # the second round reads verified extents: the spliced path
         for name, blob in files.items():
@@ -155,37 +179,40 @@ def test_mount_reads_equal_source_with_and_without_splice(tmp_path, store_with, 
             try:
                 for _ in range(5):  # random ranges (page cache or not, any alignment)
                     off = rng.randrange(len(blob))
-                    n = rng.randrange(1, 1 << 20)
+                    n = rng.randrange(1, 3 << 20)
                     assert os.pread(fd, n, off) == blob[off : off + n], (name, off, n)
             finally:
                 os.close(fd)
     assert "Traceback" not in m.log_text()
 
 
-def test_chunk_cut_short_after_verification_reads_eio(tmp_path, store_with, mounted):
+def test_chunk_cut_short_after_verification_reads_eio(tmp_path, store_with, mounted,
+                                                      splicing_allowed):
     src = tmp_path / "src"
     src.mkdir()
     blob = random.Random(3).randbytes(2 << 20)
     (src / "one.bin").write_bytes(blob)
     store = store_with(src, "ds", "4M")
     m = mounted(store)
+    assert_splicing(m)
     path = m / "ds" / "one.bin"
-    assert path.read_bytes() == blob  # verified now: later reads are spliced
+    assert path.read_bytes() == blob  # verified now: later 1 MiB reads are spliced
     chunk = next((store / "ds").rglob("*.chunk"))
     os.truncate(chunk, chunk.stat().st_size - (1 << 20))
     _drop_page_cache(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert os.pread(fd, 256 << 10, 0) == blob[: 256 << 10]  # still within the file
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # one 1 MiB request per pread
+        assert os.pread(fd, 1 << 20, 0) == blob[: 1 << 20]  # still within the file
         with pytest.raises(OSError) as err:
-            os.pread(fd, 256 << 10, len(blob) - (256 << 10))
+            os.pread(fd, 1 << 20, 1 << 20)
         assert err.value.errno == errno.EIO
     finally:
         os.close(fd)
 
 
 def test_flipped_byte_in_a_large_file_reads_eio_on_the_spliced_path(tmp_path, store_with,
-                                                                   mounted):
+                                                                   mounted, splicing_allowed):
     src = tmp_path / "src"
     src.mkdir()
     rng = random.Random(9)
@@ -200,11 +227,12 @@ def test_flipped_byte_in_a_large_file_reads_eio_on_the_spliced_path(tmp_path, st
     data[at + 5] ^= 0xFF
     chunks[0].write_bytes(data)
     m = mounted(store)
+    assert_splicing(m)
     fd = os.open(m / "ds" / "a.bin", os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # just the range we ask for
-        with pytest.raises(OSError) as err:
-            os.pread(fd, 256 << 10, 1 << 20)
+        with pytest.raises(OSError) as err:  # a first read that would be spliced: the
+            os.pread(fd, 1 << 20, 1 << 20)  # 3 MiB extent is checked in place (mapped)
         assert err.value.errno == errno.EIO
     finally:
         os.close(fd)
