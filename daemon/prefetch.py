@@ -39,11 +39,11 @@ class ChunkPrefetch:
 
     def __init__(self, chunk_count: int) -> None:
         self._asked = mmap.mmap(-1, max(1, chunk_count))  # shared with forked workers
-        self._queue: queue.SimpleQueue[int] | None = None
+        self._queue: queue.SimpleQueue[tuple[int, int]] | None = None
         self._pid = 0
 
-    def touch(self, fd: int, chunk: int) -> None:
-        """A sample of `chunk` (open as `fd`) is being read from the store."""
+    def touch(self, fd: int, chunk: int, pos: int = 0) -> None:
+        """A sample of `chunk` (open as `fd`) is being read from the store at `pos`."""
         if self._asked[chunk]:
             return
         self._asked[chunk] = 1
@@ -52,22 +52,32 @@ class ChunkPrefetch:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=_read_forever, args=(self._queue,),
                              name="dlfs-prefetch", daemon=True).start()
-        self._queue.put(fd)
+        self._queue.put((fd, pos - pos % PIECE))
 
     def close(self) -> None:
         self._asked.close()
 
 
-def _read_forever(fds: queue.SimpleQueue[int]) -> None:
-    """Read each queued chunk file start to end, one at a time (a sequential stream),
-    into the page cache: sendfile to /dev/null moves no bytes through user space."""
+def _read_forever(fds: queue.SimpleQueue[tuple[int, int]]) -> None:
+    """Read each queued chunk file whole, one at a time (a sequential stream), into
+    the page cache: from the touched offset to the end, then from the start up to
+    it. sendfile to /dev/null moves no bytes through user space."""
     null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     while True:
-        fd = fds.get()
-        offset = 0
+        fd, start = fds.get()
         with contextlib.suppress(OSError):  # closed at unmount meanwhile: nothing to do
-            while (sent := os.sendfile(null, fd, offset, PIECE)) > 0:
-                offset += sent
+            _read_range(null, fd, start, None)
+            _read_range(null, fd, 0, start)
+
+
+def _read_range(null: int, fd: int, offset: int, end: int | None) -> None:
+    """Read `fd` from `offset` to `end` (None: its end) in PIECE steps."""
+    while end is None or offset < end:
+        piece = PIECE if end is None else min(PIECE, end - offset)
+        sent = os.sendfile(null, fd, offset, piece)
+        if sent <= 0:
+            return
+        offset += sent
 
 
 def available_memory() -> int:

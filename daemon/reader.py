@@ -179,8 +179,8 @@ class SampleReader:
             data = await self._load_verified(ext, keep=not span)
             if data is not None and not span:
                 return _slice(data, rel, length)
-        fd = await self._fd(self._ext_chunk[ext])
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
+        fd = await self._fd(self._ext_chunk[ext], pos)
         if span:
             return self._span.set(fd, pos, length)
         return await self._pread(fd, length, pos, self._store_rate)
@@ -351,7 +351,7 @@ class SampleReader:
             done = self._loading[("store", ext)] = trio.Event()
             self._state[ext] |= STORE_LOADING  # other processes wait (_wait_for_other_load)
             try:
-                fd = await self._fd(self._ext_chunk[ext])
+                fd = await self._fd(self._ext_chunk[ext], CHUNK_HEADER_SIZE + self._ext_off[ext])
                 try:
                     data, digest = await self._blocking(
                         _pread_and_hash if keep else _map_and_hash,
@@ -380,8 +380,9 @@ class SampleReader:
                   what, self.dataset.name, display_path(self.directory.path(row)),
                   self._ext_chunk[ext], self.dataset.chunk_path(self._ext_chunk[ext]))
 
-    async def _fd(self, chunk: int) -> int:
-        """The store's chunk file, opened once per process (and prefetched, if on)."""
+    async def _fd(self, chunk: int, pos: int) -> int:
+        """The store's chunk file, opened once per process (and prefetched from `pos`,
+        the offset about to be read, if prefetch is on)."""
         fd = self._fds[chunk]
         if fd < 0:
             path = self.dataset.chunk_path(chunk)
@@ -398,7 +399,7 @@ class SampleReader:
                 fd = self._fds[chunk]
             self._fds[chunk] = fd
         if self._prefetch is not None:
-            self._prefetch.touch(fd, chunk)
+            self._prefetch.touch(fd, chunk, pos)
         return fd
 
 
