@@ -446,10 +446,11 @@ def _map_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes,
 
     (`rate` is unused, never set for it, but keeps _pread_and_hash's signature.)
 
-    Saves copying the extent out of the page cache when the caller splices its
-    bytes anyway. The size check first: touching a mapping beyond the end of the
-    file would kill the process (SIGBUS); store chunk files are never truncated
-    in place (published by rename, replaced by rename).
+    Saves copying a whole extent out of the page cache when the read at hand
+    needs only part of it, or splices it. The size check first: touching a
+    mapping beyond the end of the file would kill the process (SIGBUS); store
+    chunk files are never truncated in place (published by rename, replaced by
+    rename).
     """
     if pos + length > os.fstat(fd).st_size:
         raise CorruptDataError(f"chunk file is truncated at offset {pos}")
