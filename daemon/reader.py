@@ -36,7 +36,8 @@ from dlfsd.throttle import pace
 log = logging.getLogger(__name__)
 
 _HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in with one call
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+_populate_read = True  # cleared if the kernel lacks MADV_POPULATE_READ
 
 # Per-extent state bits, shared by all processes of the mount.
 STORE_OK = 1  # the store copy was read whole and matched its checksum
@@ -51,7 +52,8 @@ PEER_CACHE_BYTES = 64 << 20  # per process: whole extents fetched for partial re
 #: 110 KiB -15% (the extra system call and per-page pipe work cost more than the copy).
 SPAN_MIN = 1 << 20
 #: Extents at least this large are checked in place (mmap) on a first read that does
-#: not need all their bytes in hand (a spliced or partial read).
+#: not need all their bytes in hand (a spliced or partial read). Daemon CPU for a cold
+#: 584 MiB sequential pass, spliced: 0.24-0.25 s in place vs 0.32-0.65 s copied out.
 MAP_HASH_MIN = 1 << 20
 
 
@@ -444,22 +446,32 @@ def _pread_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[byte
 def _map_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes, int]:
     """The checksum of `length` bytes at `pos`, hashed in place (mapped, not copied).
 
-    (`rate` is unused, never set for it, but keeps _pread_and_hash's signature.)
-
     Saves copying a whole extent out of the page cache when the read at hand
-    needs only part of it, or splices it. The size check first: touching a
-    mapping beyond the end of the file would kill the process (SIGBUS); store
-    chunk files are never truncated in place (published by rename, replaced by
-    rename).
+    needs only part of it, or splices it. (`rate` is unused, never set for it,
+    but keeps _pread_and_hash's signature.)
+
+    Touching a mapped page the file system cannot deliver (file cut short, an
+    I/O error, a stale NFS handle) would kill the process with SIGBUS, so the
+    pages are faulted in first with MADV_POPULATE_READ, which reports such a
+    failure as an error instead (Linux >= 5.14; elsewhere the bytes are copied
+    out as before). The size is checked before mapping.
     """
+    global _populate_read
     if pos + length > os.fstat(fd).st_size:
         raise CorruptDataError(f"chunk file is truncated at offset {pos}")
-    if length == 0:
-        return b"", checksum(b"")
+    if length == 0 or not _populate_read:
+        return b"", _pread_and_hash(fd, length, pos)[1]
     start = pos - pos % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(fd, pos + length - start, mmap.MAP_SHARED | _MAP_POPULATE,
-                       mmap.PROT_READ, offset=start)
+    mapped = mmap.mmap(fd, pos + length - start, mmap.MAP_SHARED, mmap.PROT_READ,
+                       offset=start)
     try:
+        try:
+            mapped.madvise(_MADV_POPULATE_READ)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise  # the file system could not deliver the pages: like a failed pread
+            _populate_read = False  # an older kernel: copy out instead, from now on
+            return b"", _pread_and_hash(fd, length, pos)[1]
         with memoryview(mapped) as view:
             return b"", checksum(view[pos - start :])
     finally:
