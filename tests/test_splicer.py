@@ -23,6 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dlfs.errors import CorruptDataError
+from dlfs.format import checksum
+from dlfsd.reader import _map_and_hash
 from dlfsd.splicer import PIPE_BYTES, ReplySplicer, SpliceFailed
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -243,3 +246,18 @@ def test_flipped_byte_in_a_large_file_reads_eio_when_checked_in_place(tmp_path, 
         os.close(fd)
     assert (m / "ds" / "b.bin").read_bytes() == good
     assert "checksum mismatch" in m.log_text()
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pos=st.integers(0, (3 << 20) - 1), length=st.integers(0, 3 << 20))
+def test_extent_checked_in_place_hashes_like_a_copied_one(data_file, pos, length):
+    fd, blob, _ = data_file
+    length = min(length, len(blob) - pos)
+    assert _map_and_hash(fd, length, pos)[1] == checksum(blob[pos : pos + length])
+
+
+def test_extent_checked_in_place_past_the_end_is_an_error_not_sigbus(data_file):
+    fd, blob, _ = data_file
+    with pytest.raises(CorruptDataError, match="truncated"):
+        _map_and_hash(fd, 1 << 20, len(blob) - 100)
