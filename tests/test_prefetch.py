@@ -6,13 +6,12 @@ chunk files; they are evicted with posix_fadvise(DONTNEED) before each mount.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import time
 from pathlib import Path
 
 import pytest
+from pagecache import missing_pages, resident
 
 from dlfs.store import Store
 from dlfsd.prefetch import MEMORY_SHARE, prefetch_decision
@@ -61,40 +60,6 @@ def evict(paths: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
-def resident(path: Path, start: int = 0, end: int | None = None) -> bool:
-    """Every page of path[start:end] is in the page cache (mincore; reads nothing, unlike
-    a RWF_NOWAIT read, which starts read-ahead on a miss)."""
-    return not missing_pages(path, start, end)
-
-
-def missing_pages(path: Path, start: int = 0, end: int | None = None) -> list[int]:
-    """Page numbers of path[start:end] that are not in the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        end = size if end is None else end
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            pages = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
-            assert _libc.mincore(addr, size, pages) == 0, os.strerror(ctypes.get_errno())
-        finally:
-            _libc.munmap(addr, size)
-        first = start // mmap.PAGESIZE
-        wanted = pages.raw[first : (end + mmap.PAGESIZE - 1) // mmap.PAGESIZE]
-        return [first + i for i, flag in enumerate(wanted) if not flag & 1]
-    finally:
-        os.close(fd)
 
 
 def wait_until(predicate, timeout: float = 15.0) -> bool:
