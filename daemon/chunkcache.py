@@ -6,7 +6,11 @@ renamed into place. Which chunks are staged lives in an anonymous shared
 mapping (one byte per chunk: 0 = absent, else a generation number), so the
 stager in the main process and the readers in forked workers agree without
 messages; a reader reopens its file descriptor when the generation changed
-(the chunk was evicted as corrupt and staged again).
+(the chunk was evicted as corrupt and staged again). Generations count on
+across evictions (a second shared byte per chunk remembers the last one): a
+copy staged again after an eviction must not get the generation of the copy
+it replaces, or a process still holding that old, unlinked file would take
+it for current, find it bad again and evict the good copy, over and over.
 
 A re-mount reuses what a previous mount staged: files whose header and size
 are right count as staged; their bytes are checked on first read like any
@@ -43,6 +47,7 @@ class ChunkCache:
         count = dataset.chunk_count
         self._state = mmap.mmap(-1, max(1, count))  # shared with forked workers
         self._view = np.frombuffer(self._state, dtype=np.uint8)[:count]
+        self._last_gen = mmap.mmap(-1, max(1, count))  # written by the stager only
         self._fds = [-1] * count  # per process
         self._fd_gen = bytearray(count)
         self._open_lock = threading.Lock()
@@ -66,7 +71,9 @@ class ChunkCache:
     def publish(self, chunk: int, temp: Path) -> None:
         """Rename a fully written, verified copy into place and mark it staged."""
         os.rename(temp, self.path(chunk))
-        self._state[chunk] = self._state[chunk] % 255 + 1 if self._state[chunk] else 1
+        gen = self._last_gen[chunk] % 255 + 1
+        self._last_gen[chunk] = gen
+        self._state[chunk] = gen
 
     def evict(self, chunk: int) -> None:
         """Forget a staged copy (it failed a checksum): readers stop using it."""
@@ -93,7 +100,7 @@ class ChunkCache:
             if chunk is None or chunk >= self.dataset.chunk_count:
                 continue
             if self._valid_copy(Path(entry.path), chunk):
-                self._state[chunk] = 1
+                self._state[chunk] = self._last_gen[chunk] = 1
                 adopted += 1
             else:
                 log.warning("dropping unusable staged copy %s", entry.path)
@@ -148,6 +155,7 @@ class ChunkCache:
                 self._fds[i] = -1
         self._view = None  # release the export before closing the mapping
         self._state.close()
+        self._last_gen.close()
 
 
 def _chunk_index(filename: str) -> int | None:

@@ -13,10 +13,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import json
+import mmap
 import os
 import random
 import struct
 import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -261,3 +264,48 @@ def test_extent_checked_in_place_past_the_end_is_an_error_not_sigbus(data_file):
     fd, blob, _ = data_file
     with pytest.raises(CorruptDataError, match="truncated"):
         _map_and_hash(fd, 1 << 20, len(blob) - 100)
+
+
+def _wait_staged(dlfs_cli, mount, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = dlfs_cli("status", mount.path, "--json")
+        assert result.returncode == 0, result.stderr
+        staging = json.loads(result.stdout)["datasets"][0]["staging"]
+        if staging["staged_chunks"] == staging["owned_chunks"]:
+            return
+        assert time.monotonic() < deadline, f"staging did not finish: {staging}"
+        time.sleep(0.2)
+
+
+def test_staged_copy_cut_short_is_evicted_and_the_spliced_read_still_correct(
+        tmp_path, store_with, mounted, dlfs_cli, splicing_allowed):
+    """Spliced from a staged copy (node-local NVMe) once verified; when that copy is cut
+    short, the failed splice is read again the copying way, which evicts the copy and
+    serves the bytes from the store: right bytes, not EIO."""
+    src = tmp_path / "src"
+    src.mkdir()
+    blob = random.Random(4).randbytes(3 << 20)
+    (src / "a.bin").write_bytes(blob)
+    store = store_with(src, "ds", "4M")
+    cache = tmp_path / "cache"
+    m = mounted(store, "--cache-dir", str(cache))
+    assert_splicing(m)
+    _wait_staged(dlfs_cli, m)
+    path = m / "ds" / "a.bin"
+    assert path.read_bytes() == blob  # checks the staged copy: later reads are spliced
+    staged = next(cache.rglob("*.chunk"))
+    os.truncate(staged, staged.stat().st_size - (2 << 20))
+    # O_DIRECT: exactly one 1 MiB READ reaches the daemon, and no page-by-page retry
+    # by the kernel could hide a failed answer.
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 1 << 20)
+    try:
+        assert os.preadv(fd, [buf], 2 << 20) == 1 << 20
+        assert buf[:] == blob[2 << 20 :]
+    finally:
+        buf.close()
+        os.close(fd)
+    log = m.log_text()
+    assert "cannot splice a read reply" in log and "evicted, re-staging" in log, log
+    assert log.count("evicted, re-staging") == 1, "a re-staged copy was evicted again"

@@ -1,0 +1,64 @@
+"""ChunkCache generations: a copy staged again after an eviction is a new generation.
+
+Each process caches one open descriptor per staged chunk together with the
+generation it opened; a changed generation makes it reopen. If a re-staged
+copy got the generation of the evicted one, a process still holding the old
+(unlinked, bad) file would keep reading it, find it bad and evict the good
+copy, over and over (seen as an eviction storm in a test of the spliced path).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from dlfs.populate import PopulateOptions, populate
+from dlfs.store import Store
+from dlfsd.chunkcache import ChunkCache
+
+
+@pytest.fixture
+def cache(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(np.random.default_rng(1).bytes(300_000))
+    dataset = populate(src, Store(tmp_path / "store"), "ds",
+                       PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False))
+    cache = ChunkCache(tmp_path / "cache", dataset)
+    cache.dir.mkdir(parents=True)
+    yield cache
+    cache.close()
+
+
+def stage(cache: ChunkCache, chunk: int) -> None:
+    temp = cache.temp_path(chunk)
+    shutil.copyfile(cache.dataset.chunk_path(chunk), temp)
+    cache.publish(chunk, temp)
+
+
+def test_restaged_copy_is_reopened_not_taken_for_the_evicted_one(cache):
+    stage(cache, 0)
+    old_fd = cache.open_fd(0)
+    old_inode = os.fstat(old_fd).st_ino
+    assert cache.cached_fd(0) == old_fd
+    cache.evict(0)
+    assert cache.cached_fd(0) == -1 and not cache.is_staged(0)
+    stage(cache, 0)
+    assert cache.cached_fd(0) == -1, "the old descriptor must not count for the new copy"
+    new_fd = cache.open_fd(0)
+    assert os.fstat(new_fd).st_ino != old_inode
+    assert os.fstat(new_fd).st_ino == os.stat(cache.path(0)).st_ino
+
+
+def test_generations_keep_changing_over_many_restagings(cache):
+    stage(cache, 1)
+    seen = cache.open_fd(1)
+    for _ in range(300):  # past the one-byte wrap
+        cache.evict(1)
+        stage(cache, 1)
+        assert cache.cached_fd(1) == -1
+        seen = cache.open_fd(1)
+        assert cache.cached_fd(1) == seen
