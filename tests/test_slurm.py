@@ -249,8 +249,10 @@ def test_secret_and_mount_belong_to_the_job_user(site):
         job = site.cluster.sbatch(
             "-p", "one", "-N1", "--comment=please use dlfs", f"--chdir={site.base / 'out'}",
             f"--output={site.out('%j.out')}", "--wrap",
-            f"ls {site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME/ds/d0 > {mark}.$SLURM_JOB_ID "
-            f"&& sleep 120", user=owner.name)
+            # Written under another name, then renamed: the test must not read the file
+            # between the shell creating it and `ls` filling it (it once read it empty).
+            f"ls {site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME/ds/d0 > {mark}.tmp "
+            f"&& mv {mark}.tmp {mark}.$SLURM_JOB_ID && sleep 120", user=owner.name)
         try:
             _wait_for(site.out(f"owner-ready.{job}"), site, job)
             assert "f000.bin" in site.out(f"owner-ready.{job}").read_text()
