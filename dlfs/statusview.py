@@ -60,7 +60,22 @@ def plain_lines(status: dict) -> list[str]:
         for source, c in d["sources"].items():
             lines.append(f"  {source:<5} {c['requests']:>10} reads {format_size(c['bytes']):>10}"
                          f"  mean {c['mean_latency_us']:.0f} us")
+    if status.get("peer_server"):
+        lines.append(peer_server_line(status["peer_server"]))
     return lines
+
+
+def peer_server_line(c: dict) -> str:
+    """What this node served its peers, and what it refused (auth, protocol, bounds)."""
+    line = (f"peer server: {c.get('reads_served', 0)} reads served "
+            f"({format_size(c.get('bytes_served', 0))}), {c.get('reads_missed', 0)} not "
+            f"staged here, {c.get('reads_refused', 0)} refused, {c.get('read_errors', 0)} "
+            f"read errors; {c.get('connections_open', 0)} connections open, "
+            f"{c.get('auth_failures', 0)} auth failures, {c.get('protocol_errors', 0)} "
+            f"protocol errors")
+    if "replies_waited" in c:
+        line += f", {c['replies_waited']} replies waited for a slow peer"
+    return line
 
 
 def rich_view(status: dict) -> Group:
@@ -82,7 +97,10 @@ def rich_view(status: dict) -> Group:
                           f"{format_size(st['rate'])}/s", _eta(st["eta"]), *per_source)
         else:
             table.add_row(d["name"], "-", "", "-", "-", *per_source)
-    return Group(head, table, "[dim]sources: bytes / reads[/]")
+    parts = [head, table, "[dim]sources: bytes / reads[/]"]
+    if status.get("peer_server"):
+        parts.append(peer_server_line(status["peer_server"]))
+    return Group(*parts)
 
 
 def show_status(mountpoint: str, watch: bool = False, as_json: bool = False,

@@ -164,6 +164,13 @@ def test_three_nodes_read_identical_and_stage_only_their_share(
     # Servers send whole extents; two workers may each fetch one a partial read needs.
     assert sum(s["bytes_served"] for s in served) >= fetched > 0
     assert all(s["bytes_served"] > 0 and s["auth_failures"] == 0 for s in served)
+    # The reads are over, so the counters stand still: the plain view shows the same.
+    served_by_n2 = fresh_status(dlfs_cli, cluster.mounts[1])["peer_server"]["reads_served"]
+    text = dlfs_cli("status", cluster.mounts[1].path)  # not a terminal: plain lines
+    assert text.returncode == 0, describe_result(text)
+    line = next(x for x in text.stdout.splitlines() if x.startswith("peer server:"))
+    assert line.startswith(f"peer server: {served_by_n2} reads served"), line
+    assert "0 auth failures" in line and served_by_n2 > 0, line
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
