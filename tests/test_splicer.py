@@ -75,6 +75,14 @@ def target():
     os.close(w)
 
 
+@pytest.fixture
+def splicer(target):
+    """A ReplySplicer whose "device" is the target pipe (its read end is target[1])."""
+    splicer = ReplySplicer(target[0], TEST_PIPE)
+    yield splicer
+    splicer.close()
+
+
 def read_reply(fd: int, n: int) -> bytes:
     out = b""
     while len(out) < n:
@@ -89,60 +97,43 @@ def pipe_is_empty(fd: int) -> bool:
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pos=st.integers(0, (2 << 20) - 1), length=st.integers(1, 600 << 10))
-def test_reply_is_header_then_exact_file_bytes(data_file, target, pos, length):
+def test_reply_is_header_then_exact_file_bytes(data_file, target, splicer, pos, length):
     fd, blob, _ = data_file
-    out, check = target
-    splicer = ReplySplicer(out, TEST_PIPE)
-    try:
-        header = struct.pack("<IiQ", 16 + length, 0, pos)
-        splicer.send(header, fd, pos, length)
-        assert read_reply(check, 16 + length) == header + blob[pos : pos + length]
-        assert pipe_is_empty(check)
-    finally:
-        splicer.close()
+    check = target[1]
+    header = struct.pack("<IiQ", 16 + length, 0, pos)
+    splicer.send(header, fd, pos, length)
+    assert read_reply(check, 16 + length) == header + blob[pos : pos + length]
+    assert pipe_is_empty(check)
 
 
-def test_fit_counts_the_header_and_unaligned_pages(target):
-    splicer = ReplySplicer(target[0], TEST_PIPE)
-    try:
-        assert splicer.capacity > 0, "this machine must allow at least a 1 MiB pipe"
-        slots = (splicer.capacity + 2 * PAGE) // PAGE
-        most = (slots - 1) * PAGE  # aligned data: every slot but the header's
-        assert splicer.fits(0, most)
-        assert not splicer.fits(0, most + 1)
-        assert not splicer.fits(1, most)  # unaligned: one page more
-        assert splicer.fits(1, most - PAGE)
-        assert splicer.fits(PAGE - 1, splicer.capacity)
-    finally:
-        splicer.close()
+def test_fit_counts_the_header_and_unaligned_pages(splicer):
+    assert splicer.capacity > 0, "this machine must allow at least a 1 MiB pipe"
+    slots = (splicer.capacity + 2 * PAGE) // PAGE
+    most = (slots - 1) * PAGE  # aligned data: every slot but the header's
+    assert splicer.fits(0, most)
+    assert not splicer.fits(0, most + 1)
+    assert not splicer.fits(1, most)  # unaligned: one page more
+    assert splicer.fits(1, most - PAGE)
+    assert splicer.fits(PAGE - 1, splicer.capacity)
 
 
-def test_too_large_a_reply_sends_nothing(data_file, target):
+def test_too_large_a_reply_sends_nothing(data_file, target, splicer):
     fd, blob, _ = data_file
-    out, check = target
-    splicer = ReplySplicer(out, TEST_PIPE)
-    try:
-        length = splicer.capacity + 2 * PAGE
-        with pytest.raises(SpliceFailed, match="do not fit"):
-            splicer.send(b"h" * 16, fd, 0, min(length, len(blob)))
-        assert pipe_is_empty(check)
-    finally:
-        splicer.close()
+    length = splicer.capacity + 2 * PAGE
+    with pytest.raises(SpliceFailed, match="do not fit"):
+        splicer.send(b"h" * 16, fd, 0, min(length, len(blob)))
+    assert pipe_is_empty(target[1])
 
 
-def test_short_file_fails_and_leaves_no_half_reply(data_file, target):
+def test_short_file_fails_and_leaves_no_half_reply(data_file, target, splicer):
     fd, blob, _ = data_file
-    out, check = target
-    splicer = ReplySplicer(out, TEST_PIPE)
-    try:
-        with pytest.raises(SpliceFailed, match="ends before"):
-            splicer.send(b"H" * 16, fd, len(blob) - 100, 4096)
-        assert pipe_is_empty(check), "a failed reply must not reach the device"
-        splicer.send(b"G" * 16, fd, 10, 5000)  # the next reply is clean
-        assert read_reply(check, 5016) == b"G" * 16 + blob[10:5010]
-        assert pipe_is_empty(check)
-    finally:
-        splicer.close()
+    check = target[1]
+    with pytest.raises(SpliceFailed, match="ends before"):
+        splicer.send(b"H" * 16, fd, len(blob) - 100, 4096)
+    assert pipe_is_empty(check), "a failed reply must not reach the device"
+    splicer.send(b"G" * 16, fd, 10, 5000)  # the next reply is clean
+    assert read_reply(check, 5016) == b"G" * 16 + blob[10:5010]
+    assert pipe_is_empty(check)
 
 
 # -- through a real mount -----------------------------------------------------------
