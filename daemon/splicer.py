@@ -95,14 +95,14 @@ class ReplySplicer:
             size = fcntl.fcntl(self._write_end, fcntl.F_SETPIPE_SZ, self._pipe_size)
         except OSError as err:
             log.warning("cannot size the reply pipe (%s); read replies are copied", err)
-            self.disable()
+            self.close()
             return
         self._slots = size // _PAGE
         # Bytes a reply surely fits: the header takes a slot, and unaligned data
         # one more than its length in pages.
         self.capacity = max(0, size - 2 * _PAGE)
         if not self.capacity:
-            self.disable()
+            self.close()
 
     def fits(self, pos: int, length: int) -> bool:
         """Whether the pipe holds the header plus `length` bytes from file offset `pos`
@@ -129,11 +129,12 @@ class ReplySplicer:
                 left -= moved
                 at += moved
         except OSError as err:
-            self._reset()
             if err.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 log.info("the chunk file system cannot splice (%s); large reads are copied",
                          err)
-                self.disable()
+                self.close()
+            else:
+                self._reset()
             raise SpliceFailed(str(err)) from None
         except SpliceFailed:
             self._reset()
@@ -156,7 +157,8 @@ class ReplySplicer:
         if self.capacity:
             self._open_pipe()
 
-    def disable(self) -> None:
+    def close(self) -> None:
+        """Splice no more (capacity 0) and release the pipe."""
         self.capacity = 0
         self._close_pipe()
 
@@ -165,6 +167,3 @@ class ReplySplicer:
             if fd >= 0:
                 os.close(fd)
         self._read_end = self._write_end = -1
-
-    def close(self) -> None:
-        self.disable()
