@@ -1,4 +1,4 @@
-"""ChunkPrefetch: pull a whole chunk file into the page cache when one of its samples is read.
+"""ChunkPrefetch: pull a sample's chunk file (or a large file's own bytes) into the page cache.
 
 Why: an epoch reads samples in random order, each a small random read of some
 chunk file; the same bytes read as whole chunks are sequential I/O, which a
@@ -10,6 +10,19 @@ the kernel for all of them at once (posix_fadvise WILLNEED) flooded the disk
 queue and made the epoch's own reads wait (1,511 files/s instead of 2,336
 without prefetch, bench/random_read.py tree, cold).
 
+A large file (a quarter of a chunk or more: volumes, shards, archives) is
+different: its reader wants that file start to end, not its chunk neighbours.
+Its first read queues the file's own bytes from the extent being read to the
+file's end, across its chunks, as one stream ahead of the reader. Whole chunks
+would also read the neighbours' bytes (a 146 MiB file touches three 64 MiB
+chunks: 192 MiB read from disk for 146), and one process's chunks were read
+by several workers' streams at once, which interleaved on the disk.
+
+Each stream opens the chunk file itself: a file description of its own keeps
+its kernel read-ahead state, which the workers' reads at other offsets would
+otherwise reset to "random" (then every 1 MiB step waited for its own disk
+read instead of running megabytes ahead).
+
 Only where it pays and fits (see `prefetch_decision`): single-node mounts
 (with a chunk pool, staging does this for the node's own share, and pulling
 every chunk to every node would multiply the store's load), and only when
@@ -17,9 +30,9 @@ the mounted datasets fit in a quarter of the memory available at mount time
 (their bytes can sit in the page cache twice: chunk files and mounted files).
 `dlfs mount --prefetch off` switches it off.
 
-One byte per chunk in a shared mapping says it was asked for already (by any
-process of the mount); the reads run on one daemon thread per process,
-started lazily so forked workers get their own.
+One byte per chunk and one per extent in shared mappings say what was asked
+for already (by any process of the mount); the reads run on one daemon
+thread per process, started lazily so forked workers get their own.
 """
 
 from __future__ import annotations
@@ -29,45 +42,98 @@ import mmap
 import os
 import queue
 import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from dlfs.format import CHUNK_HEADER_SIZE
 
 MEMORY_SHARE = 4  # prefetch only if datasets <= available memory / MEMORY_SHARE
+LARGE_SHARE = 4  # a file of >= chunk size / LARGE_SHARE is prefetched as itself
 PIECE = 1 << 20  # bytes per sendfile call: small, so the epoch's own reads get turns
+
+# (chunk file, start, end or None for its end, wrap: then also read [0, start))
+_Range = tuple[str, int, int | None, bool]
 
 
 class ChunkPrefetch:
-    """Reads a chunk file whole into the page cache, once per chunk per mount."""
+    """Reads chunk files (small samples) or a large file's ranges into the page cache,
+    once per mount."""
 
-    def __init__(self, chunk_count: int) -> None:
-        self._asked = mmap.mmap(-1, max(1, chunk_count))  # shared with forked workers
-        self._queue: queue.SimpleQueue[tuple[int, int]] | None = None
+    def __init__(self, chunk_count: int, chunk_size: int, ext_chunk: np.ndarray,
+                 ext_offset: np.ndarray, ext_length: np.ndarray,
+                 chunk_path: Callable[[int], os.PathLike | str]) -> None:
+        """The extent arrays are the dataset directory's (chunk, offset, length) views."""
+        # Shared with forked workers:
+        self._chunk_asked = mmap.mmap(-1, max(1, chunk_count))
+        self._ext_asked = mmap.mmap(-1, max(1, len(ext_chunk)))
+        self._large = max(1, chunk_size // LARGE_SHARE)
+        self._ext_chunk, self._ext_off, self._ext_len = ext_chunk, ext_offset, ext_length
+        self._chunk_path = chunk_path
+        self._queue: queue.SimpleQueue[list[_Range]] | None = None
         self._pid = 0
 
-    def touch(self, fd: int, chunk: int, pos: int = 0) -> None:
-        """A sample of `chunk` (open as `fd`) is being read from the store at `pos`."""
-        if self._asked[chunk]:
+    def touch(self, ext: int, rel: int, last: int, file_size: int) -> None:
+        """Extent `ext` (of a file whose extents end at `last`, inclusive) is being read
+        from the store at `rel` bytes into it."""
+        if file_size >= self._large:
+            if not self._ext_asked[ext]:
+                self._put(self._file_ranges(ext, last))
             return
-        self._asked[chunk] = 1
+        chunk = self._ext_chunk[ext]
+        if self._chunk_asked[chunk]:
+            return
+        self._chunk_asked[chunk] = 1
+        pos = CHUNK_HEADER_SIZE + int(self._ext_off[ext]) + rel
+        self._put([(str(self._chunk_path(chunk)), pos - pos % PIECE, None, True)])
+
+    def _file_ranges(self, ext: int, last: int) -> list[_Range]:
+        """The chunk ranges of extents ext..last, up to the first one asked for already
+        (marked asked now), contiguous ones merged."""
+        ranges: list[_Range] = []
+        asked = self._ext_asked
+        prev_chunk = prev_end = -1
+        for e in range(ext, last + 1):
+            if asked[e]:
+                break
+            asked[e] = 1
+            chunk = int(self._ext_chunk[e])
+            start = CHUNK_HEADER_SIZE + int(self._ext_off[e])
+            end = start + int(self._ext_len[e])
+            if chunk == prev_chunk and start == prev_end:
+                ranges[-1] = (*ranges[-1][:2], end, False)
+            else:
+                ranges.append((str(self._chunk_path(chunk)), start, end, False))
+            prev_chunk, prev_end = chunk, end
+        return ranges
+
+    def _put(self, ranges: list[_Range]) -> None:
         if self._pid != os.getpid():  # first use in this process (workers are forked)
             self._pid = os.getpid()
             self._queue = queue.SimpleQueue()
             threading.Thread(target=_read_forever, args=(self._queue,),
                              name="dlfs-prefetch", daemon=True).start()
-        self._queue.put((fd, pos - pos % PIECE))
+        self._queue.put(ranges)
 
     def close(self) -> None:
-        self._asked.close()
+        self._chunk_asked.close()
+        self._ext_asked.close()
 
 
-def _read_forever(fds: queue.SimpleQueue[tuple[int, int]]) -> None:
-    """Read each queued chunk file whole, one at a time (a sequential stream), into
-    the page cache: from the touched offset to the end, then from the start up to
-    it. sendfile to /dev/null moves no bytes through user space."""
+def _read_forever(jobs: queue.SimpleQueue[list[_Range]]) -> None:
+    """Read each queued list of ranges, one after the other (a sequential stream),
+    into the page cache. sendfile to /dev/null moves no bytes through user space."""
     null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     while True:
-        fd, start = fds.get()
-        with contextlib.suppress(OSError):  # closed at unmount meanwhile: nothing to do
-            _read_range(null, fd, start, None)
-            _read_range(null, fd, 0, start)
+        for path, start, end, wrap in jobs.get():
+            with contextlib.suppress(OSError):  # removed meanwhile: nothing to do
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    _read_range(null, fd, start, end)
+                    if wrap:
+                        _read_range(null, fd, 0, start)
+                finally:
+                    os.close(fd)
 
 
 def _read_range(null: int, fd: int, offset: int, end: int | None) -> None:

@@ -119,7 +119,9 @@ class SampleReader:
             self._by_chunk = d.extents_by_chunk(dataset.chunk_count)
         self._peer_cache: OrderedDict[int, bytes] = OrderedDict()
         self._peer_cache_bytes = 0
-        self._prefetch = ChunkPrefetch(dataset.chunk_count) if prefetch else None
+        self._prefetch = ChunkPrefetch(
+            dataset.chunk_count, dataset.chunk_size, self._ext_chunk, self._ext_off,
+            self._ext_len, dataset.chunk_path) if prefetch else None
         self._span: FileSpan | None = None
         self._span_max = 0
 
@@ -149,6 +151,9 @@ class SampleReader:
         base = self.directory.first_extent(row)
         first = offset // piece
         last = (end - 1) // piece
+        if self._prefetch is not None:
+            self._prefetch.touch(base + first, offset - first * piece,
+                                 base + (file_size - 1) // piece, file_size)
         if first == last:
             return await self._read_extent(base + first, offset - first * piece, end - offset,
                                            self._span is not None)
@@ -186,7 +191,7 @@ class SampleReader:
             if data is not None and not in_place:
                 return _slice(data, rel, length)
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
-        fd = await self._fd(self._ext_chunk[ext], pos)
+        fd = await self._fd(self._ext_chunk[ext])
         if span:
             return self._span.set(fd, pos, length)
         return await self._pread(fd, length, pos, self._store_rate)
@@ -357,7 +362,7 @@ class SampleReader:
             done = self._loading[("store", ext)] = trio.Event()
             self._state[ext] |= STORE_LOADING  # other processes wait (_wait_for_other_load)
             try:
-                fd = await self._fd(self._ext_chunk[ext], CHUNK_HEADER_SIZE + self._ext_off[ext])
+                fd = await self._fd(self._ext_chunk[ext])
                 try:
                     data, digest = await self._blocking(
                         _pread_and_hash if keep else _map_and_hash,
@@ -386,9 +391,8 @@ class SampleReader:
                   what, self.dataset.name, display_path(self.directory.path(row)),
                   self._ext_chunk[ext], self.dataset.chunk_path(self._ext_chunk[ext]))
 
-    async def _fd(self, chunk: int, pos: int) -> int:
-        """The store's chunk file, opened once per process (and prefetched from `pos`,
-        the offset about to be read, if prefetch is on)."""
+    async def _fd(self, chunk: int) -> int:
+        """The store's chunk file, opened once per process."""
         fd = self._fds[chunk]
         if fd < 0:
             path = self.dataset.chunk_path(chunk)
@@ -404,8 +408,6 @@ class SampleReader:
                 os.close(fd)
                 fd = self._fds[chunk]
             self._fds[chunk] = fd
-        if self._prefetch is not None:
-            self._prefetch.touch(fd, chunk, pos)
         return fd
 
 

@@ -6,6 +6,7 @@ chunk files; they are evicted with posix_fadvise(DONTNEED) before each mount.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from pagecache import missing_pages, resident
 
+from dlfs.format import CHUNK_HEADER_SIZE
 from dlfs.store import Store
 from dlfsd.prefetch import MEMORY_SHARE, prefetch_decision
 
@@ -130,3 +132,61 @@ def test_prefetch_log_line_says_why(mounted, prefetch_store):
 def test_prefetch_decision(args, on, why):
     got, reason = prefetch_decision(*args)
     assert got is on and why in reason
+
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def large_file_store(tmp_path_factory, store_with):
+    """32 MiB chunks: 12 MiB of small files, a 40 MiB file (chunk 0 from 12 MiB on, chunk
+    1 up to 20 MiB), then 12 MiB of small files (the rest of chunk 1)."""
+    src = tmp_path_factory.mktemp("prefetch-large-src")
+    for i in range(12):
+        (src / f"a{i:02d}").write_bytes(bytes([i]) * MIB)
+    (src / "b-large").write_bytes(os.urandom(40 * MIB))
+    for i in range(12):
+        (src / f"c{i:02d}").write_bytes(bytes([i]) * MIB)
+    return src, store_with(src, "ds", "32M")
+
+
+def file_ranges(store: Path, name: bytes) -> list[tuple[int, int, int]]:
+    """(chunk, start, end) in chunk-file positions of each extent of file `name`."""
+    d = Store(store).open("ds").directory
+    row = d.lookup(0, name)
+    first = d.first_extent(row)
+    count = -(-d.size(row) // d.extent_size)
+    return [(int(d.ext_chunk_view[e]), CHUNK_HEADER_SIZE + int(d.ext_offset_view[e]),
+             CHUNK_HEADER_SIZE + int(d.ext_offset_view[e]) + int(d.ext_length_view[e]))
+            for e in range(first, first + count)]
+
+
+def test_large_file_prefetches_its_own_bytes_not_its_chunks(mounted, large_file_store):
+    src, store = large_file_store
+    chunks = chunk_files(store)
+    ranges = file_ranges(store, b"b-large")
+    assert len(chunks) == 2 and {c for c, _, _ in ranges} == {0, 1}
+    assert ranges[0][1] >= 12 * MIB  # the small files come first
+    evict(chunks)
+    if resident(chunks[0]):
+        pytest.skip("this file system keeps the chunk files cached despite DONTNEED")
+    m = mounted(store)
+    with open(m.path / "ds" / "b-large", "rb") as f:  # one 1 MiB read at its start
+        assert f.read(MIB) == (src / "b-large").read_bytes()[:MIB]
+    # Every page of the file in both chunks cached at some point (this VM's DAMON
+    # pageout may evict some again before the last ones arrive).
+    never_seen = {(c, p) for c, lo, hi in ranges for p in missing_pages(chunks[c], lo, hi)}
+
+    def all_seen() -> bool:
+        never_seen.intersection_update((c, p) for c in (0, 1) for p in missing_pages(chunks[c]))
+        return not never_seen
+
+    if not wait_until(all_seen):
+        pytest.fail(f"the large file was not read ahead: {len(never_seen)} of its pages "
+                    f"never cached")
+    time.sleep(0.5)
+    # Not its chunks: the small files before it in chunk 0 stay out (nothing reads
+    # backwards from the file's start).
+    head = 8 * MIB // mmap.PAGESIZE
+    missing = len(missing_pages(chunks[0], 0, 8 * MIB))
+    assert missing >= 0.9 * head, f"{head - missing} of the {head} head pages were read"
