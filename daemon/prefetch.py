@@ -52,7 +52,7 @@ MEMORY_SHARE = 4  # prefetch only if datasets <= available memory / MEMORY_SHARE
 LARGE_SHARE = 4  # a file of >= chunk size / LARGE_SHARE is prefetched as itself
 PIECE = 1 << 20  # bytes per sendfile call: small, so the epoch's own reads get turns
 
-# (chunk file, start, end or None for its end, wrap: then also read [0, start))
+# (chunk file, start, end or None for its end, whole chunk: then also read [0, start))
 _Range = tuple[str, int, int | None, bool]
 
 
@@ -103,7 +103,11 @@ class ChunkPrefetch:
             if chunk == prev_chunk and start == prev_end:
                 ranges[-1] = (*ranges[-1][:2], end, False)
             else:
-                ranges.append((str(self._chunk_path(chunk)), start, end, False))
+                # A chunk the file continues into: from its header on, which each
+                # worker reads on opening it (else that one page is read from disk on
+                # its own when the reader gets there).
+                ranges.append((str(self._chunk_path(chunk)), 0 if ranges else start, end,
+                               False))
             prev_chunk, prev_end = chunk, end
         return ranges
 
@@ -129,6 +133,7 @@ def _read_forever(jobs: queue.SimpleQueue[list[_Range]]) -> None:
             with contextlib.suppress(OSError):  # removed meanwhile: nothing to do
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     _read_range(null, fd, start, end)
                     if wrap:
                         _read_range(null, fd, 0, start)
