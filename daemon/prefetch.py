@@ -129,13 +129,12 @@ def _read_forever(jobs: queue.SimpleQueue[list[_Range]]) -> None:
     into the page cache. sendfile to /dev/null moves no bytes through user space."""
     null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     while True:
-        for path, start, end, wrap in jobs.get():
+        for path, start, end, whole_chunk in jobs.get():
             with contextlib.suppress(OSError):  # removed meanwhile: nothing to do
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     _read_range(null, fd, start, end)
-                    if wrap:
+                    if whole_chunk:
                         _read_range(null, fd, 0, start)
                 finally:
                     os.close(fd)
