@@ -16,7 +16,7 @@ from pagecache import missing_pages, resident
 
 from dlfs.format import CHUNK_HEADER_SIZE
 from dlfs.store import Store
-from dlfsd.prefetch import MEMORY_SHARE, prefetch_decision
+from dlfsd.prefetch import MEMORY_SHARE, ChunkPrefetch, prefetch_decision
 
 FILE_SIZE = 100_000
 FILES = 400  # 40 MB: three 16 MiB chunks, packed in name order
@@ -190,3 +190,36 @@ def test_large_file_prefetches_its_own_bytes_not_its_chunks(mounted, large_file_
     head = 8 * MIB // mmap.PAGESIZE
     missing = len(missing_pages(chunks[0], 0, 8 * MIB))
     assert missing >= 0.9 * head, f"{head - missing} of the {head} head pages were read"
+
+
+def test_file_ranges_follow_the_file_and_stop_at_what_was_asked(large_file_store):
+    """The ranges a large file's first read queues: its bytes in each chunk, merged (a
+    chunk it continues into from the header on); no extent twice."""
+    _, store = large_file_store
+    dataset = Store(store).open("ds")
+    d = dataset.directory
+    first = d.first_extent(d.lookup(0, b"b-large"))
+    extents = file_ranges(store, b"b-large")
+    last = first + len(extents) - 1
+    in_c1 = next(i for i, (c, _, _) in enumerate(extents) if c == 1)
+    path0, path1 = (str(dataset.chunk_path(c)) for c in (0, 1))
+    end0, end1 = extents[in_c1 - 1][2], extents[-1][2]
+
+    def fresh() -> ChunkPrefetch:
+        return ChunkPrefetch(dataset.chunk_count, dataset.chunk_size, d.ext_chunk_view,
+                             d.ext_offset_view, d.ext_length_view, dataset.chunk_path)
+
+    whole = fresh()
+    try:
+        assert whole._file_ranges(first, last) == [(path0, extents[0][1], end0, False),
+                                                  (path1, 0, end1, False)]
+        assert whole._file_ranges(first, last) == []  # asked already
+    finally:
+        whole.close()
+    tail_first = fresh()  # a read in chunk 1 first, then one at the file's start
+    try:
+        assert tail_first._file_ranges(first + in_c1, last) == [
+            (path1, extents[in_c1][1], end1, False)]
+        assert tail_first._file_ranges(first, last) == [(path0, extents[0][1], end0, False)]
+    finally:
+        tail_first.close()
