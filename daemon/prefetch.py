@@ -24,10 +24,11 @@ would also read the neighbours' bytes (a 146 MiB file touches three 64 MiB
 chunks: 192 MiB read from disk for 146), and one process's chunks were read
 by several workers' streams at once, which interleaved on the disk.
 
-Each stream opens the chunk file itself: a file description of its own keeps
-its kernel read-ahead state, which the workers' reads at other offsets would
-otherwise reset to "random" (then every 1 MiB step waited for its own disk
-read instead of running megabytes ahead).
+Each stream opens the chunk file itself, so its kernel read-ahead state is
+its own: a large file's stream runs megabytes ahead of its 1 MiB steps, which
+the workers' reads at other offsets of a shared file description kept
+resetting (then every step waited for its own disk read); a chunk stream
+switches read-ahead off (above) without switching it off for the workers.
 
 Only where it pays and fits (see `prefetch_decision`): single-node mounts
 (with a chunk pool, staging does this for the node's own share, and pulling

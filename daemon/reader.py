@@ -16,6 +16,7 @@ reads of one extent share one load. Wrong bytes never leave this class.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -470,7 +471,8 @@ def _map_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes,
         try:
             # Ask for the extent's pages at once: faulting them in alone reads
             # around each missing page, one 1 MiB disk request after the other.
-            os.posix_fadvise(fd, pos, length, os.POSIX_FADV_WILLNEED)
+            with contextlib.suppress(OSError):  # only a hint
+                os.posix_fadvise(fd, pos, length, os.POSIX_FADV_WILLNEED)
             mapped.madvise(_MADV_POPULATE_READ)
         except OSError as err:
             if err.errno != errno.EINVAL:
