@@ -17,9 +17,12 @@ nothing done until they had (bench/random_read.py cold 110 KiB: 3,977-3,985
 files/s with read-ahead, 5,242-6,132 without, two A/B runs each).
 
 A large file (a quarter of a chunk or more: volumes, shards, archives) is
-different: its reader wants that file start to end, not its chunk neighbours.
-Its first read queues the file's own bytes from the extent being read to the
-file's end, across its chunks, as one stream ahead of the reader. Whole chunks
+different: its reader wants that file from where it reads on, not its chunk
+neighbours. Its first read queues the file's own next chunk size of bytes
+(a window), across its chunks, as one stream ahead of the reader; when the
+reader gets halfway through a window, the next one is queued (like the
+kernel's read-ahead marker), so the stream stays ahead without queueing a
+whole 100 GB file for a reader that wanted its header only. Whole chunks
 would also read the neighbours' bytes (a 146 MiB file touches three 64 MiB
 chunks: 192 MiB read from disk for 146), and one process's chunks were read
 by several workers' streams at once, which interleaved on the disk.
@@ -38,8 +41,9 @@ the mounted datasets fit in a quarter of the memory available at mount time
 `dlfs mount --prefetch off` switches it off.
 
 One byte per chunk and one per extent in shared mappings say what was asked
-for already (by any process of the mount); the reads run on one daemon
-thread per process, started lazily so forked workers get their own.
+for already (by any process of the mount; for an extent, also whether reading
+it queues the next window); the reads run on one daemon thread per process,
+started lazily so forked workers get their own.
 """
 
 from __future__ import annotations
@@ -61,20 +65,22 @@ PIECE = 1 << 20  # bytes per sendfile call: small, so the epoch's own reads get 
 
 # (chunk file, start, end or None for its end, whole chunk: then also read [0, start))
 _Range = tuple[str, int, int | None, bool]
+_ASKED, _NEXT = 1, 2  # extent marks: queued; queued, and reading it queues the next window
 
 
 class ChunkPrefetch:
     """Reads chunk files (small samples) or a large file's ranges into the page cache,
     once per mount."""
 
-    def __init__(self, chunk_count: int, chunk_size: int, ext_chunk: np.ndarray,
-                 ext_offset: np.ndarray, ext_length: np.ndarray,
+    def __init__(self, chunk_count: int, chunk_size: int, extent_size: int,
+                 ext_chunk: np.ndarray, ext_offset: np.ndarray, ext_length: np.ndarray,
                  chunk_path: Callable[[int], os.PathLike | str]) -> None:
         """The extent arrays are the dataset directory's (chunk, offset, length) views."""
         # Shared with forked workers:
         self._chunk_asked = mmap.mmap(-1, max(1, chunk_count))
         self._ext_asked = mmap.mmap(-1, max(1, len(ext_chunk)))
         self._large = max(1, chunk_size // LARGE_SHARE)
+        self._window = max(2, chunk_size // max(1, extent_size))  # extents per window
         self._ext_chunk, self._ext_off, self._ext_len = ext_chunk, ext_offset, ext_length
         self._chunk_path = chunk_path
         self._queue: queue.SimpleQueue[list[_Range]] | None = None
@@ -84,7 +90,15 @@ class ChunkPrefetch:
         """Extent `ext` (of a file whose extents end at `last`, inclusive) is being read
         from the store at `rel` bytes into it."""
         if file_size >= self._large:
-            if not self._ext_asked[ext]:
+            mark = self._ext_asked[ext]
+            if mark == _ASKED:
+                return
+            if mark == _NEXT:  # halfway through a window: queue the next one
+                self._ext_asked[ext] = _ASKED
+                ext += 1
+                while ext <= last and self._ext_asked[ext]:
+                    ext += 1
+            if ext <= last:
                 self._put(self._file_ranges(ext, last))
             return
         chunk = self._ext_chunk[ext]
@@ -95,15 +109,17 @@ class ChunkPrefetch:
         self._put([(str(self._chunk_path(chunk)), pos - pos % PIECE, None, True)])
 
     def _file_ranges(self, ext: int, last: int) -> list[_Range]:
-        """The chunk ranges of extents ext..last, up to the first one asked for already
-        (marked asked now), contiguous ones merged."""
+        """The chunk ranges of one window of extents from ext (at most to `last`, and
+        up to the first one asked for already), contiguous ones merged. Marks them
+        asked, and the one halfway as the next window's trigger."""
         ranges: list[_Range] = []
         asked = self._ext_asked
         prev_chunk = prev_end = -1
-        for e in range(ext, last + 1):
+        trigger = ext + self._window // 2
+        for e in range(ext, min(last, ext + self._window - 1) + 1):
             if asked[e]:
                 break
-            asked[e] = 1
+            asked[e] = _NEXT if e == trigger else _ASKED
             chunk = int(self._ext_chunk[e])
             start = CHUNK_HEADER_SIZE + int(self._ext_off[e])
             end = start + int(self._ext_len[e])
@@ -119,6 +135,8 @@ class ChunkPrefetch:
         return ranges
 
     def _put(self, ranges: list[_Range]) -> None:
+        if not ranges:
+            return
         if self._pid != os.getpid():  # first use in this process (workers are forked)
             self._pid = os.getpid()
             self._queue = queue.SimpleQueue()

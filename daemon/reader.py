@@ -121,8 +121,8 @@ class SampleReader:
         self._peer_cache: OrderedDict[int, bytes] = OrderedDict()
         self._peer_cache_bytes = 0
         self._prefetch = ChunkPrefetch(
-            dataset.chunk_count, dataset.chunk_size, self._ext_chunk, self._ext_off,
-            self._ext_len, dataset.chunk_path) if prefetch else None
+            dataset.chunk_count, dataset.chunk_size, d.extent_size, self._ext_chunk,
+            self._ext_off, self._ext_len, dataset.chunk_path) if prefetch else None
         self._span: FileSpan | None = None
         self._span_max = 0
 

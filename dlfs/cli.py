@@ -478,10 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): the first time a sample of a chunk is read, read "
                         "the whole chunk file into the page cache in the background (large "
                         "sequential reads instead of many small random ones); for a file "
-                        "of a quarter chunk or more, read ahead that file's own bytes to its "
-                        "end instead; only when the mount has no chunk pool and its datasets "
-                        "fit in a quarter of the available memory; off: read only what is "
-                        "asked")
+                        "of a quarter chunk or more, read ahead that file's own bytes, a chunk "
+                        "size ahead of its reader, instead; only when the mount has no "
+                        "chunk pool and its datasets fit in a quarter of the available "
+                        "memory; off: read only what is asked")
     p.add_argument("--no-splice", action="store_true",
                    help="answer large reads by copying the bytes through the daemon instead "
                         "of splicing them from the chunk file (to measure what splicing "

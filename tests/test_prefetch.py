@@ -164,18 +164,20 @@ def file_ranges(store: Path, name: bytes) -> list[tuple[int, int, int]]:
 def test_large_file_prefetches_its_own_bytes_not_its_chunks(mounted, large_file_store):
     src, store = large_file_store
     chunks = chunk_files(store)
-    ranges = file_ranges(store, b"b-large")
-    assert len(chunks) == 2 and {c for c, _, _ in ranges} == {0, 1}
-    assert ranges[0][1] >= 12 * MIB  # the small files come first
+    extents = file_ranges(store, b"b-large")
+    assert len(chunks) == 2 and {c for c, _, _ in extents} == {0, 1}
+    assert extents[0][1] >= 12 * MIB  # the small files come first
+    window = extents[:8]  # the first read queues a chunk size (32 MiB) of the file
+    assert {c for c, _, _ in window} == {0, 1}
     evict(chunks)
     if resident(chunks[0]):
         pytest.skip("this file system keeps the chunk files cached despite DONTNEED")
     m = mounted(store)
     with open(m.path / "ds" / "b-large", "rb") as f:  # one 1 MiB read at its start
         assert f.read(MIB) == (src / "b-large").read_bytes()[:MIB]
-    # Every page of the file in both chunks cached at some point (this VM's DAMON
+    # Every page of the window, in both chunks, cached at some point (this VM's DAMON
     # pageout may evict some again before the last ones arrive).
-    never_seen = {(c, p) for c, lo, hi in ranges for p in missing_pages(chunks[c], lo, hi)}
+    never_seen = {(c, p) for c, lo, hi in window for p in missing_pages(chunks[c], lo, hi)}
 
     def all_seen() -> bool:
         never_seen.intersection_update((c, p) for c in (0, 1) for p in missing_pages(chunks[c]))
@@ -192,34 +194,48 @@ def test_large_file_prefetches_its_own_bytes_not_its_chunks(mounted, large_file_
     assert missing >= 0.9 * head, f"{head - missing} of the {head} head pages were read"
 
 
-def test_file_ranges_follow_the_file_and_stop_at_what_was_asked(large_file_store):
-    """The ranges a large file's first read queues: its bytes in each chunk, merged (a
-    chunk it continues into from the header on); no extent twice."""
+def test_large_file_ranges_come_a_window_at_a_time(large_file_store):
+    """What a large file's reads queue: a window (a chunk size) of its bytes, per chunk
+    merged (a chunk it continues into from the header on); halfway through a window the
+    next one; no extent twice."""
     _, store = large_file_store
     dataset = Store(store).open("ds")
     d = dataset.directory
-    first = d.first_extent(d.lookup(0, b"b-large"))
-    extents = file_ranges(store, b"b-large")
+    row = d.lookup(0, b"b-large")
+    size, first = d.size(row), d.first_extent(row)
+    extents = file_ranges(store, b"b-large")  # 10 extents of 4 MiB: 5 in each chunk
     last = first + len(extents) - 1
-    in_c1 = next(i for i, (c, _, _) in enumerate(extents) if c == 1)
+    assert [c for c, _, _ in extents] == [0] * 5 + [1] * 5
     path0, path1 = (str(dataset.chunk_path(c)) for c in (0, 1))
-    end0, end1 = extents[in_c1 - 1][2], extents[-1][2]
 
-    def fresh() -> ChunkPrefetch:
-        return ChunkPrefetch(dataset.chunk_count, dataset.chunk_size, d.ext_chunk_view,
-                             d.ext_offset_view, d.ext_length_view, dataset.chunk_path)
+    def fresh() -> tuple[ChunkPrefetch, list]:
+        prefetch = ChunkPrefetch(dataset.chunk_count, dataset.chunk_size, d.extent_size,
+                                 d.ext_chunk_view, d.ext_offset_view, d.ext_length_view,
+                                 dataset.chunk_path)
+        queued: list = []
+        prefetch._put = queued.append  # what would go to the reading thread
+        return prefetch, queued
 
-    whole = fresh()
+    prefetch, queued = fresh()
     try:
-        assert whole._file_ranges(first, last) == [(path0, extents[0][1], end0, False),
-                                                  (path1, 0, end1, False)]
-        assert whole._file_ranges(first, last) == []  # asked already
+        prefetch.touch(first, 0, last, size)
+        assert queued == [[(path0, extents[0][1], extents[4][2], False),
+                           (path1, 0, extents[7][2], False)]]
+        for e in (first, first + 1, first + 3, first + 7):  # inside the window: nothing
+            prefetch.touch(e, 0, last, size)
+        assert len(queued) == 1
+        prefetch.touch(first + 4, 0, last, size)  # halfway: the rest of the file
+        assert queued[1:] == [[(path1, extents[8][1], extents[9][2], False)]]
+        prefetch.touch(first + 4, 0, last, size)
+        prefetch.touch(first + 9, 0, last, size)
+        assert len(queued) == 2
     finally:
-        whole.close()
-    tail_first = fresh()  # a read in chunk 1 first, then one at the file's start
+        prefetch.close()
+    prefetch, queued = fresh()  # a read in chunk 1 first, then one at the file's start
     try:
-        assert tail_first._file_ranges(first + in_c1, last) == [
-            (path1, extents[in_c1][1], end1, False)]
-        assert tail_first._file_ranges(first, last) == [(path0, extents[0][1], end0, False)]
+        prefetch.touch(first + 5, 0, last, size)
+        prefetch.touch(first, 0, last, size)
+        assert queued == [[(path1, extents[5][1], extents[9][2], False)],
+                          [(path0, extents[0][1], extents[4][2], False)]]
     finally:
-        tail_first.close()
+        prefetch.close()
