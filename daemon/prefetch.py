@@ -159,7 +159,8 @@ def _read_forever(jobs: queue.SimpleQueue[list[_Range]]) -> None:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     if whole_chunk:  # no kernel read-ahead: see the module docstring
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                        with contextlib.suppress(OSError):  # a hint; read anyway
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                     _read_range(null, fd, start, end)
                     if whole_chunk:
                         _read_range(null, fd, 0, start)
