@@ -202,5 +202,6 @@ def prefetch_decision(mode: str, pooled: bool, throttled: bool, dataset_bytes: i
     if dataset_bytes * MEMORY_SHARE > memory:
         return False, (f"off: the datasets ({dataset_bytes >> 20} MiB) exceed a quarter of "
                        f"the available memory ({memory >> 20} MiB)")
-    return True, (f"on: each chunk is read whole on its first sample read (datasets "
+    return True, ("on: each chunk is read whole on its first sample read, a large file "
+                  "a chunk size ahead of its reader (datasets "
                   f"{dataset_bytes >> 20} MiB, available memory {memory >> 20} MiB)")
