@@ -10,9 +10,8 @@ source and mount are paired finely: for every file, each round makes a fresh
 `dlfs mount` (checksums are verified again and chunks prefetched again, as on
 a real first read) and reads the file twice, once from the source and once
 through the mount, back to back (which goes first alternates), each after a
-cache drop. The figure is the
-median of the per-pair ratios mount/source over all files and rounds; the
-MiB/s are medians of the single reads.
+cache drop. The figure is the median of the per-pair ratios mount/source over
+all files and rounds; the MiB/s are medians of the single reads.
 
 Target (from the issue): cold mount/source >= 0.85.
 

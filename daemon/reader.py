@@ -365,10 +365,13 @@ class SampleReader:
             try:
                 fd = await self._fd(self._ext_chunk[ext])
                 try:
-                    data, digest = await self._blocking(
-                        _pread_and_hash if keep else _map_and_hash,
-                        fd, self._ext_len[ext], CHUNK_HEADER_SIZE + self._ext_off[ext],
-                        self._store_rate)
+                    pos = CHUNK_HEADER_SIZE + self._ext_off[ext]
+                    if keep:
+                        data, digest = await self._blocking(
+                            _pread_and_hash, fd, self._ext_len[ext], pos, self._store_rate)
+                    else:
+                        data, digest = await self._blocking(
+                            _map_and_hash, fd, self._ext_len[ext], pos)
                 except CorruptDataError as err:
                     self._report_corrupt(ext, str(err))
                     raise
@@ -446,12 +449,12 @@ def _pread_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[byte
     return data, checksum(data)
 
 
-def _map_and_hash(fd: int, length: int, pos: int, rate: int = 0) -> tuple[bytes, int]:
+def _map_and_hash(fd: int, length: int, pos: int) -> tuple[bytes, int]:
     """The checksum of `length` bytes at `pos`, hashed in place (mapped, not copied).
 
     Saves copying a whole extent out of the page cache when the read at hand
-    needs only part of it, or splices it. (`rate` is unused, never set for it,
-    but keeps _pread_and_hash's signature.)
+    needs only part of it, or splices it. Never used with a throttled store
+    (its pacing is in the copying reads).
 
     Touching a mapped page the file system cannot deliver (file cut short, an
     I/O error, a stale NFS handle) would kill the process with SIGBUS, so the

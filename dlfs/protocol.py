@@ -239,7 +239,7 @@ def proof_matches(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)
 
 
-# -- request bounds ------------------------------------------------------------
+# -- the server side of the handshake ---------------------------------------
 
 class HandshakeRefused(Exception):
     """The server ends the handshake: count it under `counter`, log `why`, send `reply`
@@ -293,6 +293,8 @@ class ServerHandshake:
                                    err(ERR_AUTH, "authentication failed"))
         return ok()
 
+
+# -- request bounds ------------------------------------------------------------
 
 def read_bounds_problem(chunk_length: int | None, offset: int, length: int) -> str | None:
     """The FAIL code for a READ of `length` bytes at `offset` of a chunk, or None if valid.
