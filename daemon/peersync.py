@@ -6,6 +6,12 @@ costs a few system calls, where the trio client (dlfsd.peer.PeerClient)
 adds task switches, events and a receive task per connection, several
 hundred microseconds of Python per read. Same wire protocol
 (docs/PROTOCOL.md), same errors, same handshake; one request in flight.
+
+A DATA reply is received whole into one buffer (MSG_WAITALL: one system call,
+not one per arriving segment) and its payload handed out as a view of that
+buffer when the frame starts with exactly the head expected for this
+request; anything else is decoded the general way. The view is valid until
+the next call on the client.
 """
 
 from __future__ import annotations
@@ -34,17 +40,27 @@ class BlockingPeerClient:
         self._next_id = 0
         self._prefix = bytearray(_PREFIX)
         self._body = bytearray(protocol.MAX_FRAME)
+        self._view = memoryview(self._body)
 
-    def read(self, dataset_id: bytes, chunk: int, offset: int, length: int) -> bytes:
+    def read(self, dataset_id: bytes, chunk: int, offset: int,
+             length: int) -> bytes | memoryview:
         """`length` bytes at `offset` of the chunk's data; PeerUnavailable / PeerMiss /
-        PeerRefused like PeerClient.read, each within `timeout` per socket call."""
+        PeerRefused like PeerClient.read, each within `timeout` per socket call.
+
+        The bytes may be a view of the client's buffer: use them before the next call.
+        """
         sock = self._sock or self._connect()
         self._next_id = (self._next_id + 1) % protocol.MAX_REQUEST_ID
         request_id = self._next_id
         try:
             sock.sendall(protocol.encode(protocol.read(request_id, dataset_id, chunk, offset,
                                                        length)))
-            reply = self._receive(sock)
+            size = self._receive_frame(sock)
+            head = protocol.data_frame_head(request_id, length)
+            if size == len(head) - _PREFIX + length and \
+                    self._view[: len(head) - _PREFIX] == head[_PREFIX:]:
+                return self._view[len(head) - _PREFIX : size]  # the expected DATA frame
+            reply = protocol.decode_body(self._view[:size])
         except (OSError, ProtocolError) as error:  # socket.timeout is an OSError
             self.close()
             raise PeerUnavailable(f"peer {self.address}: {self._why(error)}") \
@@ -125,20 +141,25 @@ class BlockingPeerClient:
 
     # -- frames ---------------------------------------------------------------------
     def _receive(self, sock: socket.socket) -> Message:
+        return protocol.decode_body(self._view[: self._receive_frame(sock)])
+
+    def _receive_frame(self, sock: socket.socket) -> int:
+        """Receive one frame's body into the buffer; returns its size."""
         self._fill(sock, memoryview(self._prefix))
         (size,) = struct.unpack(">I", self._prefix)
         if size > protocol.MAX_FRAME:
             raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
                                 f"{protocol.MAX_FRAME}")
-        with memoryview(self._body)[:size] as body:
-            self._fill(sock, body)
-            return protocol.decode_body(body)
+        self._fill(sock, self._view[:size])
+        return size
 
     @staticmethod
     def _fill(sock: socket.socket, view: memoryview) -> None:
         got = 0
         while got < len(view):
-            n = sock.recv_into(view[got:])
+            # MSG_WAITALL: the kernel gathers the arriving segments; it returns early
+            # only on a timeout, a signal or the end of the connection.
+            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
             if not n:
                 raise ConnectionResetError("connection closed by the peer")
             got += n

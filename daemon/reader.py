@@ -162,15 +162,17 @@ class SampleReader:
         for i in range(first, last + 1):
             lo = max(offset, i * piece) - i * piece
             hi = min(end, (i + 1) * piece) - i * piece
-            parts.append(await self._read_extent(base + i, lo, hi - lo, False))
+            parts.append(await self._read_extent(base + i, lo, hi - lo, False, lasting=True))
         return b"".join(parts)
 
-    async def _read_extent(self, ext: int, rel: int, length: int, span: bool):
+    async def _read_extent(self, ext: int, rel: int, length: int, span: bool,
+                           lasting: bool = False):
         """`span`: the bytes may be returned as a FileSpan if verified already (never
-        from a throttled store: the pacing is in the reads)."""
+        from a throttled store: the pacing is in the reads). `lasting`: they must stay
+        valid across further reads (a peer's may be a view of its client's buffer)."""
         span = span and SPAN_MIN <= length <= self._span_max and not self._store_rate
         if self.pool is not None:
-            data = await self._read_pooled(ext, rel, length, span)
+            data = await self._read_pooled(ext, rel, length, span, lasting)
             if data is not None:
                 return data
         started = time.perf_counter_ns()
@@ -208,7 +210,8 @@ class SampleReader:
         return await self._blocking(_pread_exact, fd, length, pos)
 
     # -- the chunk pool: local NVMe, then peers -----------------------------------------
-    async def _read_pooled(self, ext: int, rel: int, length: int, span: bool):
+    async def _read_pooled(self, ext: int, rel: int, length: int, span: bool,
+                           lasting: bool):
         """From the staged copy or an owner peer; None: go to the store."""
         chunk = self._ext_chunk[ext]
         started = time.perf_counter_ns()
@@ -218,7 +221,7 @@ class SampleReader:
                 self._count(SOURCE_LOCAL, length, started)
                 return data
         if self._remote[chunk]:
-            data = await self._read_peer(ext, rel, length, chunk)
+            data = await self._read_peer(ext, rel, length, chunk, lasting)
             if data is not None:
                 self._count(SOURCE_PEER, length, started)
                 return data
@@ -274,7 +277,7 @@ class SampleReader:
         if self._owned[chunk]:
             self.pool.demand.send(self.ds, chunk)
 
-    async def _read_peer(self, ext: int, rel: int, length: int, chunk: int):
+    async def _read_peer(self, ext: int, rel: int, length: int, chunk: int, lasting: bool):
         """The whole extent from an owner (checked by the pool), kept for partial reads."""
         whole = self._ext_len[ext]
         data = self._peer_cache.get(ext)
@@ -287,6 +290,8 @@ class SampleReader:
                                                  self._ext_off[ext], whole, self._ext_sum[ext])
             if data is None:
                 return None
+            if length < whole or lasting:  # `data` may be the client's buffer: copy
+                data = bytes(data)
             if length < whole:
                 self._remember_peer_extent(ext, data)
         else:
