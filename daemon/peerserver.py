@@ -15,13 +15,22 @@ bounds-checked, a protocol error closes the connection with one log line
 (after telling the peer why) and never stops the server. Pipelined requests
 on one connection are answered in order; while a reply cannot be sent
 (the peer is not reading) that connection is not read either.
+
+A READ whose bytes are all in the page cache is answered at once (read
+without blocking into one reused buffer, then one sendmsg of head and
+payload). One that must wait for the disk goes to a small pool of disk
+threads and the loop serves other peers meanwhile: waiting on each disk
+read in turn would serialize every peer's reads at a queue depth of one.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import errno
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -41,15 +50,16 @@ _GOODBYE = 1.0  # seconds a closing connection may take to read our last message
 class BlockingChunkProvider(Protocol):
     def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None: ...
 
-    def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
-                             length: int) -> bytes | bytearray | None: ...
+    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
+        """(open fd, position of the chunk's data in it) of the staged copy, or None
+        if it is not staged here. May block (it may open the file)."""
 
 
 class _Conn:
     """One peer connection: where its handshake is, what is received and unsent."""
 
     __slots__ = ("closing", "deadline", "decoder", "events", "handshake", "inbox", "out",
-                 "peer", "sock", "state")
+                 "peer", "sock", "state", "waiting")
 
     def __init__(self, sock: socket.socket, peer: str, deadline: float,
                  handshake: protocol.ServerHandshake) -> None:
@@ -57,6 +67,7 @@ class _Conn:
         self.decoder = FrameDecoder(protocol.MAX_CONTROL_FRAME)
         self.state = "hello"  # -> "auth" -> "ready"
         self.closing = False  # our last message is queued; drain, then close
+        self.waiting = False  # a disk thread is reading the data of our next reply
         self.inbox: collections.deque[Message] = collections.deque()
         self.out: collections.deque[memoryview] = collections.deque()
         self.events = 0
@@ -67,12 +78,12 @@ class PeerLoopServer:
 
     _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
                  "auth_failures", "protocol_errors", "reads_served", "reads_missed",
-                 "reads_refused", "read_errors", "bytes_served",
+                 "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
                  "replies_waited")  # replies that had to wait for the peer to read
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, disk_threads: int = 4) -> None:
         self._secret = protocol.check_secret(secret)
         self.provider = provider
         self.node_name = node_name
@@ -82,6 +93,11 @@ class PeerLoopServer:
         self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
         self._conns: dict[socket.socket, _Conn] = {}
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
+        self._readbuf = memoryview(bytearray(protocol.MAX_READ))  # and one read buffer
+        self._nowait = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+        self._disk = concurrent.futures.ThreadPoolExecutor(
+            disk_threads, thread_name_prefix="dlfsd.peer disk")
+        self._finished: collections.deque = collections.deque()  # disk reads done
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
@@ -106,6 +122,7 @@ class PeerLoopServer:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a full pipe means a wake-up is pending anyway
         self._selector.register(listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         bound = listener.getsockname()[1]
@@ -138,6 +155,8 @@ class PeerLoopServer:
                 for key, events in self._selector.select(timeout=_SWEEP):
                     if key.data == "accept":
                         self._accept()
+                    elif key.data == "wake":
+                        self._finish_disk_reads()
                     elif isinstance(key.data, _Conn):
                         self._guarded(key.data, events)
                 now = time.monotonic()
@@ -147,6 +166,7 @@ class PeerLoopServer:
         except Exception:
             log.exception("peer server of %s stopped by an unexpected error", self.node_name)
         finally:
+            self._disk.shutdown(wait=False, cancel_futures=True)
             for conn in list(self._conns.values()):
                 self._close(conn)
             for sock in (self._listener, self._wake_r, self._wake_w):
@@ -187,15 +207,21 @@ class PeerLoopServer:
 
     def _guarded(self, conn: _Conn, events: int) -> None:
         """Handle one connection's events; nothing that happens here may escape."""
-        if conn.sock not in self._conns:  # closed earlier in this round of events
-            return
+        if conn.sock in self._conns:  # else closed earlier in this round of events
+            self._guarded_call(conn, self._events, conn, events)
+
+    def _events(self, conn: _Conn, events: int) -> None:
+        if events & selectors.EVENT_WRITE:
+            self._flush(conn)
+            if not conn.out and not conn.closing and conn.sock in self._conns:
+                self._pump(conn)  # answer what arrived while the reply was queued
+        if events & selectors.EVENT_READ and conn.sock in self._conns:
+            self._receive(conn)
+
+    def _guarded_call(self, conn: _Conn, handler, *args) -> None:
+        """Run a handler of `conn`; an error closes that connection, never the loop."""
         try:
-            if events & selectors.EVENT_WRITE:
-                self._flush(conn)
-                if not conn.out and not conn.closing and conn.sock in self._conns:
-                    self._pump(conn)  # answer what arrived while the reply was queued
-            if events & selectors.EVENT_READ and conn.sock in self._conns:
-                self._receive(conn)
+            handler(*args)
         except ProtocolError as error:
             self._count("protocol_errors")
             log.warning("peer %s: protocol error: %s; closing the connection", conn.peer, error)
@@ -229,9 +255,11 @@ class PeerLoopServer:
 
     def _pump(self, conn: _Conn) -> None:
         """Answer received messages in order while replies go out; then wait for more."""
-        while conn.inbox and not conn.out and not conn.closing:
+        if conn.waiting:
+            return
+        while conn.inbox and not conn.out and not conn.closing and not conn.waiting:
             self._handle(conn, conn.inbox.popleft())
-        if conn.sock in self._conns and not conn.out:
+        if conn.sock in self._conns and not conn.out and not conn.waiting:
             self._watch(conn, selectors.EVENT_READ)
 
     def _handle(self, conn: _Conn, msg: Message) -> None:
@@ -268,24 +296,106 @@ class PeerLoopServer:
                 self._count("reads_refused")
                 self._send(conn, protocol.encode(protocol.fail(request_id, problem)))
                 return
-            payload = self.provider.read_staged_blocking(dataset_id, chunk, offset, length)
+            staged = self.provider.staged_file(dataset_id, chunk)
+            if staged is not None and os.fstat(staged[0]).st_size < staged[1] + offset + length:
+                raise OSError("the staged copy is shorter than its chunk")
         except Exception as error:
-            self._count("read_errors")
-            log.error("peer %s: cannot read chunk %d of dataset %s: %s", conn.peer, chunk,
-                      dataset_id.hex(), error)
-            self._send(conn, protocol.encode(protocol.fail(request_id, protocol.FAIL_IO)))
+            self._read_failed(conn, request_id, chunk, dataset_id, error)
             return
-        if payload is None:
+        if staged is None:
             self._count("reads_missed")
             self._send(conn, protocol.encode(protocol.miss(request_id)))
-        elif len(payload) != length:
-            self._count("read_errors")
-            self._send(conn, protocol.encode(protocol.fail(request_id, protocol.FAIL_IO)))
+            return
+        fd, pos = staged[0], staged[1] + offset
+        with self._readbuf[:length] as view:
+            try:
+                cached = self._read_cached(fd, view, pos)
+            except OSError as error:
+                self._read_failed(conn, request_id, chunk, dataset_id, error)
+                return
+            if cached:
+                self._serve(conn, request_id, view)
+                return
+        # Not all in the page cache: a disk thread reads it while this loop serves others
+        # (one thread waiting on each disk read in turn would serialize every peer's).
+        self._count("reads_from_disk")
+        conn.waiting, conn.deadline = True, time.monotonic() + self.idle_timeout
+        self._unwatch(conn)  # nothing more from this peer until this reply is out
+        future = self._disk.submit(_pread_exact, fd, length, pos)
+        future.add_done_callback(lambda f: self._disk_done(conn, request_id, chunk, dataset_id,
+                                                           f))
+
+    def _read_failed(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
+                     error: Exception) -> None:
+        self._count("read_errors")
+        log.error("peer %s: cannot read chunk %d of dataset %s: %s", conn.peer, chunk,
+                  dataset_id.hex(), error)
+        self._send(conn, protocol.encode(protocol.fail(request_id, protocol.FAIL_IO)))
+
+    def _read_cached(self, fd: int, view: memoryview, pos: int) -> bool:
+        """Fill `view` from the page cache without blocking; False if it must wait for
+        the disk (or this file system cannot say: then always False)."""
+        if not self._nowait:
+            return False
+        try:
+            return os.preadv(fd, [view], pos, os.RWF_NOWAIT) == len(view)
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._nowait = False
+            return False
+
+    def _serve(self, conn: _Conn, request_id: int, payload) -> None:
+        """Send a DATA reply; what the socket cannot take now is copied and queued (the
+        payload may be the reused read buffer)."""
+        self._count("reads_served")
+        self._count("bytes_served", len(payload))
+        head = protocol.data_frame_head(request_id, len(payload))
+        if isinstance(payload, bytes):
+            self._send(conn, head, payload)
+            return
+        try:
+            sent = conn.sock.sendmsg([head, payload])
+        except BlockingIOError:
+            sent = 0
+        if sent < len(head):
+            conn.out.append(memoryview(head)[sent:])
+            sent = len(head)
+        if sent < len(head) + len(payload):
+            conn.out.append(memoryview(bytes(payload[sent - len(head):])))
+        self._flush(conn)
+
+    # -- reads that wait for the disk -------------------------------------------------------
+    def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
+                   future) -> None:
+        """In a disk thread: hand the result to the loop thread."""
+        self._finished.append((conn, request_id, chunk, dataset_id, future))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"d")
+
+    def _finish_disk_reads(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
+        while self._finished:
+            conn, request_id, chunk, dataset_id, future = self._finished.popleft()
+            conn.waiting = False
+            if conn.sock not in self._conns or future.cancelled():
+                continue
+            self._guarded_call(conn, self._answer_disk_read, conn, request_id, chunk,
+                               dataset_id, future)
+
+    def _answer_disk_read(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
+                          future) -> None:
+        error = future.exception()
+        if error is None:
+            self._serve(conn, request_id, future.result())
         else:
-            self._count("reads_served")
-            self._count("bytes_served", length)
-            # Header and payload in one sendmsg: the payload is never copied into a frame.
-            self._send(conn, protocol.data_frame_head(request_id, length), payload)
+            self._read_failed(conn, request_id, chunk, dataset_id, error)
+        if conn.sock in self._conns and not conn.out and not conn.closing:
+            self._pump(conn)  # answer what this peer sent meanwhile, and listen again
 
     # -- output ---------------------------------------------------------------------------
     def _send(self, conn: _Conn, *parts) -> None:
@@ -342,6 +452,11 @@ class PeerLoopServer:
             self._selector.register(conn.sock, events, conn)
         conn.events = events
 
+    def _unwatch(self, conn: _Conn) -> None:
+        if conn.events:
+            self._selector.unregister(conn.sock)
+            conn.events = 0
+
     def _close(self, conn: _Conn) -> None:
         conn.closing = True
         conn.inbox.clear()
@@ -352,6 +467,13 @@ class PeerLoopServer:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.sock)
         conn.sock.close()
+
+
+def _pread_exact(fd: int, length: int, pos: int) -> bytes:
+    data = os.pread(fd, length, pos)
+    if len(data) != length:
+        raise OSError(f"the staged copy ends {length - len(data)} bytes early")
+    return data
 
 
 def _address(address) -> str:

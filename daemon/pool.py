@@ -98,8 +98,9 @@ class ChunkPool:
         return None
 
     def fetch_blocking(self, ds: int, chunk: int, offset: int, length: int,
-                       expected: int) -> bytes | None:
-        """`fetch` for worker processes (one request at a time, blocking I/O)."""
+                       expected: int) -> bytes | memoryview | None:
+        """`fetch` for worker processes (one request at a time, blocking I/O). The bytes
+        may be a view of the client's buffer: valid until the next fetch."""
         dataset_id = self.datasets[ds].uuid
         for node in self._live_owners(ds, chunk):
             try:
@@ -123,7 +124,7 @@ class ChunkPool:
         what = "unavailable" if isinstance(err, PeerUnavailable) else "refused a read"
         self._mark_down(node, f"{what} ({err})")
 
-    def _accept(self, node: int, ds: int, chunk: int, data: bytes, length: int,
+    def _accept(self, node: int, ds: int, chunk: int, data: bytes | memoryview, length: int,
                 expected: int) -> bool:
         """Peer bytes count only if they match the manifest checksum."""
         if len(data) == length and checksum(data) == expected:
@@ -168,9 +169,9 @@ class ChunkPool:
         return await trio.to_thread.run_sync(self.read_staged_blocking, dataset_id, chunk,
                                              offset, length)
 
-    def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
-                             length: int) -> bytes | bytearray | None:
-        """read_staged for the peer server (dlfsd.peerserver, in its own thread)."""
+    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
+        """(fd, data position) of the staged copy for the peer server (dlfsd.peerserver,
+        which sends from it); None if it is not staged, and then it is staged next."""
         ds = self._by_id[dataset_id]
         cache = self.caches[ds]
         fd = cache.cached_fd(chunk)
@@ -180,6 +181,15 @@ class ChunkPool:
             if self.owned[ds][chunk]:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
             return None
+        return fd, CHUNK_HEADER_SIZE
+
+    def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
+                             length: int) -> bytes | bytearray | None:
+        """The bytes of a staged range, for the trio PeerServer (in a thread)."""
+        staged = self.staged_file(dataset_id, chunk)
+        if staged is None:
+            return None
+        fd = staged[0]
         try:
             data = pread_nowait(fd, length, CHUNK_HEADER_SIZE + offset)
         except OSError:  # the cache's file system cannot do RWF_NOWAIT

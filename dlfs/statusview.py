@@ -68,7 +68,9 @@ def plain_lines(status: dict) -> list[str]:
 def peer_server_line(c: dict) -> str:
     """What this node served its peers, and what it refused (auth, protocol, bounds)."""
     line = (f"peer server: {c.get('reads_served', 0)} reads served "
-            f"({format_size(c.get('bytes_served', 0))}), {c.get('reads_missed', 0)} not "
+            f"({format_size(c.get('bytes_served', 0))}"
+            + (f", {c['reads_from_disk']} from disk" if "reads_from_disk" in c else "")
+            + f"), {c.get('reads_missed', 0)} not "
             f"staged here, {c.get('reads_refused', 0)} refused, {c.get('read_errors', 0)} "
             f"read errors; {c.get('connections_open', 0)} connections open, "
             f"{c.get('auth_failures', 0)} auth failures, {c.get('protocol_errors', 0)} "

@@ -52,12 +52,11 @@ class Provider:
             return None
         return len(CHUNKS[chunk]) if chunk < NOT_STAGED else 1000
 
-    def read_staged_blocking(self, dataset_id, chunk, offset, length):
+    def staged_file(self, dataset_id, chunk):
         self.reads += 1
         if chunk == NOT_STAGED:
             return None
-        data = os.pread(self.fds[chunk], length, HEADER + offset)
-        return data if len(data) == length else None
+        return self.fds[chunk], HEADER
 
 
 @pytest.fixture
@@ -136,6 +135,49 @@ def test_blocking_client_reads_exact_ranges_and_errors_keep_the_connection(serve
     c = server.counters()
     assert c["connections_accepted"] == 1 and c["reads_served"] == 3
     assert c["bytes_served"] == 300_008 and c["reads_missed"] == 1 and c["reads_refused"] == 2
+
+
+def evict_from_page_cache(path) -> None:
+    """Drop a file's pages (clean: written and synced), or skip where that is impossible."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(4096)], HEADER + (2 << 20), os.RWF_NOWAIT)
+        except BlockingIOError:
+            return
+    finally:
+        os.close(fd)
+    pytest.skip("this file system keeps the pages; cannot test reads that wait for the disk")
+
+
+def test_uncached_bytes_are_read_by_a_disk_thread_and_replies_keep_their_order(server):
+    """Pipelined on one connection: a READ that waits for the disk, then one of cached
+    bytes. The second is not answered before the first, and both are exact."""
+    head = CHUNKS[0][:1000]
+    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", server.port, timeout=5)
+    try:
+        assert client.read(DATASET, 0, 0, 1000) == head  # cached now
+    finally:
+        client.close()
+    evict_from_page_cache(server.provider.paths[0])
+    sock = raw(server)
+    try:
+        raw_handshake(sock)
+        sock.sendall(protocol.encode(protocol.read(1, DATASET, 0, 2 << 20, 1 << 20))
+                     + protocol.encode(protocol.read(2, DATASET, 0, 0, 1000)))
+        decoder, replies = protocol.FrameDecoder(protocol.MAX_FRAME), []
+        while len(replies) < 2 and (received := sock.recv(1 << 20)):
+            replies += decoder.feed(received)
+    finally:
+        sock.close()
+    assert [(m["t"], m["id"]) for m in replies] == [(protocol.DATA, 1), (protocol.DATA, 2)]
+    assert replies[0]["data"] == CHUNKS[0][2 << 20 : 3 << 20]
+    assert replies[1]["data"] == head
+    c = server.counters()
+    assert c["reads_from_disk"] >= 1 and c["reads_served"] == 3 and c["read_errors"] == 0
+    good_read(server)  # and the server goes on serving
 
 
 async def test_trio_client_pipelines_against_the_threaded_server(server):
