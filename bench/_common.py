@@ -207,6 +207,23 @@ def _daemon_pids(main_pid: int) -> list[int]:
     return pids
 
 
+def daemon_cpu_seconds(mountpoint: Path) -> float:
+    """CPU time (user + system, all threads) the mount's daemon processes have used."""
+    pid = _daemon_pid(mountpoint)
+    total = 0
+    for p in _daemon_pids(pid) if pid else []:
+        fields = _stat_fields(p)
+        if fields:
+            total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU time of this process's reaped children (e.g. the epoch's reader processes)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 @contextlib.contextmanager
 def mounted(store: Path, mountpoint: Path, extra_args: Sequence[str] = (),
             log_file: Path | None = None) -> Iterator[Path]:

@@ -14,6 +14,11 @@ staged chunk files come from disk) and one more on a fresh mount without a
 drop ("hot": chunk files in the page cache, FUSE cache empty). The counters
 (`dlfs status`) confirm where the bytes came from.
 
+Both daemons of the remote set-up share this machine's CPUs, where on a
+cluster the holder is another node. So the CPU time per file is printed too:
+of the reading node (its daemon and the reader processes) and of the holder's
+daemon. With the CPUs saturated, files/s here is bounded by the sum of both.
+
 Target (issue #3): remote/local files/s >= 0.7.
 
 examples (from the repository root, as root):
@@ -30,6 +35,8 @@ from pathlib import Path
 from _common import (
     Target,
     add_common_args,
+    children_cpu_seconds,
+    daemon_cpu_seconds,
     drop_caches,
     formatter,
     median,
@@ -64,7 +71,7 @@ def local_side(store: Path, work: Path, extra: list[str]):
     with mounted(store, work / "mnt-local", ["--cache-dir", str(cache), *extra],
                  work / "local.log") as mp:
         wait_staged(mp)
-        yield mp
+        yield mp, None
 
 
 @contextlib.contextmanager
@@ -80,24 +87,35 @@ def remote_side(store: Path, work: Path, extra: list[str]):
                  ["--cache-dir", str(work / "cache-reader"), "--node", "reader",
                   "--cache-limit", "1", *common], work / "reader.log") as reader:
         wait_staged(holder)
-        yield reader
+        yield reader, holder
 
 
 def measure(side: str, ctx, paths: list[str], nbytes: int, workers: int, seed: int,
             results: dict) -> None:
     for temp in ("cold", "hot"):
-        with ctx() as mp:
+        with ctx() as (mp, holder):
             if temp == "cold":
                 drop_caches()
+            before = _cpu(mp, holder)
             r = shuffled_epoch([str(mp / "ds" / p) for p in paths], workers, seed=seed)
+            cpu = [(b - a) * 1e6 / r.files for a, b in zip(before, _cpu(mp, holder), strict=True)]
             if r.bytes != nbytes:
                 raise RuntimeError(f"{side} read {r.bytes} bytes, expected {nbytes}")
             counts = source_counts(mp)
         results.setdefault((side, temp), []).append(r.files_per_s)
+        results.setdefault((side, temp, "cpu"), []).append(cpu[0] + cpu[1])
         where = ", ".join(f"{k} {v['bytes'] / (1 << 20):.0f} MiB" for k, v in counts.items()
                           if v["bytes"])
+        holder_cpu = f", holder daemon {cpu[2]:.0f}" if holder else ""
         print(f"  {side:<6} {temp:<4} {r.files_per_s:9,.0f} files/s {r.mib_per_s:8,.1f} MiB/s"
-              f"   (from {where})", flush=True)
+              f"   (from {where}; CPU us/file: daemon {cpu[0]:.0f}, readers {cpu[1]:.0f}"
+              f"{holder_cpu})", flush=True)
+
+
+def _cpu(reader: Path, holder: Path | None) -> tuple[float, float, float]:
+    """CPU seconds so far: the reading daemon, the reader processes, the holder daemon."""
+    return (daemon_cpu_seconds(reader), children_cpu_seconds(),
+            daemon_cpu_seconds(holder) if holder else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((temp, local, remote, ratios[temp]))
         print_table(("chunk files", "local files/s", "remote files/s", "remote/local"), rows,
                     title=f"medians of {args.rounds} rounds")
+        cpu_rows = []
+        for temp in ("cold", "hot"):
+            local = median(results[("local", temp, "cpu")])
+            remote = median(results[("remote", temp, "cpu")])
+            cpu_rows.append((temp, f"{local:.0f}", f"{remote:.0f}",
+                             f"{local / remote:.3f}" if remote else "nan"))
+        print_table(("chunk files", "local us/file", "remote us/file", "local/remote"),
+                    cpu_rows, title="CPU of the reading node only (daemon + readers; "
+                                    "for information, no target)")
         print_targets([Target("cold remote/local files/s", ratios["cold"], ">=", 0.7),
                        Target("hot remote/local files/s", ratios["hot"], ">=", 0.7)], args.quick)
     return 0
