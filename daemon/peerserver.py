@@ -255,8 +255,6 @@ class PeerLoopServer:
 
     def _pump(self, conn: _Conn) -> None:
         """Answer received messages in order while replies go out; then wait for more."""
-        if conn.waiting:
-            return
         while conn.inbox and not conn.out and not conn.closing and not conn.waiting:
             self._handle(conn, conn.inbox.popleft())
         if conn.sock in self._conns and not conn.out and not conn.waiting:

@@ -171,7 +171,7 @@ class ChunkPool:
 
     def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
         """(fd, data position) of the staged copy for the peer server (dlfsd.peerserver,
-        which sends from it); None if it is not staged, and then it is staged next."""
+        which reads from it); None if it is not staged, and then it is staged next."""
         ds = self._by_id[dataset_id]
         cache = self.caches[ds]
         fd = cache.cached_fd(chunk)
