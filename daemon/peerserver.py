@@ -39,6 +39,7 @@ from typing import Protocol
 
 from dlfs import protocol
 from dlfs.protocol import FrameDecoder, Message, ProtocolError
+from dlfsd.reader import HAVE_NOWAIT, read_cached_into
 
 log = logging.getLogger("dlfsd.peer")
 
@@ -94,7 +95,7 @@ class PeerLoopServer:
         self._conns: dict[socket.socket, _Conn] = {}
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
         self._readbuf = memoryview(bytearray(protocol.MAX_READ))  # and one read buffer
-        self._nowait = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+        self._nowait = HAVE_NOWAIT
         self._disk = concurrent.futures.ThreadPoolExecutor(
             disk_threads, thread_name_prefix="dlfsd.peer disk")
         self._finished: collections.deque = collections.deque()  # disk reads done
@@ -336,9 +337,7 @@ class PeerLoopServer:
         if not self._nowait:
             return False
         try:
-            return os.preadv(fd, [view], pos, os.RWF_NOWAIT) == len(view)
-        except BlockingIOError:
-            return False
+            return read_cached_into(fd, view, pos)
         except OSError as err:
             if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
@@ -346,24 +345,13 @@ class PeerLoopServer:
             return False
 
     def _serve(self, conn: _Conn, request_id: int, payload) -> None:
-        """Send a DATA reply; what the socket cannot take now is copied and queued (the
-        payload may be the reused read buffer)."""
+        """Send a DATA reply. If part of the reused read buffer must wait in the queue
+        (the peer is slow to read), that part is copied: the next read overwrites it."""
         self._count("reads_served")
         self._count("bytes_served", len(payload))
-        head = protocol.data_frame_head(request_id, len(payload))
-        if isinstance(payload, bytes):
-            self._send(conn, head, payload)
-            return
-        try:
-            sent = conn.sock.sendmsg([head, payload])
-        except BlockingIOError:
-            sent = 0
-        if sent < len(head):
-            conn.out.append(memoryview(head)[sent:])
-            sent = len(head)
-        if sent < len(head) + len(payload):
-            conn.out.append(memoryview(bytes(payload[sent - len(head):])))
-        self._flush(conn)
+        self._send(conn, protocol.data_frame_head(request_id, len(payload)), payload)
+        if conn.out and conn.out[-1].obj is self._readbuf.obj:
+            conn.out[-1] = memoryview(bytes(conn.out[-1]))
 
     # -- reads that wait for the disk -------------------------------------------------------
     def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,

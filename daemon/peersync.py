@@ -57,9 +57,9 @@ class BlockingPeerClient:
                                                        length)))
             size = self._receive_frame(sock)
             head = protocol.data_frame_head(request_id, length)
-            if size == len(head) - _PREFIX + length and \
-                    self._view[: len(head) - _PREFIX] == head[_PREFIX:]:
-                return self._view[len(head) - _PREFIX : size]  # the expected DATA frame
+            start = len(head) - _PREFIX  # where the payload starts in the body
+            if size == start + length and self._view[:start] == head[_PREFIX:]:
+                return self._view[start:size]  # the expected DATA frame
             reply = protocol.decode_body(self._view[:size])
         except (OSError, ProtocolError) as error:  # socket.timeout is an OSError
             self.close()

@@ -36,7 +36,7 @@ from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 
-_HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 _populate_read = True  # cleared if the kernel lacks MADV_POPULATE_READ
 
@@ -104,7 +104,7 @@ class SampleReader:
         self._flights: dict[tuple[str, int], tuple[trio.Event, list]] = {}
         self._unusable_chunks: set[int] = set()  # logged already
         # A throttled store (benchmarks) must not be bypassed through the page cache.
-        self._nowait = _HAVE_NOWAIT and not store_rate
+        self._nowait = HAVE_NOWAIT and not store_rate
         self._store_rate = store_rate
         d = self.directory
         self._ext_chunk, self._ext_off, self._ext_len = (
@@ -425,14 +425,21 @@ def pread_nowait(fd: int, length: int, pos: int) -> bytearray | None:
 
     Raises OSError (EOPNOTSUPP, EINVAL) where the file system cannot do RWF_NOWAIT.
     """
-    if not _HAVE_NOWAIT:
+    if not HAVE_NOWAIT:
         return None
     buf = bytearray(length)
+    return buf if read_cached_into(fd, buf, pos) else None
+
+
+def read_cached_into(fd: int, buf, pos: int) -> bool:
+    """Fill `buf` from the page cache without blocking; False if not all of it is there.
+
+    Raises OSError (EOPNOTSUPP, EINVAL) where the file system cannot do RWF_NOWAIT.
+    """
     try:
-        got = os.preadv(fd, [buf], pos, os.RWF_NOWAIT)
+        return os.preadv(fd, [buf], pos, os.RWF_NOWAIT) == len(buf)
     except BlockingIOError:
-        return None
-    return buf if got == length else None
+        return False
 
 
 def _pread_exact(fd: int, length: int, pos: int) -> bytes:

@@ -275,8 +275,9 @@ def test_stop_closes_open_connections(server):
 
 def test_a_reply_that_waits_for_a_slow_reader_arrives_whole_and_unchanged(server, tmp_path):
     """A whole 4 MiB reply to a client that does not read yet cannot leave at once; what
-    is still to be sent must not change when the staged copy does meanwhile (re-staging:
-    the provider's descriptor is now another file)."""
+    is still to be sent must not change when another peer's read reuses the server's read
+    buffer, nor when the staged copy changes meanwhile (re-staging: the provider's
+    descriptor is now another file)."""
     client = BlockingPeerClient(SECRET, "slow", "127.0.0.1", server.port, timeout=5)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: tiny window
@@ -285,6 +286,12 @@ def test_a_reply_that_waits_for_a_slow_reader_arrives_whole_and_unchanged(server
         client._handshake(sock)
         sock.sendall(protocol.encode(protocol.read(1, DATASET, 0, 0, 4 << 20)))
         assert counter_reaches(server, "replies_waited", 1), "the reply never had to wait"
+        # Another peer's read meanwhile: the server's read buffer now holds other bytes.
+        other_client = BlockingPeerClient(SECRET, "other", "127.0.0.1", server.port, timeout=5)
+        try:
+            assert other_client.read(DATASET, 0, 1, (4 << 20) - 1) == CHUNKS[0][1:]
+        finally:
+            other_client.close()
         other = tmp_path / "restaged"
         other.write_bytes(b"X" * (HEADER + (4 << 20)))
         replaced = os.open(other, os.O_RDONLY)
