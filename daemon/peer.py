@@ -1,30 +1,27 @@
-"""Peer server and client of the chunk pool: byte ranges of staged chunks over TCP.
+"""The trio peer client of the chunk pool, and the errors every peer read raises.
 
-Each daemon of a job runs one PeerServer that serves ranges of the chunks it
-has staged on local NVMe, and keeps PeerClients to the other daemons. The wire
-format and every validity rule live in dlfs.protocol (docs/PROTOCOL.md); this
-module adds sockets, timeouts and concurrency:
+A daemon reads byte ranges of the chunks other daemons have staged on their
+local NVMe. The server side is dlfsd.peerserver (PeerLoopServer); the daemon's
+worker processes use the blocking client (dlfsd.peersync); this trio client
+serves single-process mounts (`--workers 1`). The wire format and every
+validity rule live in dlfs.protocol (docs/PROTOCOL.md); this module adds
+sockets, timeouts and concurrency:
 
-* Nothing but the handshake is answered before a peer proved it holds the job
-  secret, and the server never accepts a frame larger than a request.
-* A bad request (unknown chunk, range out of bounds) costs one FAIL reply; a
-  malformed frame costs the connection; nothing costs the server.
-* Requests are pipelined: a client tags each READ with an id, the server answers
-  them as they complete, a bounded number at a time per connection.
-* Every client call has a deadline, and every way a peer can go wrong (refused,
+* Nothing is requested before the server proved it holds the job secret.
+* Requests are pipelined: each READ is tagged with an id and the replies are
+  matched to them; a late reply to an abandoned request is dropped, never
+  taken for a newer one.
+* Every call has a deadline, and every way a peer can go wrong (refused,
   silent, wrong secret, dead mid-request, talking nonsense) surfaces as
   PeerUnavailable, so the caller can mark the peer down and read elsewhere.
 
-Nothing here imports pyfuse3 or touches a path: the provider maps
-(dataset uuid, chunk) to bytes.
+Nothing here imports pyfuse3 or touches a path.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import typing
 
 import trio
 
@@ -68,22 +65,6 @@ class PeerRefused(PeerError):
         self.code = code
 
 
-class ChunkProvider(typing.Protocol):
-    """What the server needs from the daemon: chunk sizes and staged bytes."""
-
-    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
-        """Data length of the chunk, or None if the dataset or chunk index is unknown."""
-        ...
-
-    async def read_staged(self, dataset_id: bytes, chunk: int, offset: int,
-                          length: int) -> bytes | None:
-        """`length` bytes at `offset` of the chunk's data, or None if not staged here.
-
-        Called only with ranges already checked against chunk_limit.
-        """
-        ...
-
-
 class _FramedStream:
     """A trio stream speaking frames: receive() one message, send() one message.
 
@@ -120,220 +101,6 @@ class _FramedStream:
             except BaseException:
                 self.broken = True
                 raise
-
-
-def _byte_size(payload: object) -> int | None:
-    """Size of a bytes-like payload; None for anything else (a provider bug)."""
-    if isinstance(payload, memoryview):
-        return payload.nbytes
-    return len(payload) if isinstance(payload, (bytes, bytearray)) else None
-
-
-def _address(stream: trio.abc.Stream) -> str:
-    try:
-        host, port, *_ = stream.socket.getpeername()
-    except (AttributeError, OSError):
-        return "?"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-# -- server ------------------------------------------------------------------
-
-class PeerServer:
-    """Serves byte ranges of locally staged chunks to authenticated peers.
-
-    Run `serve()` in a nursery; cancel it to stop (all connections close). The
-    counters are plain ints for the daemon's stats files.
-    """
-
-    def __init__(self, secret: bytes, provider: ChunkProvider, node_name: str, *,
-                 handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
-                 max_connections: int = 256, max_in_flight: int = 16) -> None:
-        self._secret = protocol.check_secret(secret)
-        self.provider = provider
-        self.node_name = node_name
-        self.handshake_timeout = handshake_timeout
-        # Also the limit for a peer to take a reply: one that stops reading is dropped.
-        self.idle_timeout = idle_timeout
-        self.max_connections = max_connections
-        self.max_in_flight = max_in_flight
-        self.connections_accepted = 0
-        self.connections_rejected = 0  # over max_connections
-        self.connections_open = 0
-        self.auth_failures = 0
-        self.protocol_errors = 0  # including version mismatches and handshake timeouts
-        self.reads_served = 0
-        self.reads_missed = 0
-        self.reads_refused = 0
-        self.read_errors = 0  # the provider raised or returned the wrong size
-        self.bytes_served = 0
-
-    async def serve(self, host: str, port: int, *,
-                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen on host:port until cancelled; `task_status.started(port)` gives the bound port.
-
-        Give a numeric host (a name may resolve to several addresses, and with
-        port 0 each listener would get a different port).
-        """
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        bound = listeners[0].socket.getsockname()[1]
-        log.info("peer server of %s listening on %s:%d", self.node_name, host, bound)
-        task_status.started(bound)
-        await trio.serve_listeners(self._handle_connection, listeners)
-
-    async def _handle_connection(self, stream: trio.SocketStream) -> None:
-        """Run one connection to its end; nothing that happens here may escape."""
-        peer = _address(stream)
-        if self.connections_open >= self.max_connections:
-            self.connections_rejected += 1
-            log.warning("peer %s: connection refused, %d already open (max_connections)",
-                        peer, self.connections_open)
-            await trio.aclose_forcefully(stream)
-            return
-        self.connections_accepted += 1
-        self.connections_open += 1
-        conn = _FramedStream(stream, protocol.MAX_CONTROL_FRAME)
-        try:
-            await self._serve_connection(conn, peer)
-        except ProtocolError as error:
-            self.protocol_errors += 1
-            log.warning("peer %s: protocol error: %s; closing the connection", peer, error)
-            await self._send_goodbye(conn, protocol.err(protocol.ERR_PROTOCOL, str(error)))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
-            log.debug("peer %s: connection lost: %r", peer, error)
-        except Exception:
-            log.exception("peer %s: unexpected error; closing the connection", peer)
-        finally:
-            self.connections_open -= 1
-            await trio.aclose_forcefully(stream)
-
-    async def _serve_connection(self, conn: _FramedStream, peer: str) -> None:
-        with trio.move_on_after(self.handshake_timeout) as handshake:
-            authenticated = await self._handshake(conn, peer)
-        if handshake.cancelled_caught:
-            self.protocol_errors += 1
-            log.warning("peer %s: no handshake within %.1f s; closing the connection",
-                        peer, self.handshake_timeout)
-            return
-        if authenticated:
-            await self._serve_requests(conn, peer)
-
-    async def _handshake(self, conn: _FramedStream, peer: str) -> bool:
-        """HELLO -> CHALLENGE -> AUTH -> OK; True once the peer proved the secret."""
-        handshake = protocol.ServerHandshake(self._secret, self.node_name)
-        try:
-            hello = await conn.receive()
-            if hello is None:
-                return False
-            await conn.send(handshake.challenge_for(hello))
-            answer = await conn.receive()
-            if answer is None:
-                return False
-            await conn.send(handshake.accept(answer))
-        except protocol.HandshakeRefused as refused:
-            setattr(self, refused.counter, getattr(self, refused.counter) + 1)
-            log.warning("peer %s (node %r): %s; closing the connection", peer,
-                        handshake.client_node, refused.why)
-            if refused.reply is not None:
-                await self._send_goodbye(conn, refused.reply)
-            return False
-        log.debug("peer %s (node %r) authenticated", peer, handshake.client_node)
-        return True
-
-    async def _send_goodbye(self, conn: _FramedStream, msg: Message) -> None:
-        """Best effort: tell the peer why before closing, without waiting on it."""
-        if conn.broken:
-            return
-        closed = (trio.BrokenResourceError, trio.ClosedResourceError)
-        with trio.move_on_after(1.0), contextlib.suppress(*closed):
-            await conn.send(msg)
-
-    async def _serve_requests(self, conn: _FramedStream, peer: str) -> None:
-        """Receive READs and answer each in its own task, at most max_in_flight at once.
-
-        When the limit is reached the loop stops reading, so a flooding peer is
-        held back by TCP instead of growing our memory.
-        """
-        slots = trio.Semaphore(self.max_in_flight)
-        failure: ProtocolError | None = None
-        async with trio.open_nursery() as nursery:
-            try:
-                await self._receive_requests(conn, nursery, slots, peer)
-            except ProtocolError as error:
-                failure = error  # raised outside the nursery, not wrapped in a group
-                nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-
-    async def _receive_requests(self, conn: _FramedStream, nursery: trio.Nursery,
-                                slots: trio.Semaphore, peer: str) -> None:
-        while True:
-            with trio.move_on_after(self.idle_timeout) as idle:
-                request = await conn.receive()
-            if idle.cancelled_caught:
-                if slots.value < self.max_in_flight:
-                    continue  # quiet because it is waiting for us
-                log.info("peer %s: idle for %.0f s; closing the connection",
-                         peer, self.idle_timeout)
-                nursery.cancel_scope.cancel()
-                return
-            if request is None:
-                return  # the nursery lets answers in progress finish
-            if request["t"] != protocol.READ:
-                raise ProtocolError(f"unexpected {request['t']} message after the handshake")
-            await slots.acquire()
-            nursery.start_soon(self._answer, conn, request, slots, nursery.cancel_scope, peer)
-
-    async def _answer(self, conn: _FramedStream, request: Message, slots: trio.Semaphore,
-                      connection_scope: trio.CancelScope, peer: str) -> None:
-        try:
-            reply = await self._reply_to(request, peer)
-            with trio.move_on_after(self.idle_timeout) as sending:
-                await conn.send(reply)
-            if sending.cancelled_caught:
-                log.warning("peer %s: did not take a reply for %.0f s; closing the connection",
-                            peer, self.idle_timeout)
-                connection_scope.cancel()
-            elif reply["t"] == protocol.DATA:
-                self.reads_served += 1
-                self.bytes_served += _byte_size(reply["data"])
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            connection_scope.cancel()
-        finally:
-            slots.release()
-
-    async def _reply_to(self, request: Message, peer: str) -> Message:
-        """DATA, MISS or FAIL for one READ; provider failures become FAIL_IO."""
-        request_id, dataset_id, chunk = request["id"], request["ds"], request["chunk"]
-        offset, length = request["off"], request["len"]
-        try:
-            limit = self.provider.chunk_limit(dataset_id, chunk)
-        except Exception as error:
-            return self._read_failed(request_id, peer, dataset_id, chunk, error)
-        problem = protocol.read_bounds_problem(limit, offset, length)
-        if problem is not None:
-            self.reads_refused += 1
-            return protocol.fail(request_id, problem)
-        try:
-            payload = await self.provider.read_staged(dataset_id, chunk, offset, length)
-        except Exception as error:
-            return self._read_failed(request_id, peer, dataset_id, chunk, error)
-        if payload is None:
-            self.reads_missed += 1
-            return protocol.miss(request_id)
-        size = _byte_size(payload)
-        if size != length:
-            got = type(payload).__name__ if size is None else f"{size} bytes"
-            return self._read_failed(request_id, peer, dataset_id, chunk, DlfsError(
-                f"provider returned {got} for a read of {length} bytes"))
-        return protocol.data(request_id, payload)
-
-    def _read_failed(self, request_id: int, peer: str, dataset_id: bytes, chunk: int,
-                     error: Exception) -> Message:
-        self.read_errors += 1
-        log.warning("peer %s: reading chunk %d of dataset %s failed: %s", peer, chunk,
-                    dataset_id.hex(), error)
-        return protocol.fail(request_id, protocol.FAIL_IO)
 
 
 # -- client ------------------------------------------------------------------

@@ -8,9 +8,8 @@ server cost more CPU than the reads themselves. Here one thread owns every
 connection with non-blocking sockets; a READ is answered as soon as its frame
 is complete (pread of a staged chunk, then one sendmsg of header + payload).
 
-Same wire protocol (docs/PROTOCOL.md) and checks as the trio server
-(dlfsd.peer.PeerServer): the secret is proven both ways before anything else
-is answered, frames are capped at MAX_CONTROL_FRAME, every READ is
+The wire protocol is docs/PROTOCOL.md (dlfs.protocol): the secret is proven
+both ways before anything else is answered, frames are capped at MAX_CONTROL_FRAME, every READ is
 bounds-checked, a protocol error closes the connection with one log line
 (after telling the peer why) and never stops the server. Pipelined requests
 on one connection are answered in order; while a reply cannot be sent

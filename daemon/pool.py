@@ -16,11 +16,8 @@ call `after_fork` and open their own.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
-
-import trio
 
 from dlfs.cluster import ClusterView
 from dlfs.format import CHUNK_HEADER_SIZE, checksum
@@ -29,7 +26,6 @@ from dlfs.store import Dataset
 from dlfsd.chunkcache import ChunkCache
 from dlfsd.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
 from dlfsd.peersync import BlockingPeerClient
-from dlfsd.reader import pread_nowait
 from dlfsd.stager import DemandChannel
 
 log = logging.getLogger(__name__)
@@ -163,12 +159,6 @@ class ChunkPool:
             return None
         return int(self.datasets[ds].chunk_lengths[chunk])
 
-    async def read_staged(self, dataset_id: bytes, chunk: int, offset: int,
-                          length: int) -> bytes | bytearray | None:
-        """ChunkProvider of the trio PeerServer: read_staged_blocking in a thread."""
-        return await trio.to_thread.run_sync(self.read_staged_blocking, dataset_id, chunk,
-                                             offset, length)
-
     def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
         """(fd, data position) of the staged copy for the peer server (dlfsd.peerserver,
         which reads from it); None if it is not staged, and then it is staged next."""
@@ -182,18 +172,3 @@ class ChunkPool:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
             return None
         return fd, CHUNK_HEADER_SIZE
-
-    def read_staged_blocking(self, dataset_id: bytes, chunk: int, offset: int,
-                             length: int) -> bytes | bytearray | None:
-        """The bytes of a staged range, for the trio PeerServer (in a thread)."""
-        staged = self.staged_file(dataset_id, chunk)
-        if staged is None:
-            return None
-        fd = staged[0]
-        try:
-            data = pread_nowait(fd, length, CHUNK_HEADER_SIZE + offset)
-        except OSError:  # the cache's file system cannot do RWF_NOWAIT
-            data = None
-        if data is None:
-            data = os.pread(fd, length, CHUNK_HEADER_SIZE + offset)
-        return data if len(data) == length else None

@@ -1,7 +1,10 @@
-"""dlfsd.peer: a real PeerServer on loopback, real PeerClients and hostile raw sockets.
+"""The trio PeerClient against the daemon's PeerLoopServer on loopback, and hostile
+raw sockets against that server.
 
-The provider is an in-memory stand-in for the daemon's chunk cache (it is what
-the server reads from, not what is under test).
+The provider is a stand-in for the daemon's chunk pool that keeps its chunks in
+real files, like staged copies (it is what the server reads from, not what is
+under test); it can be made slow or stuck, which stalls the server's loop
+thread: that is how these tests make a server that does not answer.
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ import logging
 import os
 import random
 import struct
+import threading
+import time
 
 import pytest
 import trio
 
 from dlfs import protocol
-from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerServer, PeerUnavailable
+from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
+from dlfsd.peerserver import PeerLoopServer
 
 SECRET = b"job-secret-0123456789abcdef"
 WRONG_SECRET = b"another-jobs-secret-0123456789"
@@ -26,66 +32,88 @@ CHUNKS = [os.urandom(100_000), os.urandom(protocol.MAX_READ + 12_345), os.urando
 NOT_STAGED = 3  # a valid chunk index this node has not staged
 FAILING = 4  # a chunk whose local copy cannot be read
 CHUNK_LENGTHS = [len(c) for c in CHUNKS] + [50_000, 50_000]
+HEADER = 64  # bytes before a chunk's data in its staged file
 
 
-class MemoryProvider:
-    """Chunks of one dataset in memory; can be made slow, and counts concurrency."""
+class FileProvider:
+    """Chunks of one dataset in files; reads can be delayed or held at a gate."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory) -> None:
         self.delay = 0.0
-        self.gate: trio.Event | None = None  # reads wait for it when set
-        self.in_flight = 0
-        self.max_in_flight = 0
+        self.gate: threading.Event | None = None  # the server waits for it when set
+        self.lookups = 0
+        self.fds = []
+        for i, data in enumerate(CHUNKS):
+            path = directory / f"chunk{i}"
+            path.write_bytes(b"h" * HEADER + data)
+            self.fds.append(os.open(path, os.O_RDONLY))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
     def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
         if dataset_id != DATASET or chunk >= len(CHUNK_LENGTHS):
             return None
         return CHUNK_LENGTHS[chunk]
 
-    async def read_staged(self, dataset_id: bytes, chunk: int, offset: int,
-                          length: int) -> bytes | None:
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            if self.gate is not None:
-                await self.gate.wait()
-            await trio.sleep(self.delay)
-            if chunk == FAILING:
-                raise OSError(5, "Input/output error")
-            if chunk >= len(CHUNKS):
-                return None
-            return CHUNKS[chunk][offset:offset + length]
-        finally:
-            self.in_flight -= 1
+    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
+        self.lookups += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.delay:
+            time.sleep(self.delay)
+        if chunk == FAILING:
+            raise OSError(5, "Input/output error")
+        if chunk >= len(CHUNKS):
+            return None
+        return self.fds[chunk], HEADER
 
 
 class Peer:
     """A running server and how to reach it."""
 
-    def __init__(self, server: PeerServer, provider: MemoryProvider, port: int,
-                 scope: trio.CancelScope) -> None:
-        self.server, self.provider, self.port, self.scope = server, provider, port, scope
+    def __init__(self, server: PeerLoopServer, provider: FileProvider, port: int) -> None:
+        self.server, self.provider, self.port = server, provider, port
 
     def client(self, secret: bytes = SECRET, **kwargs) -> PeerClient:
         return PeerClient(secret, "client-node", "127.0.0.1", self.port, **kwargs)
 
+    def count(self, name: str) -> int:
+        return self.server.counters()[name]
 
-async def start_peer(nursery: trio.Nursery, port: int = 0, **server_kwargs) -> Peer:
-    provider = MemoryProvider()
-    server = PeerServer(SECRET, provider, "server-node", **server_kwargs)
-    scope = trio.CancelScope()
-
-    async def run(task_status=trio.TASK_STATUS_IGNORED):
-        with scope:
-            await server.serve("127.0.0.1", port, task_status=task_status)
-
-    port = await nursery.start(run)
-    return Peer(server, provider, port, scope)
+    async def reaches(self, name: str, value: int) -> bool:
+        """Wait for a counter the server thread bumps after the client has moved on."""
+        with trio.move_on_after(5):
+            while self.count(name) != value:
+                await trio.sleep(0.01)
+        return self.count(name) == value
 
 
 @pytest.fixture
-async def peer(nursery):
-    return await start_peer(nursery, handshake_timeout=1.0)
+def start_peer(tmp_path):
+    """Start PeerLoopServers (keyword arguments go to it); all stop after the test."""
+    running = []
+
+    def start(**server_kwargs) -> Peer:
+        provider = FileProvider(tmp_path)
+        server = PeerLoopServer(SECRET, provider, "server-node", **server_kwargs)
+        peer = Peer(server, provider, server.start("127.0.0.1", 0))
+        running.append(peer)
+        return peer
+
+    yield start
+    for peer in running:
+        if peer.provider.gate is not None:
+            peer.provider.gate.set()  # release a server stuck on purpose
+        peer.provider.delay = 0.0
+        peer.server.stop()
+        peer.provider.close()
+
+
+@pytest.fixture
+def peer(start_peer):
+    return start_peer(handshake_timeout=1.0)
 
 
 async def assert_serves_a_good_client(peer: Peer) -> None:
@@ -106,8 +134,11 @@ async def receive_until_closed(stream: trio.SocketStream, limit: float = 3.0) ->
     """Everything the server sends before it closes the connection (fails on a hang)."""
     received = bytearray()
     with trio.fail_after(limit):
-        while chunk := await stream.receive_some():
-            received += chunk
+        try:
+            while chunk := await stream.receive_some():
+                received += chunk
+        except trio.BrokenResourceError:  # a reset after the last message counts as closed
+            pass
     return protocol.FrameDecoder().feed(received)
 
 
@@ -123,6 +154,23 @@ async def raw_handshake(stream: trio.SocketStream, secret: bytes = SECRET) -> No
     assert ok == protocol.ok()
 
 
+async def serve_fake(nursery: trio.Nursery, handler) -> int:
+    """A trio TCP server running `handler(stream)` per connection; returns its port."""
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0,
+                                                      host="127.0.0.1"))
+    return listeners[0].socket.getsockname()[1]
+
+
+async def fake_handshake(stream: trio.SocketStream, decoder: protocol.FrameDecoder) -> None:
+    """The server's side of a correct handshake (the client's proof is not checked)."""
+    (hello,) = decoder.feed(await stream.receive_some())
+    server_nonce = protocol.new_nonce()
+    await stream.send_all(protocol.encode(protocol.challenge(
+        server_nonce, protocol.server_proof(SECRET, hello["nonce"], server_nonce))))
+    decoder.feed(await stream.receive_some())  # AUTH
+    await stream.send_all(protocol.encode(protocol.ok()))
+
+
 # -- good clients ----------------------------------------------------------------
 
 async def test_reads_exact_ranges(peer):
@@ -134,14 +182,14 @@ async def test_reads_exact_ranges(peer):
         got = await client.read(DATASET, chunk, offset, length)
         assert got == CHUNKS[chunk][offset:offset + length]
     await client.aclose()
-    assert peer.server.connections_accepted == 1
-    assert peer.server.reads_served == len(ranges)
-    assert peer.server.bytes_served == sum(length for _, _, length in ranges)
-    assert peer.server.auth_failures == peer.server.protocol_errors == 0
+    assert peer.count("connections_accepted") == 1
+    assert peer.count("reads_served") == len(ranges)
+    assert peer.count("bytes_served") == sum(length for _, _, length in ranges)
+    assert peer.count("auth_failures") == peer.count("protocol_errors") == 0
 
 
 async def test_many_concurrent_pipelined_reads_from_several_tasks(peer):
-    peer.provider.delay = 0.002  # long enough for requests to overlap
+    peer.provider.delay = 0.001  # long enough for requests to queue up behind each other
     client = peer.client(connections=2)
     rng = random.Random(7)
     jobs = []
@@ -165,30 +213,9 @@ async def test_many_concurrent_pipelined_reads_from_several_tasks(peer):
             nursery.start_soon(reader, task_ranges)
     await client.aclose()
     assert mismatches == []
-    assert peer.server.connections_accepted == 2
-    assert peer.server.reads_served == 8 * 40
-    assert peer.server.bytes_served == sum(r[2] for job in jobs for r in job)
-    # Pipelined: more than one read per connection was in progress at once.
-    assert 2 < peer.provider.max_in_flight <= 2 * peer.server.max_in_flight
-
-
-async def test_server_limits_reads_in_flight_per_connection(nursery):
-    peer = await start_peer(nursery, max_in_flight=3)
-    peer.provider.gate = trio.Event()
-    client = peer.client(connections=1)
-    results = []
-
-    async def reader(i):
-        results.append(await client.read(DATASET, 0, i, 10) == CHUNKS[0][i:i + 10])
-
-    async with trio.open_nursery() as readers:
-        for i in range(10):
-            readers.start_soon(reader, i)
-        await trio.sleep(0.2)
-        assert peer.provider.in_flight == 3
-        peer.provider.gate.set()
-    assert results == [True] * 10
-    await client.aclose()
+    assert peer.count("connections_accepted") == 2
+    assert peer.count("reads_served") == 8 * 40
+    assert peer.count("bytes_served") == sum(r[2] for job in jobs for r in job)
 
 
 async def test_refused_ranges_raise_peer_refused_and_keep_the_connection(peer):
@@ -209,10 +236,11 @@ async def test_refused_ranges_raise_peer_refused_and_keep_the_connection(peer):
         assert refused.value.code == code
     assert await client.read(DATASET, 2, 0, 7) == CHUNKS[2]
     await client.aclose()
-    assert peer.server.connections_accepted == 1
-    assert peer.server.reads_refused == len(cases)
-    assert peer.server.bytes_served == 7
-    assert peer.server.protocol_errors == 0
+    assert peer.count("connections_accepted") == 1
+    assert peer.count("reads_refused") == len(cases)
+    assert peer.count("bytes_served") == 7
+    assert peer.count("protocol_errors") == 0
+    assert peer.provider.lookups == 1  # refused before the provider is asked
 
 
 async def test_arguments_the_wire_cannot_carry_are_caller_bugs(peer):
@@ -221,7 +249,7 @@ async def test_arguments_the_wire_cannot_carry_are_caller_bugs(peer):
                  (DATASET, 0, 0, 1.5)]:
         with pytest.raises(ValueError):
             await client.read(*args)
-    assert peer.server.connections_accepted == 0
+    assert peer.count("connections_accepted") == 0
 
 
 async def test_chunk_not_staged_raises_peer_miss(peer):
@@ -230,8 +258,8 @@ async def test_chunk_not_staged_raises_peer_miss(peer):
         await client.read(DATASET, NOT_STAGED, 0, 100)
     assert missed.value.code is None
     await client.aclose()
-    assert peer.server.reads_missed == 1
-    assert peer.server.bytes_served == 0
+    assert peer.count("reads_missed") == 1
+    assert peer.count("bytes_served") == 0
 
 
 async def test_provider_error_is_one_failed_read_and_one_log_line(peer, caplog):
@@ -246,8 +274,8 @@ async def test_provider_error_is_one_failed_read_and_one_log_line(peer, caplog):
     assert "127.0.0.1:" in records[0].getMessage()
     assert await client.read(DATASET, 0, 0, 3) == CHUNKS[0][:3]  # same connection still works
     await client.aclose()
-    assert peer.server.read_errors == 1
-    assert peer.server.connections_accepted == 1
+    assert peer.count("read_errors") == 1
+    assert peer.count("connections_accepted") == 1
 
 
 # -- authentication ----------------------------------------------------------------
@@ -257,9 +285,8 @@ async def test_wrong_secret_gets_nothing(peer):
     with pytest.raises(PeerUnavailable, match="authentication"):
         await client.read(DATASET, 0, 0, 100)
     await client.aclose()
-    await trio.sleep(0.05)  # let the server finish with the connection
-    assert peer.server.auth_failures == 1
-    assert peer.server.bytes_served == 0
+    assert await peer.reaches("auth_failures", 1)
+    assert peer.count("bytes_served") == 0
     await assert_serves_a_good_client(peer)
 
 
@@ -269,24 +296,23 @@ async def test_wrong_client_proof_gets_err_and_close(peer, caplog):
     await stream.send_all(protocol.encode(protocol.hello("intruder", protocol.new_nonce())))
     (challenge,) = decoder.feed(await stream.receive_some())
     assert challenge["t"] == protocol.CHALLENGE
-    await stream.send_all(protocol.encode(protocol.auth(b"\0" * protocol.PROOF_SIZE)))
     with caplog.at_level(logging.WARNING, logger="dlfsd.peer"):
+        await stream.send_all(protocol.encode(protocol.auth(b"\0" * protocol.PROOF_SIZE)))
         replies = await receive_until_closed(stream)
     assert [(m["t"], m["code"]) for m in replies] == [(protocol.ERR, protocol.ERR_AUTH)]
-    assert peer.server.auth_failures == 1
-    assert peer.server.bytes_served == 0
+    assert peer.count("auth_failures") == 1
+    assert peer.count("bytes_served") == 0
     assert any("intruder" in r.getMessage() for r in caplog.records)
     await assert_serves_a_good_client(peer)
 
 
-async def test_server_with_wrong_secret_is_not_trusted(nursery):
-    impostor = await start_peer(nursery)
+async def test_server_with_wrong_secret_is_not_trusted(start_peer):
+    impostor = start_peer()
     client = PeerClient(WRONG_SECRET, "client-node", "127.0.0.1", impostor.port)
     with pytest.raises(PeerUnavailable, match="different job secret"):
         await client.read(DATASET, 0, 0, 10)
-    await trio.sleep(0.05)
-    assert impostor.server.auth_failures == 1  # the client told it why it left
-    assert impostor.provider.max_in_flight == 0
+    assert await impostor.reaches("auth_failures", 1)  # the client told it why it left
+    assert impostor.provider.lookups == 0
 
 
 async def test_read_before_handshake_closes_the_connection(peer):
@@ -294,9 +320,9 @@ async def test_read_before_handshake_closes_the_connection(peer):
     await stream.send_all(protocol.encode(protocol.read(1, DATASET, 0, 0, 100)))
     replies = await receive_until_closed(stream)
     assert [m["t"] for m in replies] == [protocol.ERR]
-    assert peer.server.protocol_errors == 1
-    assert peer.server.bytes_served == 0
-    assert peer.provider.max_in_flight == 0
+    assert peer.count("protocol_errors") == 1
+    assert peer.count("bytes_served") == 0
+    assert peer.provider.lookups == 0
     await assert_serves_a_good_client(peer)
 
 
@@ -309,8 +335,9 @@ async def test_read_instead_of_auth_closes_the_connection(peer):
     await stream.send_all(protocol.encode(protocol.read(1, DATASET, 0, 0, 100)))
     replies = await receive_until_closed(stream)
     assert [m["t"] for m in replies] == [protocol.ERR]
-    assert peer.server.protocol_errors == 1
-    assert peer.server.bytes_served == 0
+    assert peer.count("protocol_errors") == 1
+    assert peer.count("bytes_served") == 0
+    assert peer.provider.lookups == 0
     await assert_serves_a_good_client(peer)
 
 
@@ -320,17 +347,16 @@ async def test_unknown_version_gets_err_version(peer):
                                                          version=2)))
     replies = await receive_until_closed(stream)
     assert [(m["t"], m["code"]) for m in replies] == [(protocol.ERR, protocol.ERR_VERSION)]
-    assert peer.server.protocol_errors == 1
+    assert peer.count("protocol_errors") == 1
     await assert_serves_a_good_client(peer)
 
 
-async def test_silent_connection_is_dropped_after_the_handshake_timeout(nursery):
-    peer = await start_peer(nursery, handshake_timeout=0.2)
+async def test_silent_connection_is_dropped_after_the_handshake_timeout(start_peer):
+    peer = start_peer(handshake_timeout=0.2)
     stream = await raw_connect(peer)
     start = trio.current_time()
     assert await receive_until_closed(stream) == []
     assert 0.15 < trio.current_time() - start < 2.0
-    assert peer.server.protocol_errors == 1
     await assert_serves_a_good_client(peer)
 
 
@@ -354,8 +380,8 @@ async def test_malformed_frames_close_the_connection(peer, caplog, garbage, auth
             await stream.send_eof()  # the server sees a frame cut short
         replies = await receive_until_closed(stream)
     assert all(m["t"] == protocol.ERR for m in replies)
-    assert peer.server.protocol_errors == 1
-    assert peer.server.bytes_served == 0
+    assert peer.count("protocol_errors") == 1
+    assert peer.count("bytes_served") == 0
     warnings = [r for r in caplog.records if r.name == "dlfsd.peer"]
     assert len(warnings) == 1 and "127.0.0.1:" in warnings[0].getMessage()
     await assert_serves_a_good_client(peer)
@@ -366,19 +392,19 @@ async def test_unexpected_message_after_auth_closes_the_connection(peer):
     await raw_handshake(stream)
     await stream.send_all(protocol.encode(protocol.data(1, b"unsolicited")))
     assert [m["t"] for m in await receive_until_closed(stream)] == [protocol.ERR]
-    assert peer.server.protocol_errors == 1
+    assert peer.count("protocol_errors") == 1
     await assert_serves_a_good_client(peer)
 
 
-async def test_connections_beyond_the_limit_are_refused(nursery):
-    peer = await start_peer(nursery, max_connections=1)
+async def test_connections_beyond_the_limit_are_refused(start_peer):
+    peer = start_peer(max_connections=1)
     holder = await raw_connect(peer)
     await raw_handshake(holder)
     extra = await raw_connect(peer)
     assert await receive_until_closed(extra) == []
-    assert peer.server.connections_rejected == 1
+    assert peer.count("connections_rejected") == 1
     await holder.aclose()
-    await trio.sleep(0.05)
+    assert await peer.reaches("connections_open", 0)
     await assert_serves_a_good_client(peer)
 
 
@@ -394,40 +420,55 @@ async def test_nothing_listening_is_unavailable():
         await client.read(DATASET, 0, 0, 1)
 
 
-async def test_server_stopped_mid_request_fails_fast_and_reconnects_later(nursery):
-    peer = await start_peer(nursery)
-    client = peer.client(connections=1, timeout=5.0)
+async def test_server_gone_mid_request_fails_fast_and_reconnects_later(nursery):
+    """A peer that dies with a request pending: the read fails at once, not at the
+    timeout, and the next read tries a new connection."""
+    server_scope = trio.CancelScope()
+
+    async def dies_at_the_second_request(stream):
+        decoder = protocol.FrameDecoder()
+        await fake_handshake(stream, decoder)
+        (read,) = decoder.feed(await stream.receive_some())
+        await stream.send_all(protocol.encode(protocol.data(
+            read["id"], CHUNKS[0][read["off"]:read["off"] + read["len"]])))
+        assert decoder.feed(await stream.receive_some())  # the second READ: die now
+        server_scope.cancel()  # closes the listener and this connection
+
+    async def run_server(task_status=trio.TASK_STATUS_IGNORED):
+        with server_scope:
+            await trio.serve_tcp(dies_at_the_second_request, 0, host="127.0.0.1",
+                                 task_status=task_status)
+
+    listeners = await nursery.start(run_server)
+    port = listeners[0].socket.getsockname()[1]
+    client = PeerClient(SECRET, "client-node", "127.0.0.1", port, connections=1, timeout=5.0)
     assert await client.read(DATASET, 0, 0, 10) == CHUNKS[0][:10]
-    peer.provider.gate = trio.Event()  # the next read hangs in the server
     start = trio.current_time()
-    async with trio.open_nursery() as waiting:
-        async def stop_server_soon():
-            await trio.sleep(0.1)
-            peer.scope.cancel()
-        waiting.start_soon(stop_server_soon)
-        with pytest.raises(PeerUnavailable):
-            await client.read(DATASET, 0, 0, 10)
+    with pytest.raises(PeerUnavailable):
+        await client.read(DATASET, 0, 0, 10)
+    assert server_scope.cancel_called
     assert trio.current_time() - start < 1.0  # the lost connection, not the timeout
     with pytest.raises(PeerUnavailable, match="cannot connect"):
         await client.read(DATASET, 0, 0, 10)
     await client.aclose()
 
 
-async def test_slow_provider_times_out_and_the_late_reply_is_dropped(peer):
+async def test_stuck_server_times_out_and_its_late_reply_is_dropped(peer):
     client = peer.client(connections=1, timeout=0.3)
-    stuck = peer.provider.gate = trio.Event()
+    stuck = peer.provider.gate = threading.Event()  # the server's loop waits at the gate
     start = trio.current_time()
     with pytest.raises(PeerUnavailable, match="did not answer"):
         await client.read(DATASET, 1, 0, 1000)
     assert 0.25 < trio.current_time() - start < 1.0
-    peer.provider.gate = None  # new reads are fast; the stuck one still waits
+    peer.provider.gate = None
+    stuck.set()  # the late reply (chunk 1) arrives now and must be dropped quietly
+    assert await peer.reaches("reads_served", 1)
+    # The same connection: were the late reply taken for this one, the bytes would differ.
     assert await client.read(DATASET, 0, 0, 1000) == CHUNKS[0][:1000]
-    stuck.set()  # its late reply arrives now and must be dropped quietly
-    await trio.sleep(0.05)
-    assert peer.server.reads_served == 2
     assert await client.read(DATASET, 2, 0, 7) == CHUNKS[2]
     await client.aclose()
-    assert peer.server.connections_accepted == 1
+    assert peer.count("reads_served") == 3
+    assert peer.count("connections_accepted") == 1
 
 
 async def test_many_tasks_share_one_connect_and_all_fail_within_the_timeout():
@@ -457,7 +498,7 @@ async def test_many_tasks_share_one_connect_and_all_fail_within_the_timeout():
 
 async def test_closed_client_fails_pending_and_later_reads(peer):
     client = peer.client(connections=1)
-    peer.provider.gate = trio.Event()
+    peer.provider.gate = threading.Event()
     outcome = []
 
     async def reader():
@@ -486,19 +527,12 @@ async def test_a_misbehaving_server_is_unavailable_never_wrong_bytes(nursery, re
 
     async def fake_server(stream):
         decoder = protocol.FrameDecoder()
-        (hello,) = decoder.feed(await stream.receive_some())
-        server_nonce = protocol.new_nonce()
-        await stream.send_all(protocol.encode(protocol.challenge(
-            server_nonce, protocol.server_proof(SECRET, hello["nonce"], server_nonce))))
-        decoder.feed(await stream.receive_some())  # AUTH (not checked here)
-        await stream.send_all(protocol.encode(protocol.ok()))
+        await fake_handshake(stream, decoder)
         (read,) = decoder.feed(await stream.receive_some())
         await stream.send_all(reply(read))
         await trio.sleep_forever()
 
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, fake_server, 0,
-                                                      host="127.0.0.1"))
-    port = listeners[0].socket.getsockname()[1]
+    port = await serve_fake(nursery, fake_server)
     client = PeerClient(SECRET, "client-node", "127.0.0.1", port, timeout=2.0)
     start = trio.current_time()
     with pytest.raises(PeerUnavailable):
@@ -507,22 +541,14 @@ async def test_a_misbehaving_server_is_unavailable_never_wrong_bytes(nursery, re
     await client.aclose()
 
 
-def test_a_client_used_from_a_new_trio_run_opens_its_own_connections():
+def test_a_client_used_from_a_new_trio_run_opens_its_own_connections(peer):
     """Forked daemon workers each call trio.run; a client must not carry a run's state over."""
-    ports = []
-    client = None
+    client = peer.client()
 
     async def one_run():
-        nonlocal client
-        async with trio.open_nursery() as nursery:
-            peer = await start_peer(nursery, port=ports[0] if ports else 0)
-            ports.append(peer.port)
-            if client is None:
-                client = peer.client()
-            assert await client.read(DATASET, 0, 5, 10) == CHUNKS[0][5:15]
-            assert peer.server.connections_accepted == 1
-            nursery.cancel_scope.cancel()  # no aclose: the run ends with the connection open
+        assert await client.read(DATASET, 0, 5, 10) == CHUNKS[0][5:15]
+        # no aclose: the run ends with the connection open
 
     trio.run(one_run)
     trio.run(one_run)
-    assert ports[0] == ports[1]
+    assert peer.count("connections_accepted") == 2

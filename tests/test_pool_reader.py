@@ -1,8 +1,9 @@
-"""The tiered reader with a real ChunkPool and a real PeerServer, in one trio run.
+"""The tiered reader with a real ChunkPool and a real PeerLoopServer, in one process.
 
-No FUSE here: SampleReader, ChunkPool, Stager copies and PeerServer/PeerClient
-are the real objects; only the processes are collapsed into one, so the test
-can count exactly how many requests reached the peer.
+No FUSE here: SampleReader, ChunkPool, Stager copies, the daemon's peer server
+(on its own thread, as in the daemon) and the trio PeerClient are the real
+objects; only the processes are collapsed into one, so the test can count
+exactly how many requests reached the peer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import trio
 from dlfs.cluster import ClusterView, Node
 from dlfs.populate import PopulateOptions, populate
 from dlfs.store import Store
-from dlfsd.peer import PeerServer
+from dlfsd.peerserver import PeerLoopServer
 from dlfsd.pool import ChunkPool
 from dlfsd.reader import SampleReader
 from dlfsd.slots import ProcessSlot
@@ -61,9 +62,9 @@ async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset
     stager = Stager([ds], holder.caches, holder.owned, holder.demand)
     for chunk in np.flatnonzero(holder.owned[0]):
         stager._copy(0, int(chunk), bytearray())  # stage the holder's share synchronously
-    server = PeerServer(secret, holder, "ab"[me])
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(server.serve, "127.0.0.1", 0)
+    server = PeerLoopServer(secret, holder, "ab"[me])
+    port = server.start("127.0.0.1", 0)
+    try:
         ports = [1, 1]
         ports[me] = port
         reader_pool = ChunkPool(view(1 - me, ports, secret), [ds], tmp_path / "cache-reader")
@@ -83,14 +84,15 @@ async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset
             for i in range(8):
                 readers.start_soon(read, i)
         assert results == [want] * 8
-        assert server.reads_served == 1, "concurrent misses must share one fetch"
+        assert server.counters()["reads_served"] == 1, "concurrent misses must share one fetch"
         for name in remote_files:  # every remote file, whole, from the peer
             row = d.resolve(name.encode())
             assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
         sources = stats.snapshot()["datasets"]["ds"]["sources"]
         assert sources["store"]["reads"] == 0 and sources["peer"]["reads"] > 0
         await reader_pool.aclose()
-        nursery.cancel_scope.cancel()
+    finally:
+        server.stop()
     reader.close()
     reader_pool.close()
     holder.close()
@@ -106,9 +108,9 @@ async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path)
     for chunk in range(ds.chunk_count):  # stage everything on b (owned or not)
         holder.owned[0][chunk] = True
         stager._copy(0, chunk, bytearray())
-    server = PeerServer(secret, holder, "b")
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(server.serve, "127.0.0.1", 0)
+    server = PeerLoopServer(secret, holder, "b")
+    port = server.start("127.0.0.1", 0)
+    try:
         reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
         reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
         d = ds.directory
@@ -119,9 +121,10 @@ async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path)
         for off in range(0, len(want), 64 << 10):  # 64 KiB requests, like the kernel's
             got += await reader.read(row, off, 64 << 10)
         assert bytes(got) == want
-        assert server.reads_served == len(owned_by_b)  # one whole-extent fetch each
+        assert server.counters()["reads_served"] == len(owned_by_b)  # one fetch per extent
         await reader_pool.aclose()
-        nursery.cancel_scope.cancel()
+    finally:
+        server.stop()
     reader.close()
     reader_pool.close()
     holder.close()
