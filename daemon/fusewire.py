@@ -82,6 +82,10 @@ STATFS_OUT = struct.Struct("<QQQQQIIII24x")  # blocks bfree bavail files ffree b
 DIRENT = struct.Struct("<QQII")  # ino off namelen type, then the name, padded to 8 bytes
 
 BLKSIZE = 128 * 1024
+#: st_blksize of a directory. glibc sizes its getdents buffer by it (up to 1 MiB), and the
+#: kernel asks for READDIRPLUS replies that large: a directory of a few thousand samples is
+#: listed in one round trip to the daemon instead of one per ~750 entries (128 KiB).
+DIR_BLKSIZE = 1 << 20
 #: A read of /dev/fuse must offer room for the largest request (a max_write WRITE);
 #: libfuse negotiates at most 256 pages, so 1 MiB + headers; keep a margin.
 REQUEST_BUFFER = (1 << 20) + (64 << 10)
@@ -111,7 +115,7 @@ class AttrPacker:
     def _attr(self, ino: int, mode: int, size: int, mtime_ns: int, nlink: int) -> tuple:
         sec, nsec = divmod(mtime_ns, 1_000_000_000)
         return (ino, size, (size + 511) // 512, sec, sec, sec, nsec, nsec, nsec, mode, nlink,
-                self.uid, self.gid, 0, BLKSIZE, 0)
+                self.uid, self.gid, 0, DIR_BLKSIZE if stat.S_ISDIR(mode) else BLKSIZE, 0)
 
     def entry(self, attr) -> bytes:
         """fuse_entry_out for a dlfsd.namespace.Attr."""

@@ -1,8 +1,10 @@
 """Directory listings packed for the FUSE wire in bulk (numpy), for the worker processes.
 
 Why: the first `ls -l`/`os.walk` of a mount is one READDIRPLUS reply per
-~800 entries (the kernel asks for up to 128 KiB at a time), each entry a
-fuse_entry_out (inode attributes) plus a fuse_dirent plus the name. Packed one
+~6,000 entries (the kernel asks for as much as the lister's getdents buffer,
+which glibc sizes by the directory's st_blksize: 1 MiB here, see
+fusewire.DIR_BLKSIZE), each entry a fuse_entry_out (inode attributes) plus a
+fuse_dirent plus the name. Packed one
 `struct.pack` at a time in Python that costs ~3.5 µs per entry, as much CPU as
 the kernel spends creating the entry's inode and dentry, and the lister waits
 for it. A dataset directory's children are contiguous rows of the
@@ -25,7 +27,7 @@ import stat
 import numpy as np
 
 from dlfs.directory import SampleDirectory
-from dlfsd.fusewire import BLKSIZE, AttrPacker
+from dlfsd.fusewire import BLKSIZE, DIR_BLKSIZE, AttrPacker
 
 _ENTRY_FIELDS = [
     ("nodeid", "<u8"), ("generation", "<u8"), ("entry_valid", "<u8"), ("attr_valid", "<u8"),
@@ -76,6 +78,8 @@ class ListingPacker:
         cols = np.arange(width - fixed)
         names = self._names[name_off[0] : name_off[n]]
         matrix[:, fixed:][cols < name_len[:, None]] = names
+        if int(rec_len.min()) == width:  # common: names of one padded length, no squeezing
+            return matrix.tobytes()
         return matrix[np.arange(width) < rec_len[:, None]].tobytes()
 
     def _records(self, rows: np.ndarray, start: int, name_len: np.ndarray,
@@ -102,13 +106,15 @@ class ListingPacker:
         rec["atime"] = rec["mtime"] = rec["ctime"] = sec
         rec["atimensec"] = rec["mtimensec"] = rec["ctimensec"] = nsec
         rec["mode"] = mode
-        rec["nlink"] = self._nlinks(rows, mode)
-        rec["uid"], rec["gid"], rec["blksize"] = p.uid, p.gid, BLKSIZE
+        is_dir = (mode & stat.S_IFMT(0xFFFF)) == stat.S_IFDIR
+        rec["nlink"] = self._nlinks(rows, is_dir)
+        rec["uid"], rec["gid"] = p.uid, p.gid
+        rec["blksize"] = np.where(is_dir, DIR_BLKSIZE, BLKSIZE)
         return rec
 
-    def _nlinks(self, rows: np.ndarray, mode: np.ndarray) -> np.ndarray:
+    def _nlinks(self, rows: np.ndarray, is_dir: np.ndarray) -> np.ndarray:
         """1 for files and links; 2 + subdirectories for directories (as getattr says)."""
         nlink = np.ones(len(rows), dtype=np.uint32)
-        for i in np.flatnonzero((mode & stat.S_IFMT(0xFFFF)) == stat.S_IFDIR):
+        for i in np.flatnonzero(is_dir):
             nlink[i] = 2 + self.d.subdir_count(int(rows[i]))
         return nlink

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 
 import pyfuse3
 
 from dlfs.errors import ReadOnlyError
 from dlfsd.errnomap import errno_for
+from dlfsd.fusewire import BLKSIZE, DIR_BLKSIZE
 from dlfsd.namespace import Attr, Namespace
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
@@ -66,7 +68,7 @@ class DlfsOperations(pyfuse3.Operations):
         e.st_nlink = attr.nlink
         e.st_size = attr.size
         e.st_blocks = (attr.size + 511) // 512
-        e.st_blksize = 128 * 1024
+        e.st_blksize = DIR_BLKSIZE if stat.S_ISDIR(attr.mode) else BLKSIZE
         e.st_uid = self.uid
         e.st_gid = self.gid
         e.st_mtime_ns = e.st_ctime_ns = e.st_atime_ns = attr.mtime_ns

@@ -6,9 +6,11 @@ meanwhile" (this VM runs a DAMON pageout scheme that can evict fresh pages).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -17,6 +19,26 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+@contextlib.contextmanager
+def pinned(fd: int) -> Iterator[None]:
+    """Keep every page of an open file in the page cache for the block (mmap + mlock:
+    reclaim, this VM's DAMON pageout included, skips locked pages). Pages not cached are
+    read first, through the file system, as a read would."""
+    size = os.fstat(fd).st_size
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        assert _libc.mlock(addr, size) == 0, os.strerror(ctypes.get_errno())
+        try:
+            yield
+        finally:
+            _libc.munlock(addr, size)
+    finally:
+        _libc.munmap(addr, size)
 
 
 def resident(path: Path, start: int = 0, end: int | None = None) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import stat
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,21 +82,26 @@ def test_bulk_listing_equals_per_entry_packing(top, sub, start, size, plus, time
         assert packer.pack(row, start, size, plus) == reference(d, row, start, size, plus, attrs)
 
 
-def test_a_kernel_sized_request_of_a_large_directory_fills_it_and_resumes_exactly():
+@pytest.mark.parametrize(("request_size", "expected_replies"),
+                         [(128 * 1024, 5), (fw.DIR_BLKSIZE, 1)])
+def test_a_kernel_sized_request_of_a_large_directory_fills_it_and_resumes_exactly(
+        request_size, expected_replies):
+    """The kernel asks for replies of the lister's getdents size: 128 KiB, or 1 MiB when
+    the directory advertises a 1 MiB block size (glibc sizes its buffer by st_blksize)."""
     top = {f"sample_{i:07d}.bin".encode(): ("file", i * 97, i * 10**9) for i in range(3000)}
     d = make_tree(top, {})
     attrs = fw.AttrPacker(uid=0, gid=0, timeout=86400.0)
     packer = ListingPacker(d, BASE, attrs)
     start, replies = 0, []
-    while reply := packer.pack(0, start, 128 * 1024, True):
-        assert len(reply) <= 128 * 1024
-        assert reply == reference(d, 0, start, 128 * 1024, True, attrs)
+    while reply := packer.pack(0, start, request_size, True):
+        assert len(reply) <= request_size
+        assert reply == reference(d, 0, start, request_size, True, attrs)
         replies.append(reply)
         # the next request starts at the last record's d_off
         *_, last = _offsets(reply)
         start = last
-    per_reply = 128 * 1024 // 176  # each record: 152 bytes + an 18-byte name padded to 24
-    assert start == 3000 and len(replies) == -(-3000 // per_reply) == 5
+    per_reply = request_size // 176  # each record: 152 bytes + an 18-byte name padded to 24
+    assert start == 3000 and len(replies) == -(-3000 // per_reply) == expected_replies
 
 
 def _offsets(reply: bytes) -> list[int]:

@@ -24,6 +24,7 @@ from trees import (
 
 from dlfs.format import CHUNK_HEADER_SIZE, chunk_path
 from dlfs.store import Store
+from dlfsd.fusewire import BLKSIZE, DIR_BLKSIZE
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 
@@ -53,6 +54,26 @@ def test_listing_equals_source(edge_mount, edge_nodes):
     missing = sorted(set(edge_nodes) - got)[:10]
     extra = sorted(got - set(edge_nodes))[:10]
     assert not missing and not extra, f"missing {missing}, extra {extra}"
+
+
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_a_directory_larger_than_one_listing_reply_lists_whole(mounted, store_with, tmp_path,
+                                                               workers):
+    """Directories advertise a 1 MiB block size, so glibc lists them with 1 MiB getdents
+    calls and the kernel asks for READDIRPLUS replies that large; 9,000 entries (names of
+    mixed lengths) still take two replies, which must join without a gap or a repeat."""
+    src = tmp_path / "src"
+    (src / "big").mkdir(parents=True)
+    names = {f"s{i}" + "x" * (i % 11) for i in range(9000)}
+    for name in names:
+        (src / "big" / name).touch()
+    m = mounted(store_with(src), "--workers", workers)
+    big = m / "ds/big"
+    assert os.stat(big).st_blksize == DIR_BLKSIZE
+    assert os.stat(big / "s0").st_blksize == BLKSIZE
+    listed = [e.name for e in os.scandir(big)]
+    assert len(listed) == len(names) and set(listed) == names
+    assert [e.name for e in os.scandir(big)] == listed  # stable order across listings
 
 
 def test_fifo_is_not_in_the_mount(edge_mount, edge_tree):
