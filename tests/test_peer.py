@@ -1,5 +1,6 @@
-"""The trio PeerClient against the daemon's PeerLoopServer on loopback, and hostile
-raw sockets against that server.
+"""Peer clients against the daemon's PeerLoopServer on loopback: the trio PeerClient
+(single-process mounts), the blocking client of the worker processes, and hostile
+raw sockets.
 
 The provider is a stand-in for the daemon's chunk pool that keeps its chunks in
 real files, like staged copies (it is what the server reads from, not what is
@@ -23,6 +24,7 @@ import trio
 from dlfs import protocol
 from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
 from dlfsd.peerserver import PeerLoopServer
+from dlfsd.peersync import BlockingPeerClient
 
 SECRET = b"job-secret-0123456789abcdef"
 WRONG_SECRET = b"another-jobs-secret-0123456789"
@@ -552,3 +554,72 @@ def test_a_client_used_from_a_new_trio_run_opens_its_own_connections(peer):
     trio.run(one_run)
     trio.run(one_run)
     assert peer.count("connections_accepted") == 2
+
+
+# -- the workers' blocking client (dlfsd.peersync) against the same server -----------
+
+def blocking_client(peer: Peer, secret: bytes = SECRET,
+                    timeout: float = 2.0) -> BlockingPeerClient:
+    return BlockingPeerClient(secret, "worker", "127.0.0.1", peer.port, timeout=timeout)
+
+
+def test_blocking_client_reads_exact_ranges_over_one_reused_connection(peer):
+    client = blocking_client(peer)
+    try:
+        for chunk, offset, length in [(0, 0, 100_000), (0, 99_999, 1), (1, 12_345, 4 << 20),
+                                      (2, 0, 7)]:
+            assert client.read(DATASET, chunk, offset, length) == \
+                CHUNKS[chunk][offset:offset + length]
+        assert peer.count("connections_accepted") == 1
+        assert peer.count("bytes_served") == 100_000 + 1 + (4 << 20) + 7
+    finally:
+        client.close()
+
+
+def test_blocking_client_keeps_its_connection_after_miss_refusal_and_io_error(peer):
+    client = blocking_client(peer)
+    try:
+        with pytest.raises(PeerMiss):
+            client.read(DATASET, NOT_STAGED, 0, 10)
+        with pytest.raises(PeerMiss):
+            client.read(DATASET, FAILING, 0, 10)
+        for args in [(UNKNOWN_DATASET, 0, 0, 10), (DATASET, 0, 99_990, 11), (DATASET, 9, 0, 1)]:
+            with pytest.raises(PeerRefused):
+                client.read(*args)
+        assert client.read(DATASET, 2, 1, 3) == CHUNKS[2][1:4]
+        assert peer.count("connections_accepted") == 1
+    finally:
+        client.close()
+
+
+def test_blocking_client_with_a_wrong_secret_gets_nothing(peer):
+    client = blocking_client(peer, WRONG_SECRET)
+    with pytest.raises(PeerUnavailable, match=r"authentication|handshake"):
+        client.read(DATASET, 0, 0, 10)
+    deadline = time.monotonic() + 5  # the server thread finishes its side after we left
+    while peer.count("auth_failures") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert peer.count("auth_failures") == 1
+    assert peer.count("bytes_served") == 0
+
+
+def test_blocking_client_fails_within_the_timeout_on_a_silent_or_dead_peer(peer):
+    client = blocking_client(peer, timeout=0.5)
+    assert client.read(DATASET, 0, 0, 10) == CHUNKS[0][:10]
+    stuck = peer.provider.gate = threading.Event()  # silent: the reply does not come
+    started = time.monotonic()
+    with pytest.raises(PeerUnavailable, match=r"no answer within 0\.5 s"):
+        client.read(DATASET, 0, 0, 10)
+    assert time.monotonic() - started < 2.0
+    peer.provider.gate = None
+    stuck.set()
+    assert client.read(DATASET, 0, 10, 10) == CHUNKS[0][10:20]  # on a new connection
+    assert peer.count("connections_accepted") == 2
+    peer.server.stop()  # dead: the server is gone
+    started = time.monotonic()
+    with pytest.raises(PeerUnavailable, match="closed by the peer"):
+        client.read(DATASET, 0, 0, 10)  # on the connection the server closed
+    with pytest.raises(PeerUnavailable, match="cannot connect"):
+        client.read(DATASET, 0, 0, 10)
+    assert time.monotonic() - started < 0.5  # neither waits for the timeout
+    client.close()
