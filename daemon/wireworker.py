@@ -8,7 +8,8 @@ read() of /dev/fuse also wakes exactly one waiting worker per request, where
 epoll wakes them all. And only here can the kernel open files without us
 (FUSE no_open, the default; see `open`): READ then carries no handle, and
 pyfuse3's read() is not given the inode, so it could not serve it. A file
-already in the page cache then costs the daemon no request at all.
+already in the page cache then costs the daemon no request at all. The same
+goes for directories (FUSE no_opendir, see `opendir`).
 
 The main process still mounts through pyfuse3/libfuse and answers INIT (which
 negotiates the protocol); workers are forked after that and only translate:
@@ -266,22 +267,24 @@ class WireWorker:
         return fw.XATTR_SIZE_OUT.pack(0, 0) if size == 0 else b""
 
     def opendir(self, nodeid: int, n: int) -> bytes:
-        self.ns.check_dir(nodeid)
-        # Listings never change: the kernel keeps them, and a second walk of the
-        # tree costs no request at all.
-        return fw.OPEN_OUT.pack(nodeid, fw.FOPEN_CACHE_DIR | fw.FOPEN_KEEP_CACHE, 0)
+        # FUSE no_opendir: from this reply on the kernel opens and closes directories
+        # itself, one round trip less per directory listed (and no RELEASEDIR), and
+        # treats them as opened with FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE: listings never
+        # change, so it keeps them, and a second walk of the tree costs no request.
+        # Listing requests then name the directory by its inode only (handle 0).
+        raise _Errno(errno.ENOSYS)
 
     def readdir(self, nodeid: int, n: int) -> bytes:
-        return self._listing(False)
+        return self._listing(nodeid, False)
 
     def readdirplus(self, nodeid: int, n: int) -> bytes:
-        return self._listing(True)
+        return self._listing(nodeid, True)
 
-    def _listing(self, plus: bool) -> bytes:
+    def _listing(self, nodeid: int, plus: bool) -> bytes:
         """Directory entries from the request's offset while they fit its size; with
         `plus` (READDIRPLUS) each carries the entry's attributes too."""
-        fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
-        found = self.ns.dataset_directory(fh)
+        _, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        found = self.ns.dataset_directory(nodeid)
         if found is not None:  # a dataset directory: packed in bulk
             directory, base, row = found
             lister = self._listers.get(base)
@@ -289,7 +292,7 @@ class WireWorker:
                 lister = self._listers[base] = ListingPacker(directory, base, self.attrs)
             return lister.pack(row, offset, size, plus)
         out, used = [], 0  # the root and `.dlfs/`: a few entries
-        for name, attr, next_offset in self.ns.readdir(fh, offset):
+        for name, attr, next_offset in self.ns.readdir(nodeid, offset):
             entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
             if plus:
                 entry = self._packer(attr.ino).entry(attr) + entry

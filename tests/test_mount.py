@@ -10,7 +10,10 @@ import errno
 import multiprocessing
 import os
 import random
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,6 +77,42 @@ def test_a_directory_larger_than_one_listing_reply_lists_whole(mounted, store_wi
     listed = [e.name for e in os.scandir(big)]
     assert len(listed) == len(names) and set(listed) == names
     assert [e.name for e in os.scandir(big)] == listed  # stable order across listings
+
+
+def test_a_listed_directory_is_listed_again_by_the_kernel_alone(mounted, store_with,
+                                                                tmp_path):
+    """Listings never change, so the kernel keeps them (the daemon lets it open
+    directories itself, FUSE no_opendir, which caches listings): with every daemon
+    process stopped, a second listing of a directory and a stat of its entries still
+    answer at once; only a directory never listed has to wait for the daemon."""
+    src = tmp_path / "src"
+    for d in ("seen", "unseen"):
+        (src / d).mkdir(parents=True)
+        for i in range(50):
+            (src / d / f"f{i}").write_bytes(b"x" * i)
+    m = mounted(store_with(src))
+    seen, unseen = m / "ds/seen", m / "ds/unseen"
+    first = sorted(os.listdir(seen))
+    assert first == sorted(f"f{i}" for i in range(50))
+    os.stat(unseen)  # known to the kernel, but its listing was never asked for
+    lister = ("import os, sys; p = sys.argv[1]; "
+              "print(sorted((n, os.lstat(os.path.join(p, n)).st_size) for n in os.listdir(p)))")
+    for pid in m.pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        again = subprocess.run([sys.executable, "-c", lister, seen], capture_output=True,
+                               text=True, timeout=10)
+        waiting = subprocess.Popen([sys.executable, "-c", lister, unseen],
+                                   stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=1.0)  # the daemon must answer this one
+    finally:
+        for pid in m.pids:
+            os.kill(pid, signal.SIGCONT)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == str(sorted((f"f{i}", i) for i in range(50)))
+    out, _ = waiting.communicate(timeout=30)
+    assert out.strip() == str(sorted((f"f{i}", i) for i in range(50)))
 
 
 def test_fifo_is_not_in_the_mount(edge_mount, edge_tree):
