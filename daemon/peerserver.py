@@ -9,9 +9,10 @@ connection with non-blocking sockets; a READ is answered as soon as its frame
 is complete (pread of a staged chunk, then one sendmsg of header + payload).
 
 The wire protocol is docs/PROTOCOL.md (dlfs.protocol): the secret is proven
-both ways before anything else is answered, frames are capped at MAX_CONTROL_FRAME, every READ is
-bounds-checked, a protocol error closes the connection with one log line
-(after telling the peer why) and never stops the server. Pipelined requests
+both ways before anything else is answered, frames are capped at
+MAX_CONTROL_FRAME, every READ is bounds-checked, a protocol error closes the
+connection with one log line (after telling the peer why) and never stops the
+server. Pipelined requests
 on one connection are answered in order; while a reply cannot be sent
 (the peer is not reading) that connection is not read either.
 
