@@ -99,6 +99,7 @@ class PeerLoopServer:
         self._disk = concurrent.futures.ThreadPoolExecutor(
             disk_threads, thread_name_prefix="dlfsd.peer disk")
         self._finished: collections.deque = collections.deque()  # disk reads done
+        self._failed_chunks: set[tuple[bytes, int]] = set()  # logged once each
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
@@ -202,8 +203,15 @@ class PeerLoopServer:
 
     def _sweep(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if now > c.deadline]:
-            if not conn.closing:
-                log.info("peer %s: silent for too long; closing the connection", conn.peer)
+            if conn.closing:
+                pass  # our goodbye was not taken in time; it was logged when sent
+            elif conn.state != "ready":  # a peer that connects and never proves the secret
+                self._count("protocol_errors")
+                log.warning("peer %s: no handshake within %.1f s; closing the connection",
+                            conn.peer, self.handshake_timeout)
+            else:
+                log.info("peer %s: idle for %.0f s; closing the connection", conn.peer,
+                         self.idle_timeout)
             self._close(conn)
 
     def _guarded(self, conn: _Conn, events: int) -> None:
@@ -326,9 +334,18 @@ class PeerLoopServer:
 
     def _read_failed(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
                      error: Exception) -> None:
+        """FAIL_IO for the request. Every failure is counted; each chunk's first one is
+        logged, since every peer reading a broken copy would otherwise add a line per
+        read."""
         self._count("read_errors")
-        log.error("peer %s: cannot read chunk %d of dataset %s: %s", conn.peer, chunk,
-                  dataset_id.hex(), error)
+        if (dataset_id, chunk) in self._failed_chunks:
+            log.debug("peer %s: cannot read chunk %d of dataset %s again: %s", conn.peer,
+                      chunk, dataset_id.hex(), error)
+        else:
+            self._failed_chunks.add((dataset_id, chunk))
+            log.error("peer %s: cannot read chunk %d of dataset %s: %s (later failures of "
+                      "this chunk are counted in read_errors, not logged)", conn.peer, chunk,
+                      dataset_id.hex(), error)
         self._send(conn, protocol.encode(protocol.fail(request_id, protocol.FAIL_IO)))
 
     def _read_cached(self, fd: int, view: memoryview, pos: int) -> bool:

@@ -264,19 +264,21 @@ async def test_chunk_not_staged_raises_peer_miss(peer):
     assert peer.count("bytes_served") == 0
 
 
-async def test_provider_error_is_one_failed_read_and_one_log_line(peer, caplog):
+async def test_provider_errors_fail_the_reads_and_log_one_line_per_chunk(peer, caplog):
     client = peer.client(connections=1)
-    with caplog.at_level(logging.WARNING, logger="dlfsd.peer"), \
-            pytest.raises(PeerMiss) as failed:
-        await client.read(DATASET, FAILING, 0, 100)
-    assert failed.value.code == protocol.FAIL_IO
+    with caplog.at_level(logging.WARNING, logger="dlfsd.peer"):
+        for offset in (0, 100, 200):  # a broken copy, read by peers again and again
+            with pytest.raises(PeerMiss) as failed:
+                await client.read(DATASET, FAILING, offset, 100)
+            assert failed.value.code == protocol.FAIL_IO
     records = [r for r in caplog.records if r.name == "dlfsd.peer"]
     assert len(records) == 1
     assert "Input/output error" in records[0].getMessage()
     assert "127.0.0.1:" in records[0].getMessage()
+    assert f"chunk {FAILING} " in records[0].getMessage()
     assert await client.read(DATASET, 0, 0, 3) == CHUNKS[0][:3]  # same connection still works
     await client.aclose()
-    assert peer.count("read_errors") == 1
+    assert peer.count("read_errors") == 3
     assert peer.count("connections_accepted") == 1
 
 
@@ -353,12 +355,15 @@ async def test_unknown_version_gets_err_version(peer):
     await assert_serves_a_good_client(peer)
 
 
-async def test_silent_connection_is_dropped_after_the_handshake_timeout(start_peer):
+async def test_silent_connection_is_dropped_after_the_handshake_timeout(start_peer, caplog):
     peer = start_peer(handshake_timeout=0.2)
     stream = await raw_connect(peer)
     start = trio.current_time()
-    assert await receive_until_closed(stream) == []
+    with caplog.at_level(logging.WARNING, logger="dlfsd.peer"):
+        assert await receive_until_closed(stream) == []
     assert 0.15 < trio.current_time() - start < 2.0
+    assert peer.count("protocol_errors") == 1
+    assert any("no handshake within" in r.getMessage() for r in caplog.records)
     await assert_serves_a_good_client(peer)
 
 
