@@ -55,6 +55,10 @@ class BlockingChunkProvider(Protocol):
         """(open fd, position of the chunk's data in it) of the staged copy, or None
         if it is not staged here. May block (it may open the file)."""
 
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int) -> bool:
+        """The staged copy could not be read (failing disk, truncated file): stop using
+        it and stage it again. True if a copy was evicted."""
+
 
 class _Conn:
     """One peer connection: where its handshake is, what is received and unsent."""
@@ -334,11 +338,22 @@ class PeerLoopServer:
 
     def _read_failed(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
                      error: Exception) -> None:
-        """FAIL_IO for the request. Every failure is counted; each chunk's first one is
-        logged, since every peer reading a broken copy would otherwise add a line per
-        read."""
+        """FAIL_IO for the request, counted. A copy that cannot be read is evicted and
+        staged again (as a local reader does), logged once; a failure that evicts
+        nothing is logged once per chunk, since every peer reading a broken copy would
+        otherwise add a line per read."""
         self._count("read_errors")
-        if (dataset_id, chunk) in self._failed_chunks:
+        evicted = False
+        if isinstance(error, OSError):  # the copy itself, not a bug of ours
+            try:
+                evicted = self.provider.staged_copy_failed(dataset_id, chunk)
+            except Exception:
+                log.exception("peer server: cannot evict staged chunk %d of dataset %s",
+                              chunk, dataset_id.hex())
+        if evicted:  # later requests get MISS until it is staged again
+            log.error("peer %s: cannot read staged chunk %d of dataset %s: %s; evicted, "
+                      "staging it again", conn.peer, chunk, dataset_id.hex(), error)
+        elif (dataset_id, chunk) in self._failed_chunks:
             log.debug("peer %s: cannot read chunk %d of dataset %s again: %s", conn.peer,
                       chunk, dataset_id.hex(), error)
         else:

@@ -172,3 +172,15 @@ class ChunkPool:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
             return None
         return fd, CHUNK_HEADER_SIZE
+
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int) -> bool:
+        """The peer server could not read the staged copy: evict it and, if this node
+        owns the chunk, stage it again (what a reader does with a copy it cannot read).
+        True if a copy was evicted. Peers meanwhile get MISS and read elsewhere."""
+        ds = self._by_id.get(dataset_id)
+        if ds is None or not self.caches[ds].is_staged(chunk):
+            return False
+        self.caches[ds].evict(chunk)
+        if self.owned[ds][chunk]:
+            self.demand.send(ds, chunk)
+        return True

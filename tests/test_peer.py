@@ -44,6 +44,7 @@ class FileProvider:
         self.delay = 0.0
         self.gate: threading.Event | None = None  # the server waits for it when set
         self.lookups = 0
+        self.failed_copies: list[tuple[bytes, int]] = []  # what the server reported broken
         self.fds = []
         for i, data in enumerate(CHUNKS):
             path = directory / f"chunk{i}"
@@ -70,6 +71,10 @@ class FileProvider:
         if chunk >= len(CHUNKS):
             return None
         return self.fds[chunk], HEADER
+
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int) -> bool:
+        self.failed_copies.append((dataset_id, chunk))
+        return False  # this stand-in cannot evict: the copy stays broken
 
 
 class Peer:
@@ -280,6 +285,7 @@ async def test_provider_errors_fail_the_reads_and_log_one_line_per_chunk(peer, c
     await client.aclose()
     assert peer.count("read_errors") == 3
     assert peer.count("connections_accepted") == 1
+    assert peer.provider.failed_copies == [(DATASET, FAILING)] * 3  # each asked to evict
 
 
 # -- authentication ----------------------------------------------------------------

@@ -36,6 +36,7 @@ class Provider:
 
     def __init__(self, directory) -> None:
         self.reads = 0
+        self.failed_copies: list[tuple[bytes, int]] = []
         self.fds, self.paths = [], []
         for i, data in enumerate(CHUNKS):
             path = directory / f"chunk{i}"
@@ -57,6 +58,10 @@ class Provider:
         if chunk == NOT_STAGED:
             return None
         return self.fds[chunk], HEADER
+
+    def staged_copy_failed(self, dataset_id, chunk):
+        self.failed_copies.append((dataset_id, chunk))
+        return False
 
 
 @pytest.fixture
@@ -315,3 +320,4 @@ def test_truncated_staged_copy_is_a_failure_not_short_data(server):
     finally:
         client.close()
     assert server.counters()["bytes_served"] == 1000 + 7  # nothing short went out
+    assert server.provider.failed_copies == [(DATASET, 0)]  # told to stop using that copy

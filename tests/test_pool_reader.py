@@ -8,6 +8,7 @@ exactly how many requests reached the peer.
 
 from __future__ import annotations
 
+import os
 import secrets
 
 import numpy as np
@@ -15,13 +16,14 @@ import pytest
 import trio
 
 from dlfs.cluster import ClusterView, Node
+from dlfs.format import CHUNK_HEADER_SIZE
 from dlfs.populate import PopulateOptions, populate
 from dlfs.store import Store
 from dlfsd.peerserver import PeerLoopServer
 from dlfsd.pool import ChunkPool
 from dlfsd.reader import SampleReader
 from dlfsd.slots import ProcessSlot
-from dlfsd.stager import Stager
+from dlfsd.stager import DemandChannel, Stager
 from dlfsd.stats import Stats
 
 
@@ -122,6 +124,52 @@ async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path)
             got += await reader.read(row, off, 64 << 10)
         assert bytes(got) == want
         assert server.counters()["reads_served"] == len(owned_by_b)  # one fetch per extent
+        await reader_pool.aclose()
+    finally:
+        server.stop()
+    reader.close()
+    reader_pool.close()
+    holder.close()
+
+
+async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_again(
+        dataset, tmp_path):
+    """The holder's peer server treats an unreadable staged copy (here: truncated) as a
+    reader does: FAIL to that peer, who reads from the store instead; the copy is evicted,
+    the chunk goes to the front of the staging queue, and later peers get MISS."""
+    ds, src = dataset
+    secret = secrets.token_bytes(32)
+    holder = ChunkPool(view(1, [1, 1], secret), [ds], tmp_path / "cache-b")
+    holder.caches[0].scan()
+    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
+    for chunk in range(ds.chunk_count):
+        holder.owned[0][chunk] = True
+        stager._copy(0, chunk, bytearray())
+    server = PeerLoopServer(secret, holder, "b")
+    port = server.start("127.0.0.1", 0)
+    try:
+        reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
+        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
+        d = ds.directory
+        in_chunk: dict[int, list[str]] = {}
+        for name in sorted(p.name for p in src.iterdir()):
+            exts = d.extents(d.resolve(name.encode()))
+            chunk = int(d.ext_chunk_view[exts[0]])
+            if len(exts) == 1 and not reader_pool.owned[0][chunk]:
+                in_chunk.setdefault(chunk, []).append(name)
+        chunk, names = max(in_chunk.items(), key=lambda item: len(item[1]))
+        assert len(names) >= 2, "need two small files in a chunk the reader does not own"
+        os.truncate(holder.caches[0].path(chunk), CHUNK_HEADER_SIZE + 10)  # failing copy
+        for name in names[:2]:
+            row = d.resolve(name.encode())
+            assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
+        counts = server.counters()
+        assert counts["read_errors"] == 1 and counts["reads_missed"] == 1
+        assert counts["bytes_served"] == 0
+        assert not holder.caches[0].is_staged(chunk)
+        assert not holder.caches[0].path(chunk).exists()
+        demanded = os.read(holder.demand.read_fd, 4096)
+        assert (0, chunk) in set(DemandChannel.RECORD.iter_unpack(demanded))
         await reader_pool.aclose()
     finally:
         server.stop()
