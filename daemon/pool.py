@@ -4,8 +4,13 @@ Placement says which nodes own each chunk; this node's ChunkCaches hold the
 copies it staged; PeerClients reach the other owners. The reader asks the
 pool for a remote extent, and the pool tries the owners in placement order,
 skipping peers marked down, checking every byte against the manifest
-checksum; a peer that times out, refuses or sends wrong bytes is skipped for
-DOWN_SECONDS. The pool is also the peer server's ChunkProvider: it serves
+checksum; a peer that times out or refuses is skipped for DOWN_SECONDS.
+A peer whose bytes of a chunk fail their checksum has a bad copy of that
+chunk (a flipped bit on its NVMe; the protocol itself is authenticated and
+length-checked): only that chunk is read elsewhere, for BAD_COPY_SECONDS,
+while the peer keeps serving its other chunks; it finds and re-stages the
+copy when its own readers touch it. The pool is also the peer server's
+ChunkProvider: it serves
 byte ranges of staged chunks, and a request for an owned chunk not staged
 yet moves that chunk to the front of the staging queue.
 
@@ -31,6 +36,7 @@ from dlfsd.stager import DemandChannel
 log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
+BAD_COPY_SECONDS = 60.0
 
 
 class ChunkPool:
@@ -54,6 +60,7 @@ class ChunkPool:
         self._clients: dict[int, PeerClient] = {}
         self._blocking_clients: dict[int, BlockingPeerClient] = {}
         self._down_until: dict[int, float] = {}
+        self._bad_copies: dict[tuple[int, int, int], float] = {}  # (node, ds, chunk) -> until
 
     def scan_caches(self) -> int:
         """Adopt chunks staged by an earlier mount; returns how many."""
@@ -64,6 +71,7 @@ class ChunkPool:
         self._clients = {}
         self._blocking_clients = {}
         self._down_until = {}
+        self._bad_copies = {}
 
     async def aclose(self) -> None:
         for client in self._clients.values():
@@ -111,7 +119,9 @@ class ChunkPool:
     def _live_owners(self, ds: int, chunk: int):
         """The other owners of a chunk in placement order, skipping peers marked down."""
         now = time.monotonic()
-        return (n for n in self.remote_owners[ds][chunk] if self._down_until.get(n, 0.0) <= now)
+        bad = self._bad_copies
+        return (n for n in self.remote_owners[ds][chunk] if self._down_until.get(n, 0.0) <= now
+                and (not bad or bad.get((n, ds, chunk), 0.0) <= now))
 
     def _peer_failed(self, node: int, err: PeerError) -> None:
         """A miss just means "not staged there"; anything else marks the peer down."""
@@ -125,7 +135,15 @@ class ChunkPool:
         """Peer bytes count only if they match the manifest checksum."""
         if len(data) == length and checksum(data) == expected:
             return True
-        self._mark_down(node, f"sent wrong bytes for chunk {chunk} of {self.datasets[ds].name}")
+        if len(data) != length:  # the clients check lengths; a peer this broken is down
+            self._mark_down(node, f"sent {len(data)} bytes for a read of {length}")
+            return False
+        if self._bad_copies.get((node, ds, chunk), 0.0) <= time.monotonic():
+            log.warning("peer %s sent bytes of chunk %d of dataset %s that fail their "
+                        "checksum (a bad staged copy there); reading that chunk elsewhere "
+                        "for %.0f s", self.view.nodes[node].name, chunk,
+                        self.datasets[ds].name, BAD_COPY_SECONDS)
+        self._bad_copies[(node, ds, chunk)] = time.monotonic() + BAD_COPY_SECONDS
         return False
 
     def _blocking_client(self, node: int) -> BlockingPeerClient:

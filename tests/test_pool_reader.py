@@ -176,3 +176,66 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
     reader.close()
     reader_pool.close()
     holder.close()
+
+
+async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, tmp_path):
+    """Bytes from a peer that fail their checksum mean a bad staged copy of that chunk
+    there (a flipped bit), not a bad peer: that chunk is read from the store, the peer's
+    other chunks still come from the peer."""
+    ds, src = dataset
+    secret = secrets.token_bytes(32)
+    holder = ChunkPool(view(1, [1, 1], secret), [ds], tmp_path / "cache-b")
+    holder.caches[0].scan()
+    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
+    for chunk in range(ds.chunk_count):
+        holder.owned[0][chunk] = True
+        stager._copy(0, chunk, bytearray())
+    server = PeerLoopServer(secret, holder, "b")
+    port = server.start("127.0.0.1", 0)
+    try:
+        # Two replicas: b owns every chunk too, and a has staged nothing, so every read
+        # goes to b first.
+        both = ClusterView(view(0, [1, port], secret).nodes, 0, 2, secret)
+        reader_pool = ChunkPool(both, [ds], tmp_path / "cache-a")
+        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
+        stats = Stats(["ds"], [ds.directory], ProcessSlot(1))
+        reader.stats = stats
+        d = ds.directory
+        in_chunk: dict[int, list[str]] = {}
+        for name in sorted(p.name for p in src.iterdir()):
+            exts = d.extents(d.resolve(name.encode()))
+            chunk = int(d.ext_chunk_view[exts[0]])
+            if len(exts) == 1:
+                in_chunk.setdefault(chunk, []).append(name)
+        chunks = sorted(in_chunk, key=lambda c: -len(in_chunk[c]))
+        assert len(chunks) >= 2 and len(in_chunk[chunks[0]]) >= 2
+        bad, good = chunks[0], chunks[1]
+        first = d.resolve(in_chunk[bad][0].encode())
+        ext = d.first_extent(first)
+        with open(holder.caches[0].path(bad), "r+b") as f:  # flip a byte of the first file
+            f.seek(CHUNK_HEADER_SIZE + int(d.ext_offset_view[ext]))
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+        async def read(name: str) -> None:
+            row = d.resolve(name.encode())
+            assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
+
+        def sources() -> tuple[int, int]:
+            s = stats.snapshot()["datasets"]["ds"]["sources"]
+            return s["peer"]["reads"], s["store"]["reads"]
+
+        await read(in_chunk[bad][0])  # the peer's bytes fail the checksum: the store's
+        assert server.counters()["reads_served"] == 1 and sources() == (0, 1)
+        await read(in_chunk[bad][1])  # same chunk: straight to the store
+        assert server.counters()["reads_served"] == 1 and sources() == (0, 2)
+        await read(in_chunk[good][0])  # another chunk of the same peer: from the peer
+        assert server.counters()["reads_served"] == 2 and sources() == (1, 2)
+        await reader_pool.aclose()
+    finally:
+        server.stop()
+    reader.close()
+    reader_pool.close()
+    holder.close()
+    stats.close()
