@@ -55,9 +55,10 @@ class BlockingChunkProvider(Protocol):
         """(open fd, position of the chunk's data in it) of the staged copy, or None
         if it is not staged here. May block (it may open the file)."""
 
-    def staged_copy_failed(self, dataset_id: bytes, chunk: int) -> bool:
-        """The staged copy could not be read (failing disk, truncated file): stop using
-        it and stage it again. True if a copy was evicted."""
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
+        """The staged copy could not be read through `fd` (-1: could not be opened):
+        stop using it and stage it again, unless it was replaced meanwhile. True if a
+        copy was evicted."""
 
 
 class _Conn:
@@ -300,6 +301,7 @@ class PeerLoopServer:
         """DATA, MISS or FAIL for one READ; provider failures become FAIL_IO."""
         request_id, dataset_id, chunk = request["id"], request["ds"], request["chunk"]
         offset, length = request["off"], request["len"]
+        fd = -1
         try:
             problem = protocol.read_bounds_problem(
                 self.provider.chunk_limit(dataset_id, chunk), offset, length)
@@ -308,21 +310,23 @@ class PeerLoopServer:
                 self._send(conn, protocol.encode(protocol.fail(request_id, problem)))
                 return
             staged = self.provider.staged_file(dataset_id, chunk)
-            if staged is not None and os.fstat(staged[0]).st_size < staged[1] + offset + length:
-                raise OSError("the staged copy is shorter than its chunk")
+            if staged is not None:
+                fd = staged[0]
+                if os.fstat(fd).st_size < staged[1] + offset + length:
+                    raise OSError("the staged copy is shorter than its chunk")
         except Exception as error:
-            self._read_failed(conn, request_id, chunk, dataset_id, error)
+            self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
             return
         if staged is None:
             self._count("reads_missed")
             self._send(conn, protocol.encode(protocol.miss(request_id)))
             return
-        fd, pos = staged[0], staged[1] + offset
+        pos = staged[1] + offset
         with self._readbuf[:length] as view:
             try:
                 cached = self._read_cached(fd, view, pos)
             except OSError as error:
-                self._read_failed(conn, request_id, chunk, dataset_id, error)
+                self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
                 return
             if cached:
                 self._serve(conn, request_id, view)
@@ -334,10 +338,10 @@ class PeerLoopServer:
         self._unwatch(conn)  # nothing more from this peer until this reply is out
         future = self._disk.submit(_pread_exact, fd, length, pos)
         future.add_done_callback(lambda f: self._disk_done(conn, request_id, chunk, dataset_id,
-                                                           f))
+                                                           fd, f))
 
     def _read_failed(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
-                     error: Exception) -> None:
+                     error: Exception, fd: int = -1) -> None:
         """FAIL_IO for the request, counted. A copy that cannot be read is evicted and
         staged again (as a local reader does), logged once; a failure that evicts
         nothing is logged once per chunk, since every peer reading a broken copy would
@@ -346,7 +350,7 @@ class PeerLoopServer:
         evicted = False
         if isinstance(error, OSError):  # the copy itself, not a bug of ours
             try:
-                evicted = self.provider.staged_copy_failed(dataset_id, chunk)
+                evicted = self.provider.staged_copy_failed(dataset_id, chunk, fd)
             except Exception:
                 log.exception("peer server: cannot evict staged chunk %d of dataset %s",
                               chunk, dataset_id.hex())
@@ -386,10 +390,10 @@ class PeerLoopServer:
             conn.out[-1] = memoryview(bytes(conn.out[-1]))
 
     # -- reads that wait for the disk -------------------------------------------------------
-    def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
+    def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes, fd: int,
                    future) -> None:
         """In a disk thread: hand the result to the loop thread."""
-        self._finished.append((conn, request_id, chunk, dataset_id, future))
+        self._finished.append((conn, request_id, chunk, dataset_id, fd, future))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"d")
 
@@ -398,20 +402,20 @@ class PeerLoopServer:
             while self._wake_r.recv(4096):
                 pass
         while self._finished:
-            conn, request_id, chunk, dataset_id, future = self._finished.popleft()
+            conn, request_id, chunk, dataset_id, fd, future = self._finished.popleft()
             conn.waiting = False
             if conn.sock not in self._conns or future.cancelled():
                 continue
             self._guarded_call(conn, self._answer_disk_read, conn, request_id, chunk,
-                               dataset_id, future)
+                               dataset_id, fd, future)
 
     def _answer_disk_read(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
-                          future) -> None:
+                          fd: int, future) -> None:
         error = future.exception()
         if error is None:
             self._serve(conn, request_id, future.result())
         else:
-            self._read_failed(conn, request_id, chunk, dataset_id, error)
+            self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
         if conn.sock in self._conns and not conn.out and not conn.closing:
             self._pump(conn)  # answer what this peer sent meanwhile, and listen again
 

@@ -10,9 +10,9 @@ chunk (a flipped bit on its NVMe; the protocol itself is authenticated and
 length-checked): only that chunk is read elsewhere, for BAD_COPY_SECONDS,
 while the peer keeps serving its other chunks; it finds and re-stages the
 copy when its own readers touch it. The pool is also the peer server's
-ChunkProvider: it serves
-byte ranges of staged chunks, and a request for an owned chunk not staged
-yet moves that chunk to the front of the staging queue.
+ChunkProvider: it serves byte ranges of staged chunks, a request for an owned
+chunk not staged yet moves that chunk to the front of the staging queue, and
+a copy the server cannot read is evicted and staged again.
 
 Client connections belong to one trio run in one process; forked workers
 call `after_fork` and open their own.
@@ -191,13 +191,18 @@ class ChunkPool:
             return None
         return fd, CHUNK_HEADER_SIZE
 
-    def staged_copy_failed(self, dataset_id: bytes, chunk: int) -> bool:
-        """The peer server could not read the staged copy: evict it and, if this node
-        owns the chunk, stage it again (what a reader does with a copy it cannot read).
-        True if a copy was evicted. Peers meanwhile get MISS and read elsewhere."""
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
+        """The peer server could not read the staged copy through `fd` (-1: it could
+        not open it): evict it and, if this node owns the chunk, stage it again (what a
+        reader does with a copy it cannot read). A copy staged anew since `fd` was
+        handed out is left alone: a read of the old one can fail late (a failing disk
+        retries for seconds). True if a copy was evicted. Peers meanwhile get MISS and
+        read elsewhere."""
         ds = self._by_id.get(dataset_id)
         if ds is None or not self.caches[ds].is_staged(chunk):
             return False
+        if fd >= 0 and self.caches[ds].cached_fd(chunk) != fd:
+            return False  # that copy was replaced already
         self.caches[ds].evict(chunk)
         if self.owned[ds][chunk]:
             self.demand.send(ds, chunk)

@@ -72,7 +72,7 @@ class FileProvider:
             return None
         return self.fds[chunk], HEADER
 
-    def staged_copy_failed(self, dataset_id: bytes, chunk: int) -> bool:
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         self.failed_copies.append((dataset_id, chunk))
         return False  # this stand-in cannot evict: the copy stays broken
 

@@ -59,7 +59,7 @@ class Provider:
             return None
         return self.fds[chunk], HEADER
 
-    def staged_copy_failed(self, dataset_id, chunk):
+    def staged_copy_failed(self, dataset_id, chunk, fd):
         self.failed_copies.append((dataset_id, chunk))
         return False
 

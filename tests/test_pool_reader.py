@@ -239,3 +239,23 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
     reader_pool.close()
     holder.close()
     stats.close()
+
+
+def test_a_late_failure_of_a_replaced_copy_does_not_evict_the_new_one(dataset, tmp_path):
+    """A read of an old copy can fail after the copy was evicted and staged anew (a failing
+    disk retries for seconds); that failure must not evict the good new copy."""
+    ds, _ = dataset
+    holder = ChunkPool(view(1, [1, 1], secrets.token_bytes(32)), [ds], tmp_path / "cache")
+    holder.caches[0].scan()
+    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
+    holder.owned[0][0] = True
+    stager._copy(0, 0, bytearray())
+    old_fd, _ = holder.staged_file(ds.uuid, 0)
+    holder.caches[0].evict(0)  # a reader found it bad; the stager copies it again
+    stager._copy(0, 0, bytearray())
+    assert not holder.staged_copy_failed(ds.uuid, 0, old_fd)  # the old copy's late failure
+    assert holder.caches[0].is_staged(0) and holder.caches[0].path(0).exists()
+    new_fd, _ = holder.staged_file(ds.uuid, 0)
+    assert holder.staged_copy_failed(ds.uuid, 0, new_fd)  # the current copy failing: evicted
+    assert not holder.caches[0].is_staged(0) and not holder.caches[0].path(0).exists()
+    holder.close()
