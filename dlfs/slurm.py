@@ -176,7 +176,8 @@ def expand_pattern(pattern: str, job_id: str, node: str) -> str:
             return "%"
         raise UsageError(f"unknown code %{letter} in {pattern!r} (use %j job id, %n node, %%)")
 
-    if pattern.endswith("%") and not pattern.endswith("%%"):
+    trailing = len(pattern) - len(pattern.rstrip("%"))
+    if trailing % 2:  # codes pair up from the left: "%%%" is %% then a lone %
         raise UsageError(f"pattern {pattern!r} ends with a lone %")
     return _PATTERN_CODE.sub(code, pattern)
 

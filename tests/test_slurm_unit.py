@@ -142,7 +142,7 @@ def test_expand_pattern():
     assert expand_pattern("/plain", "12", "n1") == "/plain"
 
 
-@pytest.mark.parametrize("bad", ["/mnt/%u", "/mnt/%", "/mnt/%J"])
+@pytest.mark.parametrize("bad", ["/mnt/%u", "/mnt/%", "/mnt/%J", "/mnt/%%%"])
 def test_expand_pattern_rejects_unknown_codes(bad):
     with pytest.raises(UsageError, match="%"):
         expand_pattern(bad, "1", "n")
