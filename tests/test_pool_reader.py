@@ -8,8 +8,10 @@ exactly how many requests reached the peer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,18 +103,39 @@ async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset
     stats.close()
 
 
-async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path):
-    ds, src = dataset
-    secret = secrets.token_bytes(32)
-    holder = ChunkPool(view(1, [1, 1], secret), [ds], tmp_path / "cache-b")
+@contextlib.contextmanager
+def holder_of_every_chunk(ds, secret: bytes, cache: Path):
+    """Node b with every chunk staged (owned or not), its peer server on loopback:
+    yields (pool, server, port)."""
+    holder = ChunkPool(view(1, [1, 1], secret), [ds], cache)
     holder.caches[0].scan()
     stager = Stager([ds], holder.caches, holder.owned, holder.demand)
-    for chunk in range(ds.chunk_count):  # stage everything on b (owned or not)
+    for chunk in range(ds.chunk_count):
         holder.owned[0][chunk] = True
         stager._copy(0, chunk, bytearray())
     server = PeerLoopServer(secret, holder, "b")
-    port = server.start("127.0.0.1", 0)
     try:
+        yield holder, server, server.start("127.0.0.1", 0)
+    finally:
+        server.stop()
+        holder.close()
+
+
+def small_files_by_chunk(ds, src: Path) -> dict[int, list[str]]:
+    """Names of the one-extent files, by the chunk holding them."""
+    d = ds.directory
+    by_chunk: dict[int, list[str]] = {}
+    for name in sorted(p.name for p in src.iterdir()):
+        exts = d.extents(d.resolve(name.encode()))
+        if len(exts) == 1:
+            by_chunk.setdefault(int(d.ext_chunk_view[exts[0]]), []).append(name)
+    return by_chunk
+
+
+async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path):
+    ds, src = dataset
+    secret = secrets.token_bytes(32)
+    with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, server, port):
         reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
         reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
         d = ds.directory
@@ -125,11 +148,16 @@ async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path)
         assert bytes(got) == want
         assert server.counters()["reads_served"] == len(owned_by_b)  # one fetch per extent
         await reader_pool.aclose()
-    finally:
-        server.stop()
     reader.close()
     reader_pool.close()
-    holder.close()
+
+
+def reading_node(ds, secret: bytes, port: int, cache: Path) -> tuple[ChunkPool, SampleReader]:
+    """Node a with two replicas: b owns every chunk too and a has staged nothing, so
+    every read goes to b first, then to the store."""
+    both = ClusterView(view(0, [1, port], secret).nodes, 0, 2, secret)
+    pool = ChunkPool(both, [ds], cache)
+    return pool, SampleReader(ds, trio.CapacityLimiter(4), pool=pool)
 
 
 async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_again(
@@ -139,26 +167,11 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
     the chunk goes to the front of the staging queue, and later peers get MISS."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
-    holder = ChunkPool(view(1, [1, 1], secret), [ds], tmp_path / "cache-b")
-    holder.caches[0].scan()
-    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
-    for chunk in range(ds.chunk_count):
-        holder.owned[0][chunk] = True
-        stager._copy(0, chunk, bytearray())
-    server = PeerLoopServer(secret, holder, "b")
-    port = server.start("127.0.0.1", 0)
-    try:
-        reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
-        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
-        d = ds.directory
-        in_chunk: dict[int, list[str]] = {}
-        for name in sorted(p.name for p in src.iterdir()):
-            exts = d.extents(d.resolve(name.encode()))
-            chunk = int(d.ext_chunk_view[exts[0]])
-            if len(exts) == 1 and not reader_pool.owned[0][chunk]:
-                in_chunk.setdefault(chunk, []).append(name)
-        chunk, names = max(in_chunk.items(), key=lambda item: len(item[1]))
-        assert len(names) >= 2, "need two small files in a chunk the reader does not own"
+    chunk, names = max(small_files_by_chunk(ds, src).items(), key=lambda item: len(item[1]))
+    assert len(names) >= 2
+    d = ds.directory
+    with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (holder, server, port):
+        reader_pool, reader = reading_node(ds, secret, port, tmp_path / "cache-a")
         os.truncate(holder.caches[0].path(chunk), CHUNK_HEADER_SIZE + 10)  # failing copy
         for name in names[:2]:
             row = d.resolve(name.encode())
@@ -171,11 +184,8 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
         demanded = os.read(holder.demand.read_fd, 4096)
         assert (0, chunk) in set(DemandChannel.RECORD.iter_unpack(demanded))
         await reader_pool.aclose()
-    finally:
-        server.stop()
     reader.close()
     reader_pool.close()
-    holder.close()
 
 
 async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, tmp_path):
@@ -184,34 +194,16 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
     other chunks still come from the peer."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
-    holder = ChunkPool(view(1, [1, 1], secret), [ds], tmp_path / "cache-b")
-    holder.caches[0].scan()
-    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
-    for chunk in range(ds.chunk_count):
-        holder.owned[0][chunk] = True
-        stager._copy(0, chunk, bytearray())
-    server = PeerLoopServer(secret, holder, "b")
-    port = server.start("127.0.0.1", 0)
-    try:
-        # Two replicas: b owns every chunk too, and a has staged nothing, so every read
-        # goes to b first.
-        both = ClusterView(view(0, [1, port], secret).nodes, 0, 2, secret)
-        reader_pool = ChunkPool(both, [ds], tmp_path / "cache-a")
-        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
+    in_chunk = small_files_by_chunk(ds, src)
+    chunks = sorted(in_chunk, key=lambda c: -len(in_chunk[c]))
+    assert len(chunks) >= 2 and len(in_chunk[chunks[0]]) >= 2
+    bad, good = chunks[0], chunks[1]
+    d = ds.directory
+    with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (holder, server, port):
+        reader_pool, reader = reading_node(ds, secret, port, tmp_path / "cache-a")
         stats = Stats(["ds"], [ds.directory], ProcessSlot(1))
         reader.stats = stats
-        d = ds.directory
-        in_chunk: dict[int, list[str]] = {}
-        for name in sorted(p.name for p in src.iterdir()):
-            exts = d.extents(d.resolve(name.encode()))
-            chunk = int(d.ext_chunk_view[exts[0]])
-            if len(exts) == 1:
-                in_chunk.setdefault(chunk, []).append(name)
-        chunks = sorted(in_chunk, key=lambda c: -len(in_chunk[c]))
-        assert len(chunks) >= 2 and len(in_chunk[chunks[0]]) >= 2
-        bad, good = chunks[0], chunks[1]
-        first = d.resolve(in_chunk[bad][0].encode())
-        ext = d.first_extent(first)
+        ext = d.first_extent(d.resolve(in_chunk[bad][0].encode()))
         with open(holder.caches[0].path(bad), "r+b") as f:  # flip a byte of the first file
             f.seek(CHUNK_HEADER_SIZE + int(d.ext_offset_view[ext]))
             byte = f.read(1)
@@ -233,11 +225,8 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
         await read(in_chunk[good][0])  # another chunk of the same peer: from the peer
         assert server.counters()["reads_served"] == 2 and sources() == (1, 2)
         await reader_pool.aclose()
-    finally:
-        server.stop()
     reader.close()
     reader_pool.close()
-    holder.close()
     stats.close()
 
 
