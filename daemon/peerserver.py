@@ -208,13 +208,11 @@ class PeerLoopServer:
 
     def _sweep(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if now > c.deadline]:
-            if conn.closing:
-                pass  # our goodbye was not taken in time; it was logged when sent
-            elif conn.state != "ready":  # a peer that connects and never proves the secret
+            if conn.state != "ready" and not conn.closing:  # never proved the secret
                 self._count("protocol_errors")
                 log.warning("peer %s: no handshake within %.1f s; closing the connection",
                             conn.peer, self.handshake_timeout)
-            else:
+            elif not conn.closing:  # (a goodbye not taken in time was logged when sent)
                 log.info("peer %s: idle for %.0f s; closing the connection", conn.peer,
                          self.idle_timeout)
             self._close(conn)

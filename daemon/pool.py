@@ -203,7 +203,11 @@ class ChunkPool:
             return False
         if fd >= 0 and self.caches[ds].cached_fd(chunk) != fd:
             return False  # that copy was replaced already
+        self.evict(ds, chunk)
+        return True
+
+    def evict(self, ds: int, chunk: int) -> None:
+        """Drop a bad staged copy and, if this node owns the chunk, stage it again next."""
         self.caches[ds].evict(chunk)
         if self.owned[ds][chunk]:
             self.demand.send(ds, chunk)
-        return True

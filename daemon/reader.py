@@ -270,12 +270,10 @@ class SampleReader:
         log.error("%s in staged chunk %d of dataset %s (%s); evicted, re-staging; reads "
                   "go to peers or the store", what, chunk, self.dataset.name,
                   self._cache.path(chunk))
-        self._cache.evict(chunk)
+        self.pool.evict(self.ds, chunk)
         order, bounds = self._by_chunk
         for e in order[bounds[chunk] : bounds[chunk + 1]]:
             self._state[e] &= ~LOCAL_OK & 0xFF
-        if self._owned[chunk]:
-            self.pool.demand.send(self.ds, chunk)
 
     async def _read_peer(self, ext: int, rel: int, length: int, chunk: int, lasting: bool):
         """The whole extent from an owner (checked by the pool), kept for partial reads."""
