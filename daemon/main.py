@@ -146,7 +146,7 @@ class Readiness:
         if self.fd is None:
             return
         try:
-            os.write(self.fd, (message.replace("\n", " ") + "\n").encode())
+            os.write(self.fd, (message.replace("\n", " ") + "\n").encode(errors="backslashreplace"))
             os.close(self.fd)
         except OSError:
             pass

@@ -648,6 +648,11 @@ def _terminate(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="dlfs: %(levelname)s: %(message)s")
+    # Paths are printed as Python holds them: bytes that are not UTF-8 as lone
+    # surrogates, which a strict UTF-8 stdout (any UTF-8 locale) refuses to print.
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)  # clean up temp files like on Ctrl-C
     try:
@@ -655,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     except DlfsError as err:
         print(f"dlfs: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("dlfs: interrupted; nothing was published", file=sys.stderr)
+    except KeyboardInterrupt as err:  # a populate says what it left (see populate)
+        print(f"dlfs: interrupted{f'; {err}' if str(err) else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as err:
         where = f": {err.filename}" if err.filename else ""

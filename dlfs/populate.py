@@ -98,10 +98,23 @@ def populate(source: Path, store: Store, name: str, options: PopulateOptions) ->
     except OSError as err:
         shutil.rmtree(plan.tmp, ignore_errors=True)
         raise store_error(err, store) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI turns it into this)
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise KeyboardInterrupt(interrupted_outcome(store, plan)) from None
     except BaseException:
         shutil.rmtree(plan.tmp, ignore_errors=True)
         raise
     return store.open(name)
+
+
+def interrupted_outcome(store: Store, plan: PopulatePlan) -> str:
+    """What an interrupted populate leaves: the rename that publishes may have happened
+    just before (the old dataset's deletion after it takes a while)."""
+    try:
+        published = store.open(plan.name).uuid == plan.dataset_uuid
+    except DlfsError:
+        published = False
+    return f"dataset {plan.name!r} was published" if published else "nothing was published"
 
 
 def plan_populate(source: Path, store: Store, name: str, options: PopulateOptions) -> PopulatePlan:
@@ -110,10 +123,10 @@ def plan_populate(source: Path, store: Store, name: str, options: PopulateOption
     check_dataset_name(name)
     check_source(source)
     _check_store_writable(store)
+    store.clean_stale_temps(name)  # first: it may put back a dataset a killed run moved
     if store.exists(name) and not options.force:
         raise DlfsError(f"dataset {name!r} already exists in {store.path} "
                         "(use --force to replace it)")
-    store.clean_stale_temps(name)
 
     scan = scan_tree(source)
     if scan.skipped:

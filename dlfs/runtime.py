@@ -52,7 +52,7 @@ def mountpoint_path(mountpoint: str) -> str:
 
 def _key(mountpoint: str) -> str:
     """Record key of a canonical mountpoint path (see mountpoint_path)."""
-    return hashlib.sha1(mountpoint.encode()).hexdigest()[:16]
+    return hashlib.sha1(os.fsencode(mountpoint)).hexdigest()[:16]  # any bytes a path holds
 
 
 def record_path(mountpoint: str) -> Path:

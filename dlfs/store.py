@@ -8,10 +8,14 @@ a dot are never datasets.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import shutil
+import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,17 +25,23 @@ import numpy as np
 
 from dlfs.directory import SampleDirectory
 from dlfs.errors import DlfsError, NotFoundError, UsageError
-from dlfs.format import MANIFEST_NAME, chunk_path, decode_manifest
+from dlfs.format import CHUNK_HEADER_SIZE, MANIFEST_NAME, chunk_path, decode_manifest
 from dlfs.runtime import pid_alive
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-TMP_PREFIX = ".tmp-"
-OLD_PREFIX = ".old-"
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+TMP_PREFIX = ".tmp-"  # a populate writing
+OLD_PREFIX = ".old-"  # a whole dataset moved aside while --force puts its successor in place
+RM_PREFIX = ".rm-"  # a dataset being deleted (partly deleted if its remover died)
+#: Signals held while a dataset is moved aside and its successor put in place, so that a
+#: Ctrl-C or a SIGTERM cannot land between the two renames and leave the name empty.
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def check_dataset_name(name: str) -> str:
     """Dataset names become top-level directory names under every mount."""
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise UsageError(
             f"invalid dataset name {name!r}: use 1-128 letters, digits, '.', '_', '+', '-', "
             "starting with a letter or digit"
@@ -103,7 +113,8 @@ class Store:
             names = os.listdir(self.path)
         except OSError as err:
             raise DlfsError(f"cannot list store {self.path}: {err.strerror}") from None
-        return sorted(n for n in names if not n.startswith(".")
+        # A directory that is no valid name (a copy, "x copy") is not a dataset.
+        return sorted(n for n in names if _NAME_RE.fullmatch(n)
                       and (self.path / n / MANIFEST_NAME).is_file())
 
     def exists(self, name: str) -> bool:
@@ -126,12 +137,19 @@ class Store:
         return dataset_from_manifest(path, decode_manifest(raw, manifest))
 
     def remove(self, name: str) -> None:
-        """Unpublish first (rename away), then delete, so no reader sees half a dataset."""
+        """Unpublish first (rename away), then delete, so no reader sees half a dataset.
+
+        A dataset that is a symbolic link (to one published elsewhere) loses only the
+        link here: what it points to belongs to the other store.
+        """
         check_dataset_name(name)
         path = self.path / name
         if not (path / MANIFEST_NAME).is_file():
             self.open(name)  # raises the not-found error with the hint
-        doomed = self.path / f"{OLD_PREFIX}{name}.{_owner_tag()}"
+        if path.is_symlink():
+            path.unlink()
+            return
+        doomed = self.path / f"{RM_PREFIX}{name}.{_owner_tag()}"
         os.rename(path, doomed)
         shutil.rmtree(doomed)
 
@@ -141,7 +159,13 @@ class Store:
         return self.path / f"{TMP_PREFIX}{name}.{_owner_tag()}"
 
     def publish(self, tmp: Path, name: str, replace: bool) -> None:
-        """Atomically make `tmp` visible as `name` (replacing an old one if asked)."""
+        """Atomically make `tmp` visible as `name` (replacing an old one if asked).
+
+        Replacing takes two renames (the old one aside, the new one in place). If the
+        second fails, the old one is put back; signals are held across both; and
+        if the process is killed between them, the next populate of `name` puts the
+        old one back (clean_stale_temps). So `name` never ends up missing.
+        """
         final = self.path / name
         old: Path | None = None
         if final.exists():
@@ -149,25 +173,88 @@ class Store:
                 raise DlfsError(f"dataset {name!r} already exists in {self.path} "
                                 "(use --force to replace it)")
             old = self.path / f"{OLD_PREFIX}{name}.{_owner_tag()}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(self.path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            with _signals_deferred():
+                os.rename(final, old)
+                try:
+                    os.rename(tmp, final)
+                except BaseException:
+                    os.rename(old, final)
+                    raise
+        else:
+            os.rename(tmp, final)
+        try:
+            fsync_dir(self.path)
+        except OSError as err:
+            raise DlfsError(f"published dataset {name!r}, but could not sync the store "
+                            f"directory {self.path} ({err.strerror}): a crash of the store's "
+                            "server now could undo it; check with `dlfs ls`") from None
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
 
     def clean_stale_temps(self, name: str) -> list[Path]:
-        """Remove leftovers of earlier populates of `name` on this host whose process died."""
+        """Clear leftovers of earlier populates and removals of `name` on this host whose
+        process died: remove them, except a whole dataset moved aside by a `--force`
+        populate killed before its successor took the name, which is put back."""
         removed = []
         host = _host()
-        for prefix in (TMP_PREFIX, OLD_PREFIX):
+        for prefix in (TMP_PREFIX, OLD_PREFIX, RM_PREFIX):
             for path in self.path.glob(f"{prefix}{name}.*"):
                 parts = path.name[len(prefix) + len(name) + 1 :].split(".")
                 if len(parts) < 3 or parts[0] != host or not parts[1].isdigit():
                     continue
-                if not pid_alive(int(parts[1])):
-                    shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
+                if pid_alive(int(parts[1])):
+                    continue
+                if prefix == OLD_PREFIX and self._restore(path, name):
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
         return removed
+
+    def _restore(self, old: Path, name: str) -> bool:
+        """Put a dataset moved aside back as `name` if the name is free and it is whole."""
+        final = self.path / name
+        if final.exists() or not _whole_dataset(old):
+            return False
+        try:
+            os.rename(old, final)
+        except OSError:
+            return False
+        log.warning("put dataset %r back: a replacing populate died before publishing "
+                    "(it was left as %s)", name, old.name)
+        return True
+
+
+def _whole_dataset(path: Path) -> bool:
+    """A readable manifest, and every chunk file it names, whole (size checked)."""
+    try:
+        body = decode_manifest((path / MANIFEST_NAME).read_bytes(), path / MANIFEST_NAME)
+        lengths = np.frombuffer(body["chunk_lengths"], dtype="<u8")
+        return all(chunk_path(path, i).stat().st_size == CHUNK_HEADER_SIZE + int(n)
+                   for i, n in enumerate(lengths))
+    except (OSError, DlfsError, KeyError, TypeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT, SIGTERM and SIGHUP for a few system calls: one that arrives meanwhile
+    is acted on (by the handler it would have met) on leaving. Python runs handlers in
+    the main thread only, so swapping them holds a signal whichever thread the kernel
+    gives it to (a blocked mask would not); elsewhere nothing can be held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+           for sig in _HELD_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def _host() -> str:

@@ -33,10 +33,14 @@ def _check_chunk(dataset: Dataset, index: int, extents: range) -> tuple[list[int
     path = dataset.chunk_path(index)
     try:
         with open(path, "rb") as f:
-            check_chunk_header(f.read(CHUNK_HEADER_SIZE), path, index, dataset.uuid)
+            recorded = check_chunk_header(f.read(CHUNK_HEADER_SIZE), path, index, dataset.uuid)
             data = f.read(int(dataset.chunk_lengths[index]))
     except (OSError, FormatError) as err:
         return list(extents), f"chunk {index}: {err}"
+    error = None
+    if recorded != dataset.chunk_lengths[index]:  # staging and peers refuse such a copy
+        error = (f"chunk {index}: header records {recorded} data bytes, the manifest "
+                 f"{int(dataset.chunk_lengths[index])}: {path}")
     view = memoryview(data)
     directory = dataset.directory
     bad = []
@@ -46,7 +50,7 @@ def _check_chunk(dataset: Dataset, index: int, extents: range) -> tuple[list[int
         if len(piece) != directory.ext_length_view[ext] or \
                 checksum(piece) != directory.ext_checksum_view[ext]:
             bad.append(ext)
-    return bad, None
+    return bad, error
 
 
 def verify_dataset(dataset: Dataset, jobs: int = 4, progress: bool | None = None) -> VerifyReport:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import stat
 import subprocess
 
@@ -123,7 +124,8 @@ def test_error_is_one_line(dlfs_cli, env, case):
     assert_one_line_error(dlfs_cli(*build(env)), code, mentions)
 
 
-@pytest.mark.parametrize("name", ["a/b", ".hidden", "-dash", "x" * 129, "has space", "ü", ""])
+@pytest.mark.parametrize("name", ["a/b", ".hidden", "-dash", "x" * 129, "has space", "ü", "",
+                                  "x\n"])
 def test_bad_dataset_name_is_one_line(dlfs_cli, env, name):
     result = dlfs_cli("populate", env["src"], "--store", env["store"], f"--name={name}")
     assert_one_line_error(result, 2, ("name",))
@@ -244,8 +246,46 @@ def test_ls_hides_unfinished_populates(dlfs_cli, two_dataset_store):
     store, _ = two_dataset_store
     (store / ".tmp-gamma.host.1.abc" / "chunks").mkdir(parents=True)
     (store / "not-a-dataset").mkdir()
-    rows = _table(dlfs_cli("ls", "--store", store).stdout)
-    assert [r["NAME"] for r in rows] == ["alpha", "beta"]
+    # A copy made by hand has a manifest but no valid dataset name: not a dataset.
+    shutil.copytree(store / "alpha", store / "alpha copy")
+    result = dlfs_cli("ls", "--store", store)
+    assert result.returncode == 0, result.stderr
+    assert [r["NAME"] for r in _table(result.stdout)] == ["alpha", "beta"]
+
+
+def test_rm_of_a_linked_dataset_removes_only_the_link(dlfs_cli, two_dataset_store, tmp_path):
+    store, _ = two_dataset_store
+    other = tmp_path / "other-store"
+    other.mkdir()
+    (other / "alpha").symlink_to(store / "alpha")
+    assert [r["NAME"] for r in _table(dlfs_cli("ls", "--store", other).stdout)] == ["alpha"]
+    result = dlfs_cli("rm", "--store", other, "alpha")
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(other) == []
+    assert dlfs_cli("verify", "--store", store, "alpha").returncode == 0
+
+
+def test_store_path_that_is_not_utf8_prints_on_utf8_stdout(dlfs_cli, env, tmp_path):
+    store = os.fsdecode(bytes(tmp_path) + b"/st\xff")
+    utf8 = {"PYTHONIOENCODING": "utf-8"}  # what a UTF-8 locale gives Python: a strict stdout
+    for argv in (("populate", env["src"], "--store", store, "--name", "a"),
+                 ("info", "--store", store, "a"), ("rm", "--store", store, "a")):
+        result = dlfs_cli(*argv, env=utf8)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+        assert "st\\udcff" in result.stdout, result.stdout
+    assert os.listdir(store) == []
+
+
+def test_verify_names_a_chunk_whose_header_length_is_wrong(dlfs_cli, env, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(env["store"], store)
+    chunk = store / "ds" / "chunks" / "00000000.chunk"
+    with open(chunk, "r+b") as f:  # header bytes 16-23: the data length (docs/FORMAT.md)
+        f.seek(16)
+        f.write((999_999).to_bytes(8, "little"))
+    result = dlfs_cli("verify", "--store", store, "ds")
+    assert result.returncode == 3, result
+    assert "chunk 0: header records 999999 data bytes" in result.stdout + result.stderr
 
 
 def test_rm_removes_only_that_dataset(dlfs_cli, two_dataset_store):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 from trees import describe_tree, make_small_tree, regular_files, sha256_file
 
+from dlfs.errors import DlfsError
 from dlfs.populate import PopulateOptions, populate
 from dlfs.store import Store
 
@@ -193,7 +196,106 @@ def test_interrupt_right_after_temp_dir_is_made_leaves_nothing(monkeypatch, smal
     assert os.listdir(store) == []
 
 
+# -- populate --force: the name is never left empty -----------------------------------
+def _other_source(tmp_path: Path) -> Path:
+    other = tmp_path / "other"
+    make_small_tree(other, files=7, seed=9, prefix="o")
+    return other
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_force_puts_the_old_dataset_back_if_the_new_one_cannot_take_its_place(
+        monkeypatch, small_store, tmp_path):
+    before = Store(small_store).open("ds").uuid
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if Path(src).name.startswith(".tmp-"):  # the second rename: the new one in place
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(DlfsError, match="nothing was published"):
+        populate(_other_source(tmp_path), Store(small_store), "ds",
+                 PopulateOptions(chunk_size=256 << 10, fsync=False, force=True))
+    monkeypatch.undo()
+    assert Store(small_store).open("ds").uuid == before
+    assert os.listdir(small_store) == ["ds"], "nothing moved aside or half-written is left"
+
+
+def test_force_holds_ctrl_c_until_the_new_dataset_took_the_name(monkeypatch, small_store,
+                                                                tmp_path):
+    """SIGINT between the two renames (old aside, new in place) is acted on only after
+    them: the name is never empty, and the message says the new dataset was published."""
+    before = Store(small_store).open("ds").uuid
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        result = real_rename(src, dst, *args, **kwargs)
+        if Path(dst).name.startswith(".old-"):  # after the first rename
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # a handler that was not held would run now
+            assert not (small_store / "ds").exists()
+        return result
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt, match="dataset 'ds' was published"):
+        populate(_other_source(tmp_path), Store(small_store), "ds",
+                 PopulateOptions(chunk_size=256 << 10, fsync=False, force=True))
+    monkeypatch.undo()
+    assert Store(small_store).open("ds").uuid != before
+    assert Store(small_store).dataset_names() == ["ds"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_dataset_moved_aside_by_a_killed_force_populate_is_put_back(dlfs_cli, small_store,
+                                                                      tmp_path):
+    """Killed between the two renames (SIGKILL cannot be held): the next populate of the
+    name puts the old dataset back instead of deleting it as a leftover."""
+    before = Store(small_store).open("ds").uuid
+    host = socket.gethostname().replace(".", "_")
+    (small_store / "ds").rename(small_store / f".old-ds.{host}.{_dead_pid()}.abcd1234")
+    result = dlfs_cli("populate", _other_source(tmp_path), "--store", small_store,
+                      "--name", "ds")
+    assert result.returncode == 1 and "already exists" in result.stderr, result.stderr
+    assert "put dataset 'ds' back" in result.stderr
+    assert os.listdir(small_store) == ["ds"]
+    assert Store(small_store).open("ds").uuid == before
+    assert dlfs_cli("verify", "--store", small_store, "ds").returncode == 0
+
+
+def test_partial_leftovers_are_removed_not_put_back(dlfs_cli, small_store, small_source,
+                                                    tmp_path):
+    """A moved-aside dataset missing a chunk, or one a killed `dlfs rm` was deleting, is
+    never resurrected."""
+    host = socket.gethostname().replace(".", "_")
+    broken = small_store / f".old-ds.{host}.{_dead_pid()}.abcd1234"
+    (small_store / "ds").rename(broken)
+    next((broken / "chunks").iterdir()).unlink()
+    shutil.copytree(broken, small_store / f".rm-ds.{host}.{_dead_pid()}.abcd1234")
+    result = dlfs_cli("populate", small_source, "--store", small_store, "--name", "ds")
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(small_store) == ["ds"]
+    assert dlfs_cli("verify", "--store", small_store, "ds").returncode == 0
+
+
 # -- daemon killed -------------------------------------------------------------------
+def test_mountpoint_that_is_not_utf8_mounts_and_unmounts(dlfs_cli, mounted, small_store,
+                                                         small_source, tmp_path):
+    mountpoint = Path(os.fsdecode(bytes(tmp_path) + b"/mnt\xff"))
+    mountpoint.mkdir()
+    m = mounted(small_store, mountpoint=mountpoint)
+    assert_read_back(m.path, "ds", small_source)
+    result = dlfs_cli("umount", m.path)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert os.listdir(mountpoint) == []
+
+
 def test_killed_daemon_gives_enotconn(mounted, small_store, kill_daemon):
     m = mounted(small_store)
     os.listdir(m / "ds")  # works while the daemon lives
