@@ -10,6 +10,7 @@ below have been stable since 7.9).
 
 from __future__ import annotations
 
+import os
 import stat
 import struct
 
@@ -86,9 +87,10 @@ BLKSIZE = 128 * 1024
 #: kernel asks for READDIRPLUS replies that large: a directory of a few thousand samples is
 #: listed in one round trip to the daemon instead of one per ~750 entries (128 KiB).
 DIR_BLKSIZE = 1 << 20
-#: A read of /dev/fuse must offer room for the largest request (a max_write WRITE);
-#: libfuse negotiates at most 256 pages, so 1 MiB + headers; keep a margin.
-REQUEST_BUFFER = (1 << 20) + (64 << 10)
+#: A read of /dev/fuse must offer room for the largest request (a max_write WRITE), or
+#: the kernel refuses it (EINVAL): libfuse negotiates 256 pages, 1 MiB with 4 KiB pages
+#: but 16 MiB with the 64 KiB pages of some aarch64 kernels; plus headers, with a margin.
+REQUEST_BUFFER = 256 * os.sysconf("SC_PAGE_SIZE") + (64 << 10)
 
 
 def error_reply(unique: int, errno_value: int) -> bytes:

@@ -128,11 +128,29 @@ def set_read_ahead(mountpoint: str, kb: int) -> None:
         log.info("kept the default read-ahead (cannot set it to %d KiB: %s)", kb, err.strerror)
 
 
-def _raise_fd_limit() -> None:
-    """Chunk files stay open; allow as many as the hard limit permits."""
+FD_MARGIN = 1024  # descriptors a process needs besides chunk files (sockets, pipes, logs)
+
+
+def raise_fd_limit(chunk_files: int) -> int:
+    """Each process keeps every chunk file it reads open (twice with a chunk pool: the
+    store's and the staged copy): raise the open-file limit to what that needs, as far
+    as we may (the hard limit; beyond it with CAP_SYS_RESOURCE, as root on a node), and
+    say so once at mount if it is still short. Returns the limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    want = chunk_files + FD_MARGIN
+    for limit in (max(want, hard), hard):
+        if limit <= soft:
+            break
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, max(limit, hard)))
+            soft = limit
+            break
+    if soft < want:
+        log.warning("open-file limit %d is below the %d this mount may keep open (%d chunk "
+                    "files + %d): once a worker has that many open it closes them all and "
+                    "starts over; raise the limit (ulimit -n, LimitNOFILE=, or mount as "
+                    "root)", soft, want, chunk_files, FD_MARGIN)
+    return soft
 
 
 class Readiness:
@@ -273,7 +291,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
                               prefetch=prefetch)
         services = Services(config, namespace.datasets, namespace.stats, pool)
         ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
-        _raise_fd_limit()
+        raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
         fds_before_mount = fuse_fds()
         pyfuse3.init(ops, config.mountpoint, mount_options(config))
     except DlfsError as err:

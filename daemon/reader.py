@@ -21,6 +21,7 @@ import errno
 import logging
 import mmap
 import os
+import resource
 import time
 from collections import OrderedDict
 
@@ -103,6 +104,7 @@ class SampleReader:
         self._loading: dict[tuple[str, int], trio.Event] = {}
         self._flights: dict[tuple[str, int], tuple[trio.Event, list]] = {}
         self._unusable_chunks: set[int] = set()  # logged already
+        self._fd_purges = 0  # times this worker ran out of descriptors (see _open)
         # A throttled store (benchmarks) must not be bypassed through the page cache.
         self._nowait = HAVE_NOWAIT and not store_rate
         self._store_rate = store_rate
@@ -137,10 +139,33 @@ class SampleReader:
         self._state.close()
         if self._prefetch is not None:
             self._prefetch.close()
+        self._close_fds()
+
+    def _close_fds(self) -> None:
         for i, fd in enumerate(self._fds):
             if fd >= 0:
                 os.close(fd)
                 self._fds[i] = -1
+
+    async def _open(self, path, chunk: int) -> int:
+        """Open a chunk file; out of descriptors, a worker process closes the ones it
+        keeps open and tries again (a dataset with more chunk files than the open-file
+        limit). A worker serves one request at a time, so none of them is in use; the
+        trio loop (--workers 1) cannot tell, and answers EIO."""
+        try:
+            return await self._blocking(_open_chunk, path, chunk, self.dataset.uuid)
+        except OSError as err:
+            if err.errno not in (errno.EMFILE, errno.ENFILE) or not self.inline_io:
+                raise
+        if not self._fd_purges:
+            log.warning("worker %d: out of file descriptors (open-file limit %d) with %d "
+                        "chunk files of dataset %s open; closing them, and again whenever "
+                        "it runs out (raise the limit: see the mount log's first lines)",
+                        os.getpid(), resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                        sum(fd >= 0 for fd in self._fds), self.dataset.name)
+        self._fd_purges += 1
+        self._close_fds()
+        return await self._blocking(_open_chunk, path, chunk, self.dataset.uuid)
 
     async def read(self, row: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Up to `size` bytes of file `row` at `offset` (short at end of file)."""
@@ -245,7 +270,7 @@ class SampleReader:
             try:
                 return await self._pread(fd, length, pos)
             except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
-                self._evict(chunk, str(err) or "unreadable")
+                self._evict(chunk, fd, str(err) or "unreadable")
                 return None
         data = await self._single_flight(("local", ext), self._verify_local, ext, fd, chunk)
         return None if data is None else _slice(data, rel, length)
@@ -255,17 +280,22 @@ class SampleReader:
             data, digest = await self._blocking(
                 _pread_and_hash, fd, self._ext_len[ext], CHUNK_HEADER_SIZE + self._ext_off[ext])
         except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
-            self._evict(chunk, str(err) or "unreadable")
+            self._evict(chunk, fd, str(err) or "unreadable")
             return None
         if digest != self._ext_sum[ext]:
-            self._evict(chunk, "checksum mismatch")
+            self._evict(chunk, fd, "checksum mismatch")
             return None
         self._state[ext] |= LOCAL_OK
         return data
 
-    def _evict(self, chunk: int, what: str) -> None:
-        """A staged copy is bad: stop using it, clear its extents' marks, stage it again."""
-        if not self._cache.is_staged(chunk):
+    def _evict(self, chunk: int, fd: int, what: str) -> None:
+        """A staged copy is bad: stop using it, clear its extents' marks, stage it again.
+
+        Only if `fd`, the copy that failed, is still the current one: a slow read of
+        an old copy can fail after another worker evicted it and the stager staged
+        it anew, and the new good copy must stay.
+        """
+        if not self._cache.is_staged(chunk) or self._cache.cached_fd(chunk) != fd:
             return
         log.error("%s in staged chunk %d of dataset %s (%s); evicted, re-staging; reads "
                   "go to peers or the store", what, chunk, self.dataset.name,
@@ -404,7 +434,7 @@ class SampleReader:
         if fd < 0:
             path = self.dataset.chunk_path(chunk)
             try:
-                fd = await self._blocking(_open_chunk, path, chunk, self.dataset.uuid)
+                fd = await self._open(path, chunk)
             except (OSError, FormatError) as err:
                 if chunk not in self._unusable_chunks:
                     self._unusable_chunks.add(chunk)
@@ -478,8 +508,11 @@ def _map_and_hash(fd: int, length: int, pos: int) -> tuple[bytes, int]:
     if length == 0 or not _populate_read:
         return b"", _pread_and_hash(fd, length, pos)[1]
     start = pos - pos % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(fd, pos + length - start, mmap.MAP_SHARED, mmap.PROT_READ,
-                       offset=start)
+    try:
+        mapped = mmap.mmap(fd, pos + length - start, mmap.MAP_SHARED, mmap.PROT_READ,
+                           offset=start)
+    except OSError:  # a chunk file system that cannot map files (ENODEV): copy out
+        return b"", _pread_and_hash(fd, length, pos)[1]
     try:
         try:
             # Ask for the extent's pages at once: faulting them in alone reads
@@ -488,8 +521,12 @@ def _map_and_hash(fd: int, length: int, pos: int) -> tuple[bytes, int]:
                 os.posix_fadvise(fd, pos, length, os.POSIX_FADV_WILLNEED)
             mapped.madvise(_MADV_POPULATE_READ)
         except OSError as err:
+            if err.errno == errno.EFAULT:  # what a page the file system failed to deliver
+                # gives (an I/O error: it would have been SIGBUS); answer as a pread would
+                raise OSError(errno.EIO, f"cannot read chunk file pages at offset {pos}") \
+                    from None
             if err.errno != errno.EINVAL:
-                raise  # the file system could not deliver the pages: like a failed pread
+                raise
             _populate_read = False  # an older kernel: copy out instead, from now on
             return b"", _pread_and_hash(fd, length, pos)[1]
         with memoryview(mapped) as view:

@@ -179,7 +179,7 @@ class WireWorker:
             self.splicer.send(fw.reply_header(unique, span.length), span.fd, span.pos,
                               span.length)
             return
-        except SpliceFailed as err:
+        except (SpliceFailed, OSError) as err:  # OSError: no new pipe (out of descriptors)
             if not self._splice_warned:
                 self._splice_warned = True
                 log.warning("worker %d: cannot splice a read reply (%s); reading it again "

@@ -35,6 +35,7 @@ from dlfs.populate import PopulateOptions
 from dlfs.sizes import format_size, parse_size
 from dlfs.store import Store
 
+MAX_CACHE_TIMEOUT = 10 * 365 * 86400  # --cache-timeout: ten years is "forever" enough
 EXIT_CODES = """exit codes:
   0    success
   1    error (missing or unreadable path, store problem, mount failed)
@@ -80,6 +81,18 @@ def _id(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a numeric id, got {text!r}")
     return int(text)
+
+
+def _timeout(text: str) -> float:
+    """Seconds the kernel may cache: FUSE carries them as whole seconds (u64) plus ns."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_CACHE_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 to {MAX_CACHE_TIMEOUT:.0f} seconds, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -466,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tasks", type=_positive, default=64,
                    help="FUSE requests served concurrently with --workers 1 (default 64; "
                         "otherwise one per worker process)")
-    p.add_argument("--cache-timeout", type=float, default=86400.0,
+    p.add_argument("--cache-timeout", type=_timeout, default=86400.0,
                    help="seconds the kernel may cache names and attributes (default 86400)")
     p.add_argument("--read-ahead-kb", type=int, default=4096,
                    help="kernel read-ahead for large sequential reads (default 4096; "

@@ -108,6 +108,12 @@ ERROR_CASES = {
     "mount_missing_dataset": (
         lambda e: ["mount", e["dir"], "--store", e["store"], "--dataset", "nope",
                    "--log-file", e["tmp"] / "log"], 1, ("nope",)),
+    "mount_negative_cache_timeout": (
+        lambda e: ["mount", e["dir"], "--store", e["store"], "--cache-timeout", "-1"],
+        2, ("cache-timeout", "-1")),
+    "mount_endless_cache_timeout": (
+        lambda e: ["mount", e["dir"], "--store", e["store"], "--cache-timeout", "1e20"],
+        2, ("cache-timeout",)),
     "umount_not_mounted": (
         lambda e: ["umount", e["dir"]], 1, ("adir",)),
     "umount_missing_dir": (

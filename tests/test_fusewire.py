@@ -7,6 +7,7 @@ not as a confused kernel.
 
 from __future__ import annotations
 
+import os
 import stat
 import struct
 
@@ -25,6 +26,12 @@ def test_struct_sizes_match_the_kernel_abi():
     assert fw.OPEN_OUT.size == 16
     assert fw.STATFS_OUT.size == 80
     assert fw.READ_IN.size == 24  # the fields we use of fuse_read_in
+
+
+def test_request_buffer_holds_the_largest_request_libfuse_allows():
+    """The kernel refuses a /dev/fuse read shorter than max_write plus the WRITE headers
+    (80 bytes); libfuse sets max_write to 256 pages, which depends on the page size."""
+    assert 256 * os.sysconf("SC_PAGE_SIZE") + 80 <= fw.REQUEST_BUFFER
 
 
 def test_entry_carries_inode_times_and_timeouts():

@@ -10,6 +10,7 @@ import errno
 import multiprocessing
 import os
 import random
+import resource
 import signal
 import stat
 import subprocess
@@ -328,6 +329,48 @@ def test_open_directory_for_reading_bytes_gives_eisdir(edge_mount):
 
 
 # -- several datasets ----------------------------------------------------------------
+def test_more_chunk_files_than_the_open_file_limit_still_read(mounted, store_with, tmp_path):
+    """Workers keep chunk files open; one that runs out of descriptors closes its own and
+    goes on (before: EIO for every chunk not yet open)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(7)
+    for i in range(240):  # ~30 KiB each in 64 KiB chunks: >100 chunk files
+        (src / f"f{i:03d}").write_bytes(rng.randbytes(rng.randint(20_000, 40_000)))
+    store = store_with(src, "ds", "64K", tmp_path / "store")
+    chunks = len(os.listdir(store / "ds" / "chunks"))
+    assert chunks > 100
+    m = mounted(store, "--workers", "2")
+    for pid in m.pids:  # room for 20 more descriptors than each process has open now
+        limit = len(os.listdir(f"/proc/{pid}/fd")) + 20
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
+    names = sorted(os.listdir(src))
+    rng.shuffle(names)
+    for _ in range(2):  # twice, so every worker meets the limit
+        for name in names:
+            assert _read(m / "ds" / name) == (src / name).read_bytes(), name
+    assert "out of file descriptors" in m.log_text()
+    assert "reads return EIO" not in m.log_text()
+
+
+def test_open_file_limit_is_raised_and_a_shortfall_is_said_once_at_mount():
+    """raise_fd_limit in a process started with a soft limit of 64 (hard 2048): raised to
+    at least the hard limit; if the chunk files need more than it could get, one warning."""
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr)\n"
+            "from dlfsd.main import raise_fd_limit\n"
+            "print(raise_fd_limit(10), raise_fd_limit(100_000))")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 2048)))
+    assert result.returncode == 0, result.stderr
+    small, large = map(int, result.stdout.split())
+    assert small >= 2048 and large >= small
+    warnings = [line for line in result.stderr.splitlines() if "open-file limit" in line]
+    assert len(warnings) == (1 if large < 100_000 + 1024 else 0), result.stderr
+    if warnings:
+        assert f"open-file limit {large} is below the 101024" in warnings[0]
+
+
 @pytest.fixture
 def two_datasets(tmp_path, store_with):
     store = tmp_path / "store"

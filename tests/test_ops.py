@@ -10,7 +10,8 @@ import pyfuse3
 import pytest
 import trio
 
-from dlfs.format import CHUNK_HEADER_SIZE
+import dlfsd.reader as reader_module
+from dlfs.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.populate import PopulateOptions, populate
 from dlfs.store import Store
 from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
@@ -215,3 +216,46 @@ async def test_unusable_chunk_file_reads_eio(store, damage, caplog):
         assert info.value.errno == errno.EIO
     logged = [r for r in caplog.records if "cannot use chunk" in r.getMessage()]
     assert len(logged) == 1
+
+
+def test_in_place_check_copies_out_where_chunk_files_cannot_be_mapped(tmp_path, monkeypatch):
+    """A chunk file system without shared mmap (ENODEV) still checks large extents."""
+    data = os.urandom(3 << 20)
+    path = tmp_path / "chunk"
+    path.write_bytes(bytes(CHUNK_HEADER_SIZE) + data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def refuse(*args, **kwargs):
+            raise OSError(errno.ENODEV, "No such device")
+
+        monkeypatch.setattr(reader_module.mmap, "mmap", refuse)
+        assert reader_module._map_and_hash(fd, len(data), CHUNK_HEADER_SIZE)[1] == checksum(data)
+    finally:
+        os.close(fd)
+
+
+def test_pages_a_chunk_file_cannot_deliver_read_as_eio(tmp_path, monkeypatch):
+    """MADV_POPULATE_READ reports a page the file system failed to read (an I/O error) as
+    EFAULT; the read must answer EIO, as a failed pread does, not EFAULT."""
+    path = tmp_path / "chunk"
+    path.write_bytes(bytes(CHUNK_HEADER_SIZE + (2 << 20)))
+    real_mmap = reader_module.mmap.mmap
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            self._mapped = real_mmap(*args, **kwargs)
+
+        def madvise(self, *args):
+            raise OSError(errno.EFAULT, "Bad address")
+
+        def close(self):
+            self._mapped.close()
+
+    monkeypatch.setattr(reader_module.mmap, "mmap", Failing)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            reader_module._map_and_hash(fd, 2 << 20, CHUNK_HEADER_SIZE)
+        assert info.value.errno == errno.EIO
+    finally:
+        os.close(fd)

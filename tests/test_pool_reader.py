@@ -248,3 +248,25 @@ def test_a_late_failure_of_a_replaced_copy_does_not_evict_the_new_one(dataset, t
     assert holder.staged_copy_failed(ds.uuid, 0, new_fd)  # the current copy failing: evicted
     assert not holder.caches[0].is_staged(0) and not holder.caches[0].path(0).exists()
     holder.close()
+
+
+def test_a_reader_whose_read_of_a_replaced_copy_fails_keeps_the_new_one(dataset, tmp_path):
+    """The same race on the reader's side: worker A's slow read of the old copy fails after
+    worker B evicted it and the stager staged it anew."""
+    ds, _ = dataset
+    pool = ChunkPool(view(1, [1, 1], secrets.token_bytes(32)), [ds], tmp_path / "cache")
+    pool.caches[0].scan()
+    stager = Stager([ds], pool.caches, pool.owned, pool.demand)
+    pool.owned[0][0] = True
+    stager._copy(0, 0, bytearray())
+    reader = SampleReader(ds, trio.CapacityLimiter(4), pool=pool, inline_io=True)
+    old_fd = pool.caches[0].open_fd(0)  # A's copy, open while its read is under way
+    pool.caches[0].evict(0)  # B found it bad; the stager copies it again
+    stager._copy(0, 0, bytearray())
+    reader._evict(0, old_fd, "late read error")
+    assert pool.caches[0].is_staged(0) and pool.caches[0].path(0).exists()
+    new_fd = pool.caches[0].open_fd(0)  # A's next read opens the new copy; it fails too
+    reader._evict(0, new_fd, "read error")
+    assert not pool.caches[0].is_staged(0) and not pool.caches[0].path(0).exists()
+    reader.close()
+    pool.close()
