@@ -61,6 +61,10 @@ MUTATING = frozenset({SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LIN
 #: Requests the kernel sends without expecting a reply.
 NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})
 
+#: Notification (written to /dev/fuse with unique 0, the code in the error field): the
+#: kernel queues again every request read but not answered yet (Linux >= 6.9).
+NOTIFY_RESEND = 7
+
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3  # the kernel may cache this directory's entries (readdir)
@@ -96,6 +100,11 @@ REQUEST_BUFFER = 256 * os.sysconf("SC_PAGE_SIZE") + (64 << 10)
 def error_reply(unique: int, errno_value: int) -> bytes:
     """A reply that carries only an error (errno_value > 0) or success with no data (0)."""
     return OUT_HEADER.pack(OUT_HEADER.size, -errno_value, unique)
+
+
+def resend_notification() -> bytes:
+    """NOTIFY_RESEND: the requests a dead worker had read go back to the queue."""
+    return OUT_HEADER.pack(OUT_HEADER.size, NOTIFY_RESEND, 0)
 
 
 def reply_header(unique: int, payload_len: int) -> bytes:

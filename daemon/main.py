@@ -34,6 +34,7 @@ from dlfs.runtime import (
     write_record,
 )
 from dlfs.store import Dataset, Store
+from dlfsd import fusewire as fw
 from dlfsd.controlsock import ControlServer
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.observe import ObserveConfig
@@ -171,14 +172,17 @@ class Readiness:
         self.fd = None
 
 
-async def watch_workers(pids: list[int]) -> bool:
-    """Reap worker processes as they exit; log loudly one that dies while mounted.
+async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
+    """Reap worker processes as they exit. Exit code 0 is a normal end (unmounted).
 
-    The others keep serving, but a request the dead one held stays unanswered,
-    so an operator must hear about it. Exit code 0 is a normal end (unmounted).
-    Returns once all are gone: True if every one ended normally.
+    A worker that dies while mounted (OOM killer, a bug) held the request it was
+    serving: the kernel would wait for that answer forever, and the process that
+    asked would hang unkillably. So its requests are handed back to the kernel's
+    queue (NOTIFY_RESEND; every request here is idempotent: the data never
+    changes) and the others serve them. Where the kernel cannot (< 6.9), or none
+    is left, we stop the mount instead: readers then get ENOTCONN, not a hang.
+    Returns once all are gone, or False as soon as the mount must stop.
     """
-    clean = True
     with trio.open_signal_receiver(signal.SIGCHLD) as sigs:
         while pids:
             for pid in list(pids):
@@ -186,18 +190,30 @@ async def watch_workers(pids: list[int]) -> bool:
                 if not done:
                     continue
                 pids.remove(pid)
-                if os.WIFSIGNALED(status) or os.WEXITSTATUS(status) != 0:
-                    clean = False
-                    how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-                           if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
-                    log.error("worker process %d died (%s); %d processes still serve; a "
-                              "request it held may hang: remount soon", pid, how, len(pids))
+                if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+                    continue
+                how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+                       if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
+                if not pids:
+                    log.error("worker process %d died (%s), the last one; unmounting", pid,
+                              how)
+                    return False
+                try:
+                    os.write(fuse_fd, fw.resend_notification())
+                except OSError as err:
+                    log.error("worker process %d died (%s) and the kernel cannot hand its "
+                              "request to the others (%s; Linux >= 6.9 can); unmounting so "
+                              "that no reader hangs", pid, how, err.strerror)
+                    return False
+                log.error("worker process %d died (%s); its unanswered requests went back "
+                          "to the queue, %d worker processes serve on", pid, how, len(pids))
             if pids:
                 await sigs.__anext__()
-    return clean
+    return True
 
 
-async def supervise(config: MountConfig, worker_pids: list[int], services) -> bool:
+async def supervise(config: MountConfig, worker_pids: list[int], services,
+                    fuse_fd: int = -1) -> bool:
     """The main process: run the background services (stager, peer server, status) and
     either serve FUSE itself (single-process mode) or watch the workers that do.
 
@@ -222,7 +238,7 @@ async def supervise(config: MountConfig, worker_pids: list[int], services) -> bo
 
         nursery.start_soon(watch_signals)
         if worker_pids:
-            if not await watch_workers(worker_pids):
+            if not await watch_workers(worker_pids, fuse_fd):
                 must_unmount = True
         else:
             await pyfuse3.main(min_tasks=2, max_tasks=config.max_tasks)
@@ -316,7 +332,8 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
         write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send("READY")
-        unmount = trio.run(supervise, config, workers, services)
+        fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1
+        unmount = trio.run(supervise, config, workers, services, fuse_fd)
     finally:
         stop_workers(workers)
         control.stop()

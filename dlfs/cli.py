@@ -232,7 +232,7 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
                 replicas=args.replicas,
                 secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
                 cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
-                peer_timeout=args.peer_timeout, store_bandwidth=args.store_bandwidth or 0)
+                peer_timeout=args.peer_timeout)
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:
@@ -245,7 +245,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         stats=not args.no_stats, count_opens=args.count_opens, prefetch=args.prefetch,
-        splice=not args.no_splice,
+        splice=not args.no_splice, store_bandwidth=args.store_bandwidth or 0,
         trace_capacity=args.trace_capacity,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 

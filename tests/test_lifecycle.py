@@ -9,12 +9,14 @@ are killed with SIGKILL and their mounts cleaned with the real `dlfs umount` /
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -294,6 +296,69 @@ def test_mountpoint_that_is_not_utf8_mounts_and_unmounts(dlfs_cli, mounted, smal
     result = dlfs_cli("umount", m.path)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert os.listdir(mountpoint) == []
+
+
+def _waiting_on_dev_fuse(pid: int) -> bool:
+    """Blocked in readv/read of a /dev/fuse descriptor: an idle worker."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+        if fields[0] not in ("0", "19"):  # read, readv
+            return False
+        return os.readlink(f"/proc/{pid}/fd/{int(fields[1], 16)}") == "/dev/fuse"
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def _abort_fuse_connection(mountpoint: Path) -> None:
+    """The last resort that unsticks readers of a hung FUSE mount (fusectl's abort)."""
+    conns = Path("/sys/fs/fuse/connections")
+    if not any(conns.iterdir()):
+        subprocess.run(["mount", "-t", "fusectl", "none", str(conns)], check=False)
+    minor = os.minor(os.lstat(mountpoint.parent / mountpoint.name).st_dev)
+    with contextlib.suppress(OSError):
+        (conns / str(minor) / "abort").write_text("1")
+
+
+def test_a_worker_killed_mid_request_does_not_hang_its_reader(mounted, tmp_path, store_with):
+    """SIGKILL (an OOM kill) of the worker serving a read: the read is answered by another
+    worker (its request goes back to the kernel's queue), and the mount serves on."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(2 << 20)
+    (src / "big").write_bytes(data)
+    store = store_with(src, "ds", "64M", tmp_path / "store")
+    # A slow store (1 MiB/s) keeps the worker busy with the read for about a second.
+    m = mounted(store, "--workers", "2", "--store-bandwidth", "1M", "--prefetch", "off")
+    idle = [pid for pid in m.pids if _waiting_on_dev_fuse(pid)]
+    assert len(idle) == 2, "both workers wait for requests"
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        f"fd = os.open({str(m / 'ds' / 'big')!r}, os.O_RDONLY)\n"
+        "sys.stdout.buffer.write(os.pread(fd, 1 << 20, 0))")], stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        busy = []
+        while not busy:
+            assert time.monotonic() < deadline, "no worker took the read"
+            busy = [pid for pid in idle if not _waiting_on_dev_fuse(pid)]
+            time.sleep(0.01)
+        os.kill(busy[0], signal.SIGKILL)
+        try:
+            out, _ = reader.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            _abort_fuse_connection(m.path)
+            reader.communicate(timeout=30)
+            pytest.fail("the read held by the killed worker never got an answer")
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.communicate()
+    assert reader.returncode == 0
+    assert out == data[: 1 << 20]
+    assert (m / "ds" / "big").read_bytes() == data  # the other worker serves on
+    log = m.log_text()
+    assert f"worker process {busy[0]} died (killed by SIGKILL)" in log, log
+    assert "went back to the queue" in log, log
 
 
 def test_killed_daemon_gives_enotconn(mounted, small_store, kill_daemon):
