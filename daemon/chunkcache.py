@@ -80,9 +80,12 @@ class ChunkCache:
         gen = self._state[chunk]
         if gen == 0:
             return
-        self._state[chunk] = 0
+        # The file first: the stager could publish a new copy between the two steps,
+        # and clearing the state first would then delete that one while it counts as
+        # staged (never opened, never staged again).
         with contextlib.suppress(FileNotFoundError):
             self.path(chunk).unlink()
+        self._state[chunk] = 0
 
     # -- mount time -------------------------------------------------------------
     def scan(self) -> int:

@@ -259,8 +259,8 @@ class PeerLoopServer:
             return
         if conn.closing:  # draining until the peer has read our last message
             return
-        conn.deadline = time.monotonic() + (
-            self.idle_timeout if conn.state == "ready" else self.handshake_timeout)
+        if conn.state == "ready":  # a handshake keeps the deadline set at accept: one
+            conn.deadline = time.monotonic() + self.idle_timeout  # byte at a time is no way
         with memoryview(self._inbuf)[:n] as data:  # the decoder copies what it keeps
             conn.inbox.extend(conn.decoder.feed(data))
         self._pump(conn)
@@ -427,9 +427,10 @@ class PeerLoopServer:
                 sent = conn.sock.sendmsg(list(out)[:64])
             except BlockingIOError:
                 break
-            conn.deadline = time.monotonic() + (
-                _GOODBYE if conn.closing else self.idle_timeout if conn.state == "ready"
-                else self.handshake_timeout)
+            if conn.closing:
+                conn.deadline = time.monotonic() + _GOODBYE
+            elif conn.state == "ready":
+                conn.deadline = time.monotonic() + self.idle_timeout
             while sent:
                 head = out[0]
                 if sent >= len(head):

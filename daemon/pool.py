@@ -201,7 +201,9 @@ class ChunkPool:
         ds = self._by_id.get(dataset_id)
         if ds is None or not self.caches[ds].is_staged(chunk):
             return False
-        if fd >= 0 and self.caches[ds].cached_fd(chunk) != fd:
+        if fd < 0:  # it could not be opened (out of descriptors, permissions): not the
+            return False  # copy's fault, and a copy that is gone is forgotten on opening
+        if self.caches[ds].cached_fd(chunk) != fd:
             return False  # that copy was replaced already
         self.evict(ds, chunk)
         return True

@@ -210,8 +210,12 @@ class Stager:
                 buffer = bytearray(total)
             view = memoryview(buffer)[:total]
             with open(temp, "rb", buffering=0) as copy:
-                if copy.readinto(view) != total:
-                    raise CorruptDataError(f"short copy of {source}")
+                got = 0
+                while got < total:  # one read returns at most 2 GiB - 4 KiB (Linux)
+                    n = copy.readinto(view[got:])
+                    if not n:
+                        raise CorruptDataError(f"short copy of {source}")
+                    got += n
             check_chunk_header(bytes(view[:CHUNK_HEADER_SIZE]), source, chunk, dataset.uuid)
             self._check_extents(ds, chunk, view)
             cache.publish(chunk, temp)

@@ -373,6 +373,30 @@ async def test_silent_connection_is_dropped_after_the_handshake_timeout(start_pe
     await assert_serves_a_good_client(peer)
 
 
+async def test_a_handshake_sent_a_byte_at_a_time_still_times_out(start_peer):
+    """Trickling bytes must not hold a connection slot past the handshake timeout (256
+    such sockets would lock every real peer out)."""
+    peer = start_peer(handshake_timeout=0.5)
+    stream = await raw_connect(peer)
+    start = trio.current_time()
+    await stream.send_all(struct.pack(">I", 100))  # a frame of 100 bytes follows...
+    closed = False
+    for _ in range(20):  # ...one byte every 0.1 s, for up to 2 s
+        try:
+            await stream.send_all(b"\x01")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            closed = True
+            break
+        with trio.move_on_after(0.1):
+            if await stream.receive_some() == b"":
+                closed = True
+                break
+    assert closed, "still open after 2 s of trickled bytes"
+    assert trio.current_time() - start < 1.5
+    assert peer.count("protocol_errors") == 1
+    await assert_serves_a_good_client(peer)
+
+
 # -- malformed traffic ----------------------------------------------------------------
 
 @pytest.mark.parametrize("garbage", [
