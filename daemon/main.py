@@ -30,6 +30,7 @@ from dlfs.runtime import (
     DaemonRecord,
     control_socket_path,
     remove_record,
+    start_time,
     status_path,
     write_record,
 )
@@ -160,6 +161,16 @@ class Readiness:
     def __init__(self) -> None:
         fd = os.environ.pop(READY_FD_ENV, None)
         self.fd = int(fd) if fd else None
+        # Forked workers and the control process must not hold the pipe: if this
+        # process died before READY, `dlfs mount` would see no end of file and wait
+        # its whole timeout.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
 
     def send(self, message: str) -> None:
         if self.fd is None:
@@ -329,7 +340,8 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         workers = start_workers(config, namespace, ops, fds_before_mount, pool)
         control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
-        write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file))
+        write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
+                                  start_time(os.getpid())))
         write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send("READY")
         fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1

@@ -8,6 +8,7 @@ on such a mount too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -26,6 +27,7 @@ from dlfs.runtime import (
     pid_alive,
     read_record,
     remove_record,
+    serving_daemon,
 )
 
 FSTYPE = "fuse.dlfs"
@@ -46,8 +48,8 @@ def _fusermount(mountpoint: str, lazy: bool) -> subprocess.CompletedProcess:
 
 
 def prepare_mountpoint(mountpoint: str) -> str:
-    """Return the real path; clean a stale mount; refuse a live or missing one."""
-    path = os.path.realpath(mountpoint)
+    """Return the canonical path; clean a stale mount; refuse a live or missing one."""
+    path = mountpoint_path(mountpoint)
     try:
         os.stat(path)
     except FileNotFoundError:
@@ -62,7 +64,7 @@ def prepare_mountpoint(mountpoint: str) -> str:
         raise DlfsError(f"mountpoint is not a directory: {path}")
     if mounted_fstype(path) == FSTYPE:
         record = read_record(path)
-        if record is not None and pid_alive(record.pid):
+        if (record is not None and record.alive()) or serving_daemon(path) is not None:
             raise DlfsError(f"already mounted: {path} (run `dlfs umount {path}` first)")
         # The daemon is gone (the kernel may still answer stat from its cache).
         _fusermount(path, lazy=True)
@@ -92,20 +94,38 @@ def _spawn_and_wait(config: MountConfig, timeout: float) -> int:
             pass_fds=(write_end,), start_new_session=True)
     os.close(write_end)
     try:
-        line = _read_line(read_end, timeout)
-    finally:
-        os.close(read_end)
-    if line == "READY":
-        _wait_until_answering(config.mountpoint, proc, timeout)
-        return 0
-    if line.startswith("ERROR "):
-        proc.wait(timeout=30)
-        raise DlfsError(line[len("ERROR ") :])
-    if line == "":
-        code = proc.wait(timeout=30)
-        raise DlfsError(f"daemon exited with code {code} before mounting; see {config.log_file}")
-    proc.kill()
-    raise DlfsError(f"daemon did not come up within {timeout:.0f} s; see {config.log_file}")
+        try:
+            line = _read_line(read_end, timeout)
+        finally:
+            os.close(read_end)
+        if line == "READY":
+            _wait_until_answering(config.mountpoint, proc, timeout)
+            return 0
+        if line.startswith("ERROR "):
+            proc.wait(timeout=30)
+            raise DlfsError(line[len("ERROR ") :])
+        if line == "":
+            code = proc.wait(timeout=30)
+            raise DlfsError(f"daemon exited with code {code} before mounting; see "
+                            f"{config.log_file}")
+        raise DlfsError(f"daemon did not come up within {timeout:.0f} s; see {config.log_file}")
+    except BaseException:  # failed, timed out, or interrupted (Ctrl-C): leave nothing behind
+        _abandon(proc, config.mountpoint)
+        raise
+
+
+def _abandon(proc: subprocess.Popen, mountpoint: str) -> None:
+    """Stop a daemon we gave up on, with every process it forked (its own session), and
+    take away a mount it may have made meanwhile."""
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait)
+            break
+    if mounted_fstype(mountpoint) == FSTYPE:
+        _fusermount(mountpoint, lazy=True)
+    remove_record(mountpoint)
 
 
 def _read_line(fd: int, timeout: float) -> str:
@@ -156,7 +176,7 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
             raise DlfsError(f"mount is busy: {path} (close files and shells using it, "
                             "or run `dlfs umount --lazy`)")
         raise DlfsError(f"cannot unmount {path}: {message}")
-    if record is not None:
+    if record is not None and record.alive():  # not a reused pid of a SIGKILLed one
         _wait_for_exit(record.pid, timeout)
     remove_record(path)
     return 0

@@ -10,8 +10,11 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from dlfs.errors import DlfsError
 
 
 def runtime_dir() -> Path:
@@ -23,7 +26,19 @@ def runtime_dir() -> Path:
     else:
         base = Path(f"/tmp/dlfs-{os.geteuid()}")
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(base)
     return base
+
+
+def _check_private(path: Path) -> None:
+    """Records name pids `dlfs umount` signals, and logs are appended to: a directory
+    someone else made first (in /tmp anyone can) must not be trusted."""
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise DlfsError(f"runtime directory {path} is not a directory of yours: remove it, "
+                        "or set XDG_RUNTIME_DIR")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 @dataclass
@@ -32,6 +47,22 @@ class DaemonRecord:
     mountpoint: str
     store: str
     log_file: str | None
+    started: int = 0  # the pid's start time (start_time): tells a reused pid apart
+
+    def alive(self) -> bool:
+        """The daemon that wrote this record still runs (not just some process with its
+        pid: after a SIGKILL the record stays, and the pid can be reused)."""
+        return pid_alive(self.pid) and (not self.started or start_time(self.pid) == self.started)
+
+
+def start_time(pid: int) -> int:
+    """When process `pid` started (clock ticks since boot; /proc/PID/stat field 22), 0 if
+    it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def mountpoint_path(mountpoint: str) -> str:
@@ -43,7 +74,12 @@ def mountpoint_path(mountpoint: str) -> str:
     calls this: it receives the canonical path and must not stat its own
     mountpoint before its FUSE loop runs.
     """
-    parent, name = os.path.split(os.path.abspath(mountpoint))
+    # Not abspath: it drops "link/.." before the link is followed, so "x/link/../mnt"
+    # would name x/mnt where the kernel (and `dlfs mount`) go to the link's parent.
+    path = os.path.join(os.getcwd(), mountpoint).rstrip("/") or "/"
+    parent, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        return os.path.realpath(path)
     path = os.path.join(os.path.realpath(parent), name)
     if os.path.islink(path):
         path = os.path.realpath(path)
@@ -94,6 +130,30 @@ def remove_record(mountpoint: str, pid: int | None = None) -> None:
         return
     with contextlib.suppress(FileNotFoundError):
         record_path(mountpoint).unlink()
+
+
+def serving_daemon(mountpoint: str) -> int | None:
+    """The pid of a live `dlfsd` whose mountpoint is `mountpoint` (canonical), found from
+    the process table, not from a record (one kept in another runtime directory, or one
+    logind removed at logout, is not ours to see)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"dlfsd" not in argv or b"--config" not in argv:
+            continue
+        try:
+            config = json.loads(argv[argv.index(b"--config") + 1])
+        except (IndexError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("mountpoint") == mountpoint \
+                and pid_alive(int(entry.name)):
+            return int(entry.name)
+    return None
 
 
 def pid_alive(pid: int) -> bool:

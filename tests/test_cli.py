@@ -16,6 +16,8 @@ import subprocess
 import pytest
 from trees import describe_tree, file_bytes, make_small_tree, regular_files
 
+from dlfs import runtime
+from dlfs.errors import DlfsError
 from dlfs.sizes import format_size
 from dlfs.store import Store
 
@@ -391,3 +393,21 @@ def test_help_examples_parse(dlfs_cli):
                 parser.parse_args(example.split()[1:])
             except SystemExit as exit_:
                 pytest.fail(f"help example does not parse: {example} ({exit_.code})")
+
+
+def test_runtime_directory_someone_else_made_is_refused(tmp_path):
+    """/tmp/dlfs-UID can be made first by anyone: records name pids `dlfs umount`
+    signals, so a directory not ours (or a symlink) is refused, and ours made private."""
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chown(other, 65534, 65534)
+    with pytest.raises(DlfsError, match="not a directory of yours"):
+        runtime._check_private(other)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    os.chmod(mine, 0o777)
+    runtime._check_private(mine)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    (tmp_path / "link").symlink_to(mine)
+    with pytest.raises(DlfsError, match="not a directory of yours"):
+        runtime._check_private(tmp_path / "link")

@@ -25,6 +25,7 @@ from trees import describe_tree, make_small_tree, regular_files, sha256_file
 
 from dlfs.errors import DlfsError
 from dlfs.populate import PopulateOptions, populate
+from dlfs.runtime import read_record, record_path, write_record
 from dlfs.store import Store
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
@@ -359,6 +360,78 @@ def test_a_worker_killed_mid_request_does_not_hang_its_reader(mounted, tmp_path,
     log = m.log_text()
     assert f"worker process {busy[0]} died (killed by SIGKILL)" in log, log
     assert "went back to the queue" in log, log
+
+
+def test_umount_of_a_killed_daemon_does_not_signal_a_process_that_reused_its_pid(
+        dlfs_cli, mounted, small_store, kill_daemon):
+    """After a SIGKILL the record stays; its pid may belong to another process by then."""
+    m = mounted(small_store)
+    kill_daemon(m.pids)
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        record = read_record(str(m.path))
+        record.pid = bystander.pid  # as if the kernel had handed the pid out again
+        write_record(record)
+        started = time.monotonic()
+        result = dlfs_cli("umount", m.path)
+        assert result.returncode == 0, result.stderr
+        assert bystander.poll() is None, "umount signalled a process that is not the daemon"
+        assert time.monotonic() - started < 10, "umount waited for the other process"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_mount_refuses_a_live_mount_whose_record_is_gone(dlfs_cli, mounted, small_store):
+    """logind removes /run/user/UID at logout; a record may be in another runtime dir.
+    The live mount must stay (it used to be detached as if its daemon were dead)."""
+    m = mounted(small_store)
+    record_path(str(m.path)).unlink()
+    result = dlfs_cli("mount", m.path, "--store", small_store)
+    assert result.returncode == 1 and "already mounted" in result.stderr, result.stderr
+    assert os.listdir(m / "ds")  # still served
+
+
+def test_mount_and_umount_agree_on_a_path_through_a_symlink_and_dotdot(
+        dlfs_cli, mounted, small_store, tmp_path, sysproc):
+    (tmp_path / "y" / "z").mkdir(parents=True)
+    (tmp_path / "y" / "mnt").mkdir()
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "link").symlink_to("../y/z")
+    via = tmp_path / "x" / "link" / ".." / "mnt"  # the kernel goes to y/mnt
+    mounted(small_store, mountpoint=via)
+    assert sysproc.fstype_at(tmp_path / "y" / "mnt") == "fuse.dlfs"
+    result = dlfs_cli("umount", via)
+    assert result.returncode == 0, result.stderr
+    assert sysproc.fstype_at(tmp_path / "y" / "mnt") is None
+
+
+def test_interrupted_mount_leaves_no_daemon_and_no_mount(sysproc, small_store, tmp_path):
+    """Ctrl-C on `dlfs mount` while its daemon starts: the daemon (its own session) is
+    stopped, with anything it forked, and a mount it made is taken away."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.Popen([*sysproc.dlfs_argv, "mount", str(mp), "--store",
+                             str(small_store)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not sysproc.daemon_pids_for(mp):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no daemon started"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, stderr
+        time.sleep(2)  # a daemon left running would have mounted by now
+        assert sysproc.daemon_pids_for(mp) == []
+        assert sysproc.fstype_at(mp) is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in sysproc.daemon_pids_for(mp):
+            sysproc.kill_and_reap(pid)
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
 
 
 def test_killed_daemon_gives_enotconn(mounted, small_store, kill_daemon):
