@@ -230,15 +230,21 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
     stats.close()
 
 
+def pool_with_chunk_0_staged(ds, cache: Path) -> tuple[ChunkPool, Stager]:
+    """A one-node pool that owns and has staged chunk 0, and its stager."""
+    pool = ChunkPool(view(1, [1, 1], secrets.token_bytes(32)), [ds], cache)
+    pool.caches[0].scan()
+    stager = Stager([ds], pool.caches, pool.owned, pool.demand)
+    pool.owned[0][0] = True
+    stager._copy(0, 0, bytearray())
+    return pool, stager
+
+
 def test_a_late_failure_of_a_replaced_copy_does_not_evict_the_new_one(dataset, tmp_path):
     """A read of an old copy can fail after the copy was evicted and staged anew (a failing
     disk retries for seconds); that failure must not evict the good new copy."""
     ds, _ = dataset
-    holder = ChunkPool(view(1, [1, 1], secrets.token_bytes(32)), [ds], tmp_path / "cache")
-    holder.caches[0].scan()
-    stager = Stager([ds], holder.caches, holder.owned, holder.demand)
-    holder.owned[0][0] = True
-    stager._copy(0, 0, bytearray())
+    holder, stager = pool_with_chunk_0_staged(ds, tmp_path / "cache")
     old_fd, _ = holder.staged_file(ds.uuid, 0)
     holder.caches[0].evict(0)  # a reader found it bad; the stager copies it again
     stager._copy(0, 0, bytearray())
@@ -256,11 +262,7 @@ def test_a_reader_whose_read_of_a_replaced_copy_fails_keeps_the_new_one(dataset,
     """The same race on the reader's side: worker A's slow read of the old copy fails after
     worker B evicted it and the stager staged it anew."""
     ds, _ = dataset
-    pool = ChunkPool(view(1, [1, 1], secrets.token_bytes(32)), [ds], tmp_path / "cache")
-    pool.caches[0].scan()
-    stager = Stager([ds], pool.caches, pool.owned, pool.demand)
-    pool.owned[0][0] = True
-    stager._copy(0, 0, bytearray())
+    pool, stager = pool_with_chunk_0_staged(ds, tmp_path / "cache")
     reader = SampleReader(ds, trio.CapacityLimiter(4), pool=pool, inline_io=True)
     old_fd = pool.caches[0].open_fd(0)  # A's copy, open while its read is under way
     pool.caches[0].evict(0)  # B found it bad; the stager copies it again
