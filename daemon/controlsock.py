@@ -51,6 +51,7 @@ class ControlServer:
         self.path = path
         self.observe = observe
         self.pid = 0
+        self._inode = 0  # of the socket we bound: a later daemon's socket is not ours
 
     def start(self) -> ControlServer:
         """Bind now (ready before `dlfs mount` returns), answer in a forked process."""
@@ -60,6 +61,7 @@ class ControlServer:
         try:
             sock.bind(self.path)
             os.chmod(self.path, 0o600)
+            self._inode = os.stat(self.path).st_ino
             sock.listen(8)
         except OSError as err:
             sock.close()
@@ -97,7 +99,8 @@ class ControlServer:
                 time.sleep(0.01)
             self.pid = 0
         with contextlib.suppress(OSError):
-            os.unlink(self.path)
+            if self._inode and os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
 
 
 def _serve(sock: socket.socket, observe: Observability) -> None:

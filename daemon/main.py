@@ -29,6 +29,7 @@ from dlfs.mountinfo import find_mount
 from dlfs.runtime import (
     DaemonRecord,
     control_socket_path,
+    read_record,
     remove_record,
     start_time,
     status_path,
@@ -278,6 +279,11 @@ class Services:
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name)
 
+    def _current(self) -> bool:
+        """This daemon still serves its mountpoint: no later one has written its record."""
+        record = read_record(self.config.mountpoint)
+        return record is None or record.pid == os.getpid()
+
     def status(self) -> dict:
         return build_status(self.config, self.datasets, self.stats, self.stager,
                             self.pool, self.server)
@@ -290,7 +296,8 @@ class Services:
                     self.server.start(me.host, me.port)
                 if self.stager is not None:
                     nursery.start_soon(self.stager.run)
-                nursery.start_soon(keep_status, status_path(self.config.mountpoint), self.status)
+                nursery.start_soon(keep_status, status_path(self.config.mountpoint),
+                                   self.status, self._current)
                 task_status.started()
         finally:
             if self.server is not None:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -67,27 +68,38 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
     return out
 
 
-def write_status(path: Path, status: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def write_status(path: Path, status: dict) -> int:
+    """Replace the status file; returns the new file's inode (see keep_status)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(status))
+    inode = os.stat(tmp).st_ino
     os.replace(tmp, path)
+    return inode
 
 
-async def keep_status(path: Path, render) -> None:
+async def keep_status(path: Path, render, current: Callable[[], bool]) -> None:
     """Rewrite the status file every STATUS_INTERVAL until cancelled; remove it then.
 
     A failure here is logged once and never stops the daemon: status is a view.
+    Once `current()` says another daemon serves the mountpoint now (this one was
+    detached by a lazy unmount and the mountpoint mounted again), the file is that
+    daemon's: we stop writing it and leave it in place.
     """
     failed = False
+    ours = None
     try:
         while True:
+            if not current():
+                ours = None
+                return
             try:
-                write_status(path, render())
+                ours = write_status(path, render())
             except Exception:
                 if not failed:
                     log.exception("cannot write the status file %s; will keep trying", path)
                 failed = True
             await trio.sleep(STATUS_INTERVAL)
     finally:
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if ours is not None and current():
+            with contextlib.suppress(OSError):
+                path.unlink()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,13 @@ from trees import describe_tree, make_small_tree, regular_files, sha256_file
 
 from dlfs.errors import DlfsError
 from dlfs.populate import PopulateOptions, populate
-from dlfs.runtime import read_record, record_path, write_record
+from dlfs.runtime import (
+    control_socket_path,
+    read_record,
+    record_path,
+    status_path,
+    write_record,
+)
 from dlfs.store import Store
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
@@ -568,6 +575,32 @@ def test_lazy_umount_keeps_open_files_readable(dlfs_cli, mounted, small_store, s
     finally:
         os.close(fd)
     assert all(sysproc.wait_dead(pid, 15) for pid in m.pids), "must exit once the file closes"
+
+
+def test_a_detached_daemon_leaves_the_next_ones_socket_and_status_alone(
+        dlfs_cli, mounted, small_store, sysproc):
+    """umount --lazy, mount again at the same path, then the old daemon's last file
+    closes and it exits: the new daemon's control socket and status file must stay."""
+    old = mounted(small_store)
+    fd = os.open(old / "ds/d0/f002.bin", os.O_RDONLY)
+    try:
+        assert dlfs_cli("umount", "--lazy", old.path).returncode == 0
+        # Not through `mounted`: it tells daemons apart by mountpoint (its teardown
+        # unmounts this one).
+        result = dlfs_cli("mount", old.path, "--store", small_store)
+        assert result.returncode == 0, result.stderr
+        time.sleep(2.5)  # both daemons rewrite the status file meanwhile (every second)
+    finally:
+        os.close(fd)
+    assert all(sysproc.wait_dead(pid, 15) for pid in old.pids), "the old daemon must exit"
+    key = str(old.path)
+    new_pid = read_record(key).pid
+    assert new_pid not in old.pids
+    assert control_socket_path(key).exists(), "the new daemon's control socket was removed"
+    assert status_path(key).exists(), "the new daemon's status file was removed"
+    time.sleep(1.5)
+    assert json.loads(status_path(key).read_text())["pid"] == new_pid
+    assert dlfs_cli("trace", "start", old.path).returncode == 0
 
 
 def test_mountpoint_with_space_and_unicode(dlfs_cli, mounted, small_store, small_source,
