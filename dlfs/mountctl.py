@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import select
 import signal
@@ -23,6 +24,7 @@ from dlfs.errors import DlfsError, NotFoundError
 from dlfs.mountinfo import find_mount
 from dlfs.runtime import (
     default_log_path,
+    lock_path,
     mountpoint_path,
     pid_alive,
     read_record,
@@ -74,14 +76,31 @@ def prepare_mountpoint(mountpoint: str) -> str:
 
 def mount(config: MountConfig, foreground: bool, timeout: float = 120.0) -> int:
     """Mount per `config`; in the background, return once the mount answers."""
-    config = replace(config, mountpoint=prepare_mountpoint(config.mountpoint))
-    if foreground:
-        from dlfsd.main import run  # the daemon's deps load only when we become it
+    with _mount_lock(mountpoint_path(config.mountpoint)):
+        config = replace(config, mountpoint=prepare_mountpoint(config.mountpoint))
+        if not foreground:
+            log_file = config.log_file or str(default_log_path(config.mountpoint))
+            return _spawn_and_wait(replace(config, log_file=log_file), timeout)
+    from dlfsd.main import run  # the daemon's deps load only when we become it
 
-        return run(config)
-    log_file = config.log_file or str(default_log_path(config.mountpoint))
-    config = replace(config, log_file=log_file)
-    return _spawn_and_wait(config, timeout)
+    return run(config)
+
+
+@contextlib.contextmanager
+def _mount_lock(mountpoint: str):
+    """One `dlfs mount` of a mountpoint at a time, from the stale-mount check until the
+    mount answers: two at once (srun with two tasks per node) would both find the path
+    free and mount twice, stacked. A foreground mount holds it until mounting starts."""
+    fd = os.open(lock_path(mountpoint), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DlfsError(f"another `dlfs mount` of {mountpoint} is under way; wait for "
+                            "it, then check with `dlfs status`") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _spawn_and_wait(config: MountConfig, timeout: float) -> int:

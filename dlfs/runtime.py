@@ -95,6 +95,11 @@ def record_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.json"
 
 
+def lock_path(mountpoint: str) -> Path:
+    """Held by a `dlfs mount` of the mountpoint until it answers (see dlfs.mountctl)."""
+    return runtime_dir() / f"{_key(mountpoint)}.lock"
+
+
 def status_path(mountpoint: str) -> Path:
     """Where the daemon of a mountpoint keeps its live status (for `dlfs status`)."""
     return runtime_dir() / f"{_key(mountpoint)}.status.json"

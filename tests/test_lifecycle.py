@@ -441,6 +441,33 @@ def test_interrupted_mount_leaves_no_daemon_and_no_mount(sysproc, small_store, t
         subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
 
 
+def test_two_mounts_of_one_path_at_once_make_one_mount(dlfs_cli, sysproc, small_store,
+                                                        tmp_path):
+    """`srun` with two tasks per node runs the prologue's mount twice at once."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    argv = [*sysproc.dlfs_argv, "mount", str(mp), "--store", str(small_store)]
+    procs = [subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+        assert sorted(code for code, _ in results) == [0, 1], results
+        error = next(err for code, err in results if code == 1)
+        assert len(error.splitlines()) == 1 and error.startswith("dlfs: error:"), error
+        assert "under way" in error or "already mounted" in error, error
+        mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                  if line.split()[4] == str(mp)]
+        assert len(mounts) == 1, mounts
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+        dlfs_cli("umount", mp)
+        for pid in sysproc.daemon_pids_for(mp):
+            sysproc.kill_and_reap(pid)
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+
+
 def test_killed_daemon_gives_enotconn(mounted, small_store, kill_daemon):
     m = mounted(small_store)
     os.listdir(m / "ds")  # works while the daemon lives
