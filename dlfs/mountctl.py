@@ -90,7 +90,8 @@ def mount(config: MountConfig, foreground: bool, timeout: float = 120.0) -> int:
 def _mount_lock(mountpoint: str):
     """One `dlfs mount` of a mountpoint at a time, from the stale-mount check until the
     mount answers: two at once (srun with two tasks per node) would both find the path
-    free and mount twice, stacked. A foreground mount holds it until mounting starts."""
+    free and mount twice, stacked. A foreground mount holds it only through the
+    stale-mount check (it then becomes the daemon)."""
     fd = os.open(lock_path(mountpoint), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
