@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
 
 from dlfs import protocol
 from dlfs.protocol import LENGTH_PREFIX, Message, ProtocolError
@@ -41,15 +42,22 @@ class BlockingPeerClient:
         self._prefix = bytearray(_PREFIX)
         self._body = bytearray(protocol.MAX_FRAME)
         self._view = memoryview(self._body)
+        self._deadline = 0.0  # of the read (or handshake) under way
+        self._shortened = False  # the socket's kernel timeout is below `timeout`
 
     def read(self, dataset_id: bytes, chunk: int, offset: int,
              length: int) -> bytes | memoryview:
         """`length` bytes at `offset` of the chunk's data; PeerUnavailable / PeerMiss /
-        PeerRefused like PeerClient.read, each within `timeout` per socket call.
+        PeerRefused like PeerClient.read, within `timeout` for the whole read,
+        connecting and the handshake included.
 
         The bytes may be a view of the client's buffer: use them before the next call.
         """
-        sock = self._sock or self._connect()
+        if self._sock is None:
+            sock = self._connect()  # starts the read's clock
+        else:
+            sock = self._sock
+            self._start_clock(sock)
         self._next_id = (self._next_id + 1) % protocol.MAX_REQUEST_ID
         request_id = self._next_id
         try:
@@ -95,13 +103,15 @@ class BlockingPeerClient:
 
     # -- connection ------------------------------------------------------------------
     def _connect(self) -> socket.socket:
+        self._deadline = time.monotonic() + self.timeout
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         except OSError as error:
             raise PeerUnavailable(f"cannot connect to peer {self.address}: "
                                   f"{error.strerror or error}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _kernel_timeouts(sock, self.timeout)
+        _kernel_timeouts(sock, max(self._deadline - time.monotonic(), 0.001))
+        self._shortened = True
         try:
             self._handshake(sock)
         except (OSError, ProtocolError) as error:
@@ -153,8 +163,14 @@ class BlockingPeerClient:
         self._fill(sock, self._view[:size])
         return size
 
-    @staticmethod
-    def _fill(sock: socket.socket, view: memoryview) -> None:
+    def _start_clock(self, sock: socket.socket) -> None:
+        """A read (or a handshake) has `timeout` in all from now."""
+        self._deadline = time.monotonic() + self.timeout
+        if self._shortened:
+            _kernel_timeouts(sock, self.timeout)
+            self._shortened = False
+
+    def _fill(self, sock: socket.socket, view: memoryview) -> None:
         got = 0
         while got < len(view):
             # MSG_WAITALL: the kernel gathers the arriving segments; it returns early
@@ -163,6 +179,13 @@ class BlockingPeerClient:
             if not n:
                 raise ConnectionResetError("connection closed by the peer")
             got += n
+            if got < len(view):  # cut short by the kernel timeout: part of it came
+                left = self._deadline - time.monotonic()  # a peer that trickles bytes
+                if left <= 0:  # must not hold a worker past the read's own timeout
+                    raise TimeoutError(f"only {got} of {len(view)} bytes within "
+                                       f"{self.timeout:g} s")
+                _kernel_timeouts(sock, max(left, 0.001))  # 0 would mean: wait forever
+                self._shortened = True
 
 
 def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:

@@ -658,3 +658,24 @@ def test_blocking_client_fails_within_the_timeout_on_a_silent_or_dead_peer(peer)
         client.read(DATASET, 0, 0, 10)
     assert time.monotonic() - started < 0.5  # neither waits for the timeout
     client.close()
+
+
+async def test_blocking_client_gives_up_on_a_peer_that_trickles_its_reply(nursery):
+    """The timeout bounds the whole read: a reply arriving a byte at a time (a stalled or
+    hostile peer) must not hold a worker's FUSE request for minutes."""
+    async def trickling_server(stream):
+        decoder = protocol.FrameDecoder()
+        await fake_handshake(stream, decoder)
+        (read,) = decoder.feed(await stream.receive_some())
+        frame = protocol.encode(protocol.data(read["id"], bytes(read["len"])))
+        for i in range(len(frame)):
+            await stream.send_all(frame[i:i + 1])
+            await trio.sleep(0.1)
+
+    port = await serve_fake(nursery, trickling_server)
+    client = BlockingPeerClient(SECRET, "worker", "127.0.0.1", port, timeout=0.6)
+    start = trio.current_time()
+    with pytest.raises(PeerUnavailable, match=r"within 0\.6 s"):
+        await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 1000)
+    assert trio.current_time() - start < 1.5
+    client.close()
