@@ -50,6 +50,7 @@ class ChunkCache:
         self._last_gen = mmap.mmap(-1, max(1, count))  # written by the stager only
         self._fds = [-1] * count  # per process
         self._fd_gen = bytearray(count)
+        self._retired: list[int] = []  # superseded copies' fds (see open_fd)
         self._open_lock = threading.Lock()
 
     # -- state shared by all processes ----------------------------------------
@@ -141,11 +142,18 @@ class ChunkCache:
             if self._fds[chunk] >= 0:
                 if self._fd_gen[chunk] == gen:
                     return self._fds[chunk]  # another thread opened it meanwhile
-                os.close(self._fds[chunk])
+                # The superseded copy's fd stays open until close(): a disk thread may be
+                # about to read it, and a closed number is handed out again at once (to
+                # the new copy, to any file), so that read, or a later "is this still the
+                # current copy?" (ChunkPool.staged_copy_failed, which compares fds), would
+                # be about the wrong file. One fd per re-staged chunk: rare.
+                self._retired.append(self._fds[chunk])
                 self._fds[chunk] = -1
             try:
                 fd = os.open(self.path(chunk), os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
+                if self._state[chunk] == gen:  # staged, yet gone (removed behind our
+                    self.evict(chunk)  # back): forget it, so it is staged again
                 return -1
             self._fds[chunk] = fd
             self._fd_gen[chunk] = gen
@@ -156,6 +164,9 @@ class ChunkCache:
             if fd >= 0:
                 os.close(fd)
                 self._fds[i] = -1
+        for fd in self._retired:
+            os.close(fd)
+        self._retired.clear()
         self._view = None  # release the export before closing the mapping
         self._state.close()
         self._last_gen.close()

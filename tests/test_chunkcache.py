@@ -62,3 +62,29 @@ def test_generations_keep_changing_over_many_restagings(cache):
         assert cache.cached_fd(1) == -1
         seen = cache.open_fd(1)
         assert cache.cached_fd(1) == seen
+
+
+def test_a_copy_removed_behind_our_back_is_forgotten_so_it_is_staged_again(cache):
+    """Staged, then deleted by something else (a cleaner, an admin): opening it finds
+    nothing, and the chunk must stop counting as staged (else it is never staged again
+    and peers get MISS for good)."""
+    stage(cache, 0)
+    cache.path(0).unlink()
+    assert cache.is_staged(0)
+    assert cache.open_fd(0) == -1
+    assert not cache.is_staged(0)
+
+
+def test_a_superseded_copy_keeps_its_descriptor_until_close(cache):
+    """A disk thread may still be reading the old copy: its fd number must not be handed
+    out again (to the new copy or any file) while the cache lives."""
+    stage(cache, 0)
+    old_fd = cache.open_fd(0)
+    cache.evict(0)
+    stage(cache, 0)
+    new_fd = cache.open_fd(0)
+    assert new_fd != old_fd
+    os.fstat(old_fd)  # still open
+    cache.close()
+    with pytest.raises(OSError):
+        os.fstat(old_fd)

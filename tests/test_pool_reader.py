@@ -253,6 +253,8 @@ def test_a_late_failure_of_a_replaced_copy_does_not_evict_the_new_one(dataset, t
     assert not holder.staged_copy_failed(ds.uuid, 0, -1)  # could not open it (EMFILE...)
     assert holder.caches[0].is_staged(0) and holder.caches[0].path(0).exists()
     new_fd, _ = holder.staged_file(ds.uuid, 0)
+    assert new_fd != old_fd, "the old copy's fd number was handed out again"
+    assert not holder.staged_copy_failed(ds.uuid, 0, old_fd)  # even after the reopen
     assert holder.staged_copy_failed(ds.uuid, 0, new_fd)  # the current copy failing: evicted
     assert not holder.caches[0].is_staged(0) and not holder.caches[0].path(0).exists()
     holder.close()
