@@ -98,7 +98,7 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
     except OSError as err:
         raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
     pool = ChunkPool(view, datasets, cache_root, config.peer_timeout)
-    adopted = pool.scan_caches()
+    adopted = pool.scan_caches(config.cache_limit)
     log.info("chunk pool: node %s of %d, %d replicas, cache %s (%d staged chunks reused)",
              view.me.name, len(view.nodes), view.replicas, cache_root, adopted)
     return pool

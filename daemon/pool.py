@@ -62,9 +62,25 @@ class ChunkPool:
         self._down_until: dict[int, float] = {}
         self._bad_copies: dict[tuple[int, int, int], float] = {}  # (node, ds, chunk) -> until
 
-    def scan_caches(self) -> int:
-        """Adopt chunks staged by an earlier mount; returns how many."""
-        return sum(cache.scan() for cache in self.caches)
+    def scan_caches(self, limit: int = 0) -> int:
+        """Adopt chunks staged by an earlier mount; returns how many are kept.
+
+        Over `limit` bytes (0: no limit; a remount with a lower --cache-limit), copies
+        are dropped until it fits: first those this node does not own (its share
+        changes with the node list), then its own, from the last chunk back.
+        """
+        adopted = sum(cache.scan() for cache in self.caches)
+        used = sum(cache.staged_bytes() for cache in self.caches)
+        for own in (False, True):
+            for ds, cache in enumerate(self.caches):
+                for chunk in range(cache.dataset.chunk_count - 1, -1, -1):
+                    if not limit or used <= limit:
+                        return adopted
+                    if cache.is_staged(chunk) and bool(self.owned[ds][chunk]) == own:
+                        used -= int(cache.lengths[chunk])
+                        cache.evict(chunk)
+                        adopted -= 1
+        return adopted
 
     def after_fork(self) -> None:
         """In a forked worker: drop the parent's client objects and peer health."""

@@ -287,6 +287,20 @@ def test_cache_limit_stages_what_fits(mounted, pool_store, pool_source, tmp_path
     read_and_compare(mount, pool_source, source_files(pool_source))
 
 
+def test_a_remount_with_a_lower_cache_limit_drops_what_no_longer_fits(
+        mounted, pool_store, tmp_path, dlfs_cli):
+    cache = tmp_path / "cache"
+    mount = mounted(pool_store, "--cache-dir", str(cache))
+    wait_staged(dlfs_cli, mount)
+    assert dlfs_cli("umount", mount.path).returncode == 0
+    assert sum(p.stat().st_size - 4096 for p in cache.glob("*/*.chunk")) > 1 << 20
+    again = mounted(pool_store, "--cache-dir", str(cache), "--cache-limit", "1M",
+                    mountpoint=Path(mount.path))
+    assert 0 < sum(p.stat().st_size - 4096 for p in cache.glob("*/*.chunk")) <= 1 << 20
+    st = status_of(dlfs_cli, again)["datasets"][0]["staging"]
+    assert st["staged_chunks"] < st["owned_chunks"]
+
+
 def test_mount_refuses_a_secret_others_can_read(mounted, pool_store, tmp_path):
     secret = write_secret(tmp_path / "secret")
     secret.chmod(0o644)
