@@ -215,17 +215,19 @@ class ChunkPool:
         retries for seconds). True if a copy was evicted. Peers meanwhile get MISS and
         read elsewhere."""
         ds = self._by_id.get(dataset_id)
-        if ds is None or not self.caches[ds].is_staged(chunk):
-            return False
-        if fd < 0:  # it could not be opened (out of descriptors, permissions): not the
-            return False  # copy's fault, and a copy that is gone is forgotten on opening
-        if self.caches[ds].cached_fd(chunk) != fd:
-            return False  # that copy was replaced already
-        self.evict(ds, chunk)
-        return True
+        return ds is not None and self.evict_copy(ds, chunk, fd)
 
-    def evict(self, ds: int, chunk: int) -> None:
-        """Drop a bad staged copy and, if this node owns the chunk, stage it again next."""
-        self.caches[ds].evict(chunk)
+    def evict_copy(self, ds: int, chunk: int, fd: int) -> bool:
+        """Drop the staged copy read through `fd`, which failed, and if this node owns
+        the chunk stage it again next; True if evicted. Only if `fd` is still the
+        current copy's: a slow read of an old copy can fail after that copy was evicted
+        and staged anew, and the new good copy must stay. -1 (it could not be opened:
+        out of descriptors, permissions) is not the copy's fault, and a copy that is
+        gone is forgotten on opening (ChunkCache.open_fd)."""
+        cache = self.caches[ds]
+        if fd < 0 or not cache.is_staged(chunk) or cache.cached_fd(chunk) != fd:
+            return False
+        cache.evict(chunk)
         if self.owned[ds][chunk]:
             self.demand.send(ds, chunk)
+        return True

@@ -289,18 +289,13 @@ class SampleReader:
         return data
 
     def _evict(self, chunk: int, fd: int, what: str) -> None:
-        """A staged copy is bad: stop using it, clear its extents' marks, stage it again.
-
-        Only if `fd`, the copy that failed, is still the current one: a slow read of
-        an old copy can fail after another worker evicted it and the stager staged
-        it anew, and the new good copy must stay.
-        """
-        if not self._cache.is_staged(chunk) or self._cache.cached_fd(chunk) != fd:
+        """The staged copy read through `fd` is bad: stop using it, clear its extents'
+        marks, stage it again (if `fd` is still the current copy: ChunkPool.evict_copy)."""
+        if not self.pool.evict_copy(self.ds, chunk, fd):
             return
         log.error("%s in staged chunk %d of dataset %s (%s); evicted, re-staging; reads "
                   "go to peers or the store", what, chunk, self.dataset.name,
                   self._cache.path(chunk))
-        self.pool.evict(self.ds, chunk)
         order, bounds = self._by_chunk
         for e in order[bounds[chunk] : bounds[chunk + 1]]:
             self._state[e] &= ~LOCAL_OK & 0xFF

@@ -68,13 +68,10 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
     return out
 
 
-def write_status(path: Path, status: dict) -> int:
-    """Replace the status file; returns the new file's inode (see keep_status)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+def write_status(path: Path, status: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per daemon: see keep_status
     tmp.write_text(json.dumps(status))
-    inode = os.stat(tmp).st_ino
     os.replace(tmp, path)
-    return inode
 
 
 async def keep_status(path: Path, render, current: Callable[[], bool]) -> None:
@@ -85,21 +82,21 @@ async def keep_status(path: Path, render, current: Callable[[], bool]) -> None:
     detached by a lazy unmount and the mountpoint mounted again), the file is that
     daemon's: we stop writing it and leave it in place.
     """
-    failed = False
-    ours = None
+    failed = wrote = False
     try:
         while True:
             if not current():
-                ours = None
+                wrote = False
                 return
             try:
-                ours = write_status(path, render())
+                write_status(path, render())
+                wrote = True
             except Exception:
                 if not failed:
                     log.exception("cannot write the status file %s; will keep trying", path)
                 failed = True
             await trio.sleep(STATUS_INTERVAL)
     finally:
-        if ours is not None and current():
+        if wrote and current():
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -58,11 +58,8 @@ class DaemonRecord:
 def start_time(pid: int) -> int:
     """When process `pid` started (clock ticks since boot; /proc/PID/stat field 22), 0 if
     it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
+    fields = _stat_fields(pid)
+    return int(fields[19]) if len(fields) > 19 else 0
 
 
 def mountpoint_path(mountpoint: str) -> str:
@@ -163,9 +160,15 @@ def serving_daemon(mountpoint: str) -> int | None:
 
 def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie (a dead, unreaped daemon)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] not in (b"Z", b"X")
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """/proc/PID/stat from field 3 (state) on, [] if there is no such process. Split
+    after the last ')': the command name in field 2 may hold spaces and parentheses."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return []
