@@ -61,10 +61,12 @@ class PopulateOptions:
 class Piece:
     """One extent to copy: `length` bytes at `offset` of source file `path`."""
 
-    path: bytes
+    path: bytes  # absolute, under the source root with its symlinks resolved
     offset: int
     length: int
     is_last: bool
+    size: int  # the file's size and mtime at the scan: a file that differs has changed
+    mtime_ns: int
 
 
 def check_options(options: PopulateOptions) -> None:
@@ -124,22 +126,29 @@ def plan_populate(source: Path, store: Store, name: str, options: PopulateOption
     check_source(source)
     _check_store_writable(store)
     store.clean_stale_temps(name)  # first: it may put back a dataset a killed run moved
+    store.check_replaceable(name)
     if store.exists(name) and not options.force:
         raise DlfsError(f"dataset {name!r} already exists in {store.path} "
                         "(use --force to replace it)")
 
     scan = scan_tree(source)
     if scan.skipped:
-        shown = ", ".join(display_path(p) for p in scan.skipped[:10])
-        more = f" and {len(scan.skipped) - 10} more" if len(scan.skipped) > 10 else ""
-        log.warning("skipped %d special files (sockets, fifos, devices): %s%s",
-                    len(scan.skipped), shown, more)
+        log.warning("skipped %d special files (sockets, fifos, devices): %s",
+                    len(scan.skipped), _some_paths(scan.skipped))
+    if scan.vanished:
+        log.warning("%d entries were deleted while the source was scanned and are not "
+                    "packed: %s", len(scan.vanished), _some_paths(scan.vanished))
     directory = build_directory(scan.entries, options.chunk_size)
     stats = _stats(directory, len(scan.skipped),
                    display_path(os.fsencode(os.path.abspath(source))))
     # The temp dir is named before it exists, so cleanup never misses it.
     return PopulatePlan(source, name, directory, uuid.uuid4().bytes, stats,
                         store.temp_dir_path(name))
+
+
+def _some_paths(paths: list[bytes], shown: int = 10) -> str:
+    text = ", ".join(display_path(p) for p in paths[:shown])
+    return text + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
 def start_temp_dir(plan: PopulatePlan) -> None:
@@ -195,7 +204,7 @@ def plan_pieces(source: Path, directory: SampleDirectory,
                 wanted: np.ndarray | None = None) -> Iterator[Piece]:
     """Every extent of every file (only those `wanted[ext]`, if given), in extent order,
     with the source path to read it from."""
-    root = os.fsencode(source)
+    root = os.fsencode(os.path.realpath(source))  # what /proc/self/fd shows (_check_inside)
     ext_size = directory.extent_size
     lengths = directory.ext_length_view
     for row in directory.file_rows().tolist():
@@ -203,31 +212,90 @@ def plan_pieces(source: Path, directory: SampleDirectory,
         if not extents or (wanted is not None and not wanted[extents.start:extents.stop].any()):
             continue
         path = os.path.join(root, directory.path(row))
+        size, mtime = directory.size(row), directory.mtime_ns(row)
         for i, ext in enumerate(extents):
             if wanted is None or wanted[ext]:
-                yield Piece(path, i * ext_size, lengths[ext], ext == extents.stop - 1)
+                yield Piece(path, i * ext_size, lengths[ext], ext == extents.stop - 1,
+                            size, mtime)
+
+
+# Never blocks on a fifo swapped in since the scan; no effect on regular files.
+_SOURCE_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def read_piece(piece: Piece) -> tuple[bytes, int]:
-    """Read one extent from the source and checksum it (runs in a reader thread)."""
+    """Read one extent from the source and checksum it (runs in a reader thread).
+
+    The file must still be the one the scan saw: a regular file inside the source
+    tree with the same size and mtime. Otherwise a tree changed under us (or a user
+    who can write to it swapping a directory for a symlink) would have populate
+    pack bytes the scan never listed, from outside the tree.
+    """
     try:
-        fd = os.open(piece.path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(piece.path, _SOURCE_OPEN_FLAGS)
     except OSError as err:
-        raise DlfsError(f"cannot read source file {display_path(piece.path)}: {err.strerror}") \
-            from None
+        raise _source_error(piece, err.strerror) from None
     try:
+        _check_unchanged(fd, piece)
+        _check_inside(fd, piece)
         # One byte more on the last piece tells us the file grew since the scan.
         want = piece.length + (1 if piece.is_last else 0)
-        data = os.pread(fd, want, piece.offset)
+        data = _pread_full(fd, want, piece.offset)
+        if piece.is_last:
+            _check_unchanged(fd, piece)  # not rewritten in place while we read it
     except OSError as err:  # a source problem, not the store's (which OSErrors elsewhere mean)
-        raise DlfsError(f"cannot read source file {display_path(piece.path)}: {err.strerror}") \
-            from None
+        raise _source_error(piece, err.strerror) from None
     finally:
         os.close(fd)
     if len(data) != piece.length:
-        raise DlfsError(f"source file changed while packing: {display_path(piece.path)}; "
-                        "re-run populate once the source is stable")
+        raise _changed(piece)
     return data, checksum(data)
+
+
+def _check_unchanged(fd: int, piece: Piece) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != piece.size \
+            or st.st_mtime_ns != piece.mtime_ns:
+        raise _changed(piece)
+
+
+def _check_inside(fd: int, piece: Piece) -> None:
+    """The opened file's path must be the planned one: O_NOFOLLOW guards only the last
+    name, so a directory on the way replaced by a symlink would lead elsewhere."""
+    try:
+        opened = os.readlink(b"/proc/self/fd/%d" % fd)
+    except OSError:  # no /proc: nothing to compare with
+        return
+    if opened != piece.path:
+        raise DlfsError(f"source file {display_path(piece.path)} now leads outside its "
+                        f"planned place (to {display_path(opened)}): a directory on its path "
+                        "was replaced while packing; re-run populate once the source is stable")
+
+
+def _pread_full(fd: int, length: int, pos: int) -> bytes:
+    """Up to `length` bytes, short only at end of file (network file systems may
+    return less than asked without being at the end)."""
+    data = os.pread(fd, length, pos)
+    if len(data) in (0, length):
+        return data
+    parts = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, pos + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _source_error(piece: Piece, why: str) -> DlfsError:
+    return DlfsError(f"cannot read source file {display_path(piece.path)}: {why}")
+
+
+def _changed(piece: Piece) -> DlfsError:
+    return DlfsError(f"source file changed while packing: {display_path(piece.path)}; "
+                     "re-run populate once the source is stable")
 
 
 def write_chunks(source: Path, tmp: Path, directory: SampleDirectory, dataset_uuid: bytes,

@@ -30,8 +30,9 @@ def byte_progress(description: str, total: int, enabled: bool | None = None) -> 
     if not enabled:
         yield lambda nbytes: None
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-               TransferSpeedColumn(), TimeRemainingColumn())
+    # markup=False: a source path may hold [brackets], which are not rich markup.
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(),
+               DownloadColumn(binary_units=True), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task(description, total=total)
         yield lambda nbytes: bar.advance(task, nbytes)

@@ -21,6 +21,7 @@ from dlfs.errors import DlfsError, NotFoundError
 class ScanResult:
     entries: list[SourceEntry]
     skipped: list[bytes] = field(default_factory=list)  # relpaths of special files
+    vanished: list[bytes] = field(default_factory=list)  # deleted while we scanned
     file_count: int = 0
     total_bytes: int = 0
 
@@ -56,6 +57,10 @@ def scan_tree(source: Path) -> ScanResult:
         try:
             with os.scandir(abs_dir) as it:
                 dirents = list(it)
+        except FileNotFoundError:
+            if not rel_dir:
+                raise NotFoundError(f"source not found: {source}") from None
+            continue  # removed since its parent was listed: packed as an empty directory
         except OSError as err:
             raise DlfsError(
                 f"cannot list source directory {display_path(abs_dir)}: {err.strerror}; "
@@ -63,17 +68,27 @@ def scan_tree(source: Path) -> ScanResult:
             ) from None
         for dirent in dirents:
             rel = rel_dir + b"/" + dirent.name if rel_dir else dirent.name
-            st = dirent.stat(follow_symlinks=False)
-            mode = st.st_mode
-            if stat.S_ISDIR(mode):
-                result.entries.append(_entry(rel, st))
-                pending.append(rel)
-            elif stat.S_ISREG(mode):
-                result.entries.append(_entry(rel, st))
-                result.file_count += 1
-                result.total_bytes += st.st_size
-            elif stat.S_ISLNK(mode):
-                result.entries.append(_entry(rel, st, os.readlink(dirent.path)))
-            else:
-                result.skipped.append(rel)
+            try:
+                _add(result, pending, rel, dirent)
+            except FileNotFoundError:  # deleted between listing and stat: not in the tree
+                result.vanished.append(rel)
+            except OSError as err:
+                raise DlfsError(f"cannot stat source entry {display_path(dirent.path)}: "
+                                f"{err.strerror}") from None
     return result
+
+
+def _add(result: ScanResult, pending: list[bytes], rel: bytes, dirent: os.DirEntry) -> None:
+    st = dirent.stat(follow_symlinks=False)
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        result.entries.append(_entry(rel, st))
+        pending.append(rel)
+    elif stat.S_ISREG(mode):
+        result.entries.append(_entry(rel, st))
+        result.file_count += 1
+        result.total_bytes += st.st_size
+    elif stat.S_ISLNK(mode):
+        result.entries.append(_entry(rel, st, os.readlink(dirent.path)))
+    else:
+        result.skipped.append(rel)
