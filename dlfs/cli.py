@@ -27,6 +27,7 @@ from dlfs.errors import (
     EXIT_OK,
     EXIT_USAGE,
     DlfsError,
+    FormatError,
     ReportedElsewhere,
     UsageError,
 )
@@ -133,18 +134,25 @@ def cmd_populate(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     store = Store(args.store)
     rows = [("NAME", "FILES", "BYTES", "CHUNKS", "CREATED")]
+    unreadable = []
     for name in store.dataset_names():
-        d = store.open(name)
+        try:
+            d = store.open(name)
+        except DlfsError as err:  # one damaged (or just removed) dataset hides no other
+            unreadable.append(f"dlfs: error: {err}")
+            continue
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.created))
         rows.append((name, str(d.stats["files"]), format_size(d.stats["bytes"]),
                      str(d.chunk_count), created))
-    if len(rows) == 1:
+    if len(rows) == 1 and not unreadable:
         print(f"no datasets in {store.path}", file=sys.stderr)
         return EXIT_OK
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
-    return EXIT_OK
+    for line in unreadable:
+        print(line, file=sys.stderr)
+    return EXIT_ERROR if unreadable else EXIT_OK
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -173,7 +181,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from dlfs.verify import verify_dataset
 
-    d = Store(args.store).open(args.name)
+    try:
+        d = Store(args.store).open(args.name)
+    except FormatError as err:  # the manifest is part of the dataset: corrupt data too
+        err.exit_code = EXIT_CORRUPT
+        raise
     report = verify_dataset(d, jobs=args.jobs)
     for error in report.chunk_errors:
         print(f"chunk error: {error}")
@@ -667,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     if reconfigure is not None:
         reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)  # clean up temp files like on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up temp files like on Ctrl-C
+        signal.signal(sig, _terminate)
     try:
         return args.func(args)
     except DlfsError as err:
@@ -677,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dlfs: interrupted{f'; {err}' if str(err) else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as err:
-        where = f": {err.filename}" if err.filename else ""
+        name = err.filename
+        where = f": {display_path(name) if isinstance(name, bytes) else name}" if name else ""
         print(f"dlfs: error: {err.strerror or err}{where}", file=sys.stderr)
         return 1
 

@@ -27,6 +27,7 @@ from dlfs.errors import DlfsError, ReportedElsewhere
 from dlfs.populate import (
     PopulateOptions,
     PopulatePlan,
+    interrupted_outcome,
     plan_populate,
     publish_dataset,
     start_temp_dir,
@@ -81,11 +82,24 @@ def mpi_populate(source: Path, store: Store, name: str,
     Raises DlfsError on rank 0 and ReportedElsewhere on the others when any rank failed.
     """
     mpi, comm = _comm()
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     if rank != 0:
         options = replace(options, progress=False)  # one progress bar: rank 0's share
 
     plan = _unpack_plan(_shared(comm, lambda: _plan_on_rank0(source, store, name, options)))
+    try:
+        return _write_and_publish(mpi, comm, source, store, plan, options)
+    except KeyboardInterrupt:  # mpirun/srun pass Ctrl-C and scancel's SIGTERM to every rank
+        if rank != 0:
+            raise
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise KeyboardInterrupt(interrupted_outcome(store, plan)) from None
+
+
+def _write_and_publish(mpi, comm, source: Path, store: Store, plan: PopulatePlan,
+                       options: PopulateOptions) -> Dataset | None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    name = plan.name
     checksums, error = _write_share(source, plan, options, rank, size, store)
     errors = comm.allgather(error)
     combined = np.zeros_like(checksums) if rank == 0 else None

@@ -118,7 +118,14 @@ class Store:
                       and (self.path / n / MANIFEST_NAME).is_file())
 
     def exists(self, name: str) -> bool:
-        return (self.path / name).exists()
+        return os.path.lexists(self.path / name)
+
+    def check_replaceable(self, name: str) -> None:
+        """`name` may be replaced by a new dataset only if it is one: a directory that
+        someone put in the store under that name is not ours to delete."""
+        if self.exists(name) and not (self.path / name / MANIFEST_NAME).is_file():
+            raise DlfsError(f"{self.path / name} exists but is not a DLFS dataset (it has no "
+                            f"{MANIFEST_NAME}); move it out of the store or choose another name")
 
     def open(self, name: str) -> Dataset:
         check_dataset_name(name)
@@ -144,6 +151,7 @@ class Store:
         """
         check_dataset_name(name)
         path = self.path / name
+        self.check_replaceable(name)
         if not (path / MANIFEST_NAME).is_file():
             self.open(name)  # raises the not-found error with the hint
         if path.is_symlink():
@@ -151,7 +159,12 @@ class Store:
             return
         doomed = self.path / f"{RM_PREFIX}{name}.{_owner_tag()}"
         os.rename(path, doomed)
-        shutil.rmtree(doomed)
+        try:
+            shutil.rmtree(doomed)
+        except OSError as err:
+            raise DlfsError(f"dataset {name!r} is removed from the store, but deleting its "
+                            f"files failed ({err.strerror}: {err.filename}); delete {doomed} "
+                            "by hand") from None
 
     # -- publishing --------------------------------------------------------
     def temp_dir_path(self, name: str) -> Path:
@@ -167,30 +180,37 @@ class Store:
         old one back (clean_stale_temps). So `name` never ends up missing.
         """
         final = self.path / name
-        old: Path | None = None
-        if final.exists():
-            if not replace:
-                raise DlfsError(f"dataset {name!r} already exists in {self.path} "
-                                "(use --force to replace it)")
-            old = self.path / f"{OLD_PREFIX}{name}.{_owner_tag()}"
-            with _signals_deferred():
+        if not self.exists(name):
+            os.rename(tmp, final)
+            self._sync_published(name)
+            return
+        if not replace:
+            raise DlfsError(f"dataset {name!r} already exists in {self.path} "
+                            "(use --force to replace it)")
+        self.check_replaceable(name)
+        old = self.path / f"{OLD_PREFIX}{name}.{_owner_tag()}"
+        published = False
+        try:
+            with _signals_deferred():  # a signal held here is raised on leaving...
                 os.rename(final, old)
                 try:
                     os.rename(tmp, final)
                 except BaseException:
                     os.rename(old, final)
                     raise
-        else:
-            os.rename(tmp, final)
+                published = True
+                self._sync_published(name)
+        finally:  # ...and the replaced dataset is deleted all the same
+            if published:
+                _delete(old)
+
+    def _sync_published(self, name: str) -> None:
         try:
             fsync_dir(self.path)
         except OSError as err:
             raise DlfsError(f"published dataset {name!r}, but could not sync the store "
                             f"directory {self.path} ({err.strerror}): a crash of the store's "
                             "server now could undo it; check with `dlfs ls`") from None
-        finally:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
 
     def clean_stale_temps(self, name: str) -> list[Path]:
         """Clear leftovers of earlier populates and removals of `name` on this host whose
@@ -207,7 +227,7 @@ class Store:
                     continue
                 if prefix == OLD_PREFIX and self._restore(path, name):
                     continue
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
                 removed.append(path)
         return removed
 
@@ -223,6 +243,16 @@ class Store:
         log.warning("put dataset %r back: a replacing populate died before publishing "
                     "(it was left as %s)", name, old.name)
         return True
+
+
+def _delete(path: Path) -> None:
+    """Delete a leftover, whatever it is: a dataset replaced by `--force` may have been a
+    symbolic link to one published elsewhere, and only the link is ours."""
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _whole_dataset(path: Path) -> bool:

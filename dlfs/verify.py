@@ -64,13 +64,17 @@ def verify_dataset(dataset: Dataset, jobs: int = 4, progress: bool | None = None
             byte_progress(f"verifying {dataset.name}", total, progress) as advance:
         futures = [pool.submit(_check_chunk, dataset, i, range(bounds[i], bounds[i + 1]))
                    for i in range(dataset.chunk_count)]
-        for i, future in enumerate(futures):
-            bad, error = future.result()
-            bad_extents.extend(bad)
-            if error:
-                report.chunk_errors.append(error)
-            report.checked_bytes += int(dataset.chunk_lengths[i])
-            advance(int(dataset.chunk_lengths[i]))
+        try:
+            for i, future in enumerate(futures):
+                bad, error = future.result()
+                bad_extents.extend(bad)
+                if error:
+                    report.chunk_errors.append(error)
+                report.checked_bytes += int(dataset.chunk_lengths[i])
+                advance(int(dataset.chunk_lengths[i]))
+        except BaseException:  # Ctrl-C: stop after the chunks being read, not all of them
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     rows = sorted({dataset.directory.row_of_extent(e) for e in bad_extents})
     report.corrupt_files = [dataset.directory.path(r) for r in rows]
     return report

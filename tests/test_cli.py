@@ -411,3 +411,29 @@ def test_runtime_directory_someone_else_made_is_refused(tmp_path):
     (tmp_path / "link").symlink_to(mine)
     with pytest.raises(DlfsError, match="not a directory of yours"):
         runtime._check_private(tmp_path / "link")
+
+
+def test_ls_lists_the_other_datasets_when_one_manifest_is_damaged(dlfs_cli, two_dataset_store):
+    store, _ = two_dataset_store
+    (store / "alpha" / "manifest.dlfs").write_bytes(b"garbage, not a manifest")
+    result = dlfs_cli("ls", "--store", store)
+    assert result.returncode == 1
+    assert [r["NAME"] for r in _table(result.stdout)] == ["beta"]
+    line = assert_one_line_error(result)
+    assert "alpha" in line
+
+
+def test_verify_of_a_damaged_manifest_exits_corrupt(dlfs_cli, two_dataset_store):
+    store, _ = two_dataset_store
+    (store / "alpha" / "manifest.dlfs").write_bytes(b"garbage, not a manifest")
+    assert_one_line_error(dlfs_cli("verify", "--store", store, "alpha"), 3,
+                          ("manifest",))
+
+
+def test_rm_and_populate_agree_on_a_directory_that_is_no_dataset(dlfs_cli, env, tmp_path):
+    store = tmp_path / "store"
+    (store / "half").mkdir(parents=True)
+    for argv in (("rm", "--store", store, "half"),
+                 ("populate", env["src"], "--store", store, "--name", "half", "--force")):
+        assert_one_line_error(dlfs_cli(*argv), 1, ("not a DLFS dataset",))
+    assert os.listdir(store) == ["half"]
