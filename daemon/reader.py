@@ -104,6 +104,7 @@ class SampleReader:
         self._loading: dict[tuple[str, int], trio.Event] = {}
         self._flights: dict[tuple[str, int], tuple[trio.Event, list]] = {}
         self._unusable_chunks: set[int] = set()  # logged already
+        self._unusable_copies: set[int] = set()  # staged copies that failed to open: logged
         self._fd_purges = 0  # times this worker ran out of descriptors (see _open)
         # A throttled store (benchmarks) must not be bypassed through the page cache.
         self._nowait = HAVE_NOWAIT and not store_rate
@@ -260,7 +261,11 @@ class SampleReader:
     async def _read_local(self, ext: int, rel: int, length: int, chunk: int, span: bool):
         fd = self._cache.cached_fd(chunk)
         if fd < 0:
-            fd = await self._blocking(self._cache.open_fd, chunk)
+            try:
+                fd = await self._blocking(self._cache.open_fd, chunk)
+            except OSError as err:  # out of descriptors, permissions, a failing NVMe
+                self._local_open_failed(chunk, err)
+                return None  # the read goes on to the peers or the store
             if fd < 0:
                 return None
         if self._state[ext] & LOCAL_OK:
@@ -287,6 +292,14 @@ class SampleReader:
             return None
         self._state[ext] |= LOCAL_OK
         return data
+
+    def _local_open_failed(self, chunk: int, err: OSError) -> None:
+        if chunk in self._unusable_copies:
+            return
+        self._unusable_copies.add(chunk)
+        log.warning("cannot open staged chunk %d of dataset %s (%s: %s); reading it from "
+                    "peers or the store instead", chunk, self.dataset.name,
+                    self._cache.path(chunk), err.strerror)
 
     def _evict(self, chunk: int, fd: int, what: str) -> None:
         """The staged copy read through `fd` is bad: stop using it, clear its extents'
@@ -322,6 +335,10 @@ class SampleReader:
         return _slice(data, rel, length)
 
     def _remember_peer_extent(self, ext: int, data: bytes) -> None:
+        # Several tasks that shared one fetch (--workers 1) each remember it: count once.
+        replaced = self._peer_cache.pop(ext, None)
+        if replaced is not None:
+            self._peer_cache_bytes -= len(replaced)
         self._peer_cache[ext] = data
         self._peer_cache_bytes += len(data)
         while self._peer_cache_bytes > PEER_CACHE_BYTES:

@@ -276,3 +276,49 @@ def test_a_reader_whose_read_of_a_replaced_copy_fails_keeps_the_new_one(dataset,
     assert not pool.caches[0].is_staged(0) and not pool.caches[0].path(0).exists()
     reader.close()
     pool.close()
+
+
+async def test_a_staged_copy_that_cannot_be_opened_is_read_from_the_store(dataset, tmp_path):
+    """An open that fails (here ELOOP; on a node: EMFILE, EACCES, EIO from the NVMe)
+    must send the read on to the store, not fail it with that errno."""
+    ds, src = dataset
+    pool, _ = pool_with_chunk_0_staged(ds, tmp_path / "cache")
+    reader = SampleReader(ds, trio.CapacityLimiter(4), pool=pool)
+    path = pool.caches[0].path(0)
+    path.unlink()
+    path.symlink_to(path.name)  # a link to itself: opening it fails with ELOOP
+    d = ds.directory
+    name = next(p.name for p in sorted(src.iterdir())
+                if d.ext_chunk_view[d.first_extent(d.resolve(p.name.encode()))] == 0)
+    row = d.resolve(name.encode())
+    for _ in range(2):  # and again (logged once)
+        assert bytes(await reader.read(row, 0, 4096)) == (src / name).read_bytes()[:4096]
+    reader.close()
+    pool.close()
+
+
+async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(dataset, tmp_path):
+    """--workers 1: tasks that share one peer fetch each keep the extent; the cache's
+    byte count must not grow per task, or it fills with phantom bytes and then keeps
+    nothing (every partial read fetching the whole extent again)."""
+    ds, src = dataset
+    secret = secrets.token_bytes(32)
+    with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, _server, port):
+        reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
+        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
+        row = ds.directory.resolve(b"big")
+        want = (src / "big").read_bytes()
+        got: dict[int, bytes] = {}
+
+        async def read(off: int) -> None:
+            got[off] = bytes(await reader.read(row, off, 16 << 10))
+
+        async with trio.open_nursery() as readers:
+            for off in range(0, len(want), 16 << 10):
+                readers.start_soon(read, off)
+        assert b"".join(got[off] for off in sorted(got)) == want
+        cached = sum(len(data) for data in reader._peer_cache.values())
+        assert cached > 0 and reader._peer_cache_bytes == cached
+        await reader_pool.aclose()
+    reader.close()
+    reader_pool.close()
