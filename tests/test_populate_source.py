@@ -40,10 +40,9 @@ def source(tmp_path: Path) -> Path:
 
 
 def _plan(source: Path, tmp_path: Path):
-    store = Store(tmp_path / "store")
-    plan = plan_populate(source, store, "ds", OPTIONS)
+    plan = plan_populate(source, Store(tmp_path / "store"), "ds", OPTIONS)
     start_temp_dir(plan)
-    return store, plan
+    return plan
 
 
 def _copy(source: Path, plan) -> None:
@@ -57,7 +56,7 @@ def test_directory_swapped_for_a_symlink_is_not_followed(source, tmp_path):
     secret.mkdir()
     (secret / "sample.bin").write_bytes(b"TOPSECRET bytes!")
     os.utime(secret / "sample.bin", ns=(0, os.stat(source / "d" / "sample.bin").st_mtime_ns))
-    store, plan = _plan(source, tmp_path)
+    plan = _plan(source, tmp_path)
     os.rename(source / "d", tmp_path / "d-moved")
     os.symlink(secret, source / "d")
     with pytest.raises(DlfsError, match="outside its planned place"):
@@ -65,7 +64,7 @@ def test_directory_swapped_for_a_symlink_is_not_followed(source, tmp_path):
 
 
 def test_file_swapped_for_a_fifo_fails_instead_of_hanging(source, tmp_path):
-    store, plan = _plan(source, tmp_path)
+    plan = _plan(source, tmp_path)
     fifo = source / "d" / "sample.bin"
     fifo.unlink()
     os.mkfifo(fifo)
@@ -88,7 +87,7 @@ def test_file_swapped_for_a_fifo_fails_instead_of_hanging(source, tmp_path):
 
 
 def test_file_rewritten_in_place_at_the_same_size_is_caught(source, tmp_path):
-    store, plan = _plan(source, tmp_path)
+    plan = _plan(source, tmp_path)
     path = source / "d" / "sample.bin"
     before = os.stat(path).st_mtime_ns
     path.write_bytes(b"other bytes here")  # same length
