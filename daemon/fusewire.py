@@ -69,6 +69,34 @@ FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3  # the kernel may cache this directory's entries (readdir)
 
+# Kernels from which an ENOSYS answer to OPEN / OPENDIR means "never ask again"
+# (no_open / no_opendir); before them the application would get the ENOSYS.
+NO_OPEN_SINCE = (4, 14)
+NO_OPENDIR_SINCE = (5, 1)
+KERNEL_RELEASE_VAR = "DLFSD_KERNEL_RELEASE"  # stands in for uname's release (tests)
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """(major, minor) of a kernel release string such as '4.18.0-553.el8_10.x86_64';
+    (0, 0) if it does not start with numbers, which makes every feature check fail safe."""
+    numbers = []
+    for part in release.split(".")[:2]:
+        digits = len(part) - len(part.lstrip("0123456789"))
+        if not digits:
+            break
+        numbers.append(int(part[:digits]))
+    return (numbers[0], numbers[1]) if len(numbers) == 2 else (0, 0)
+
+
+def kernel_skips_opens(release: str | None = None) -> tuple[bool, bool]:
+    """(no_open, no_opendir): whether this kernel stops sending OPEN / OPENDIR once
+    answered ENOSYS. Distribution kernels may have them backported; then we answer
+    opens we need not, which costs a round trip per open, never a failed open."""
+    if release is None:
+        release = os.environ.get(KERNEL_RELEASE_VAR) or os.uname().release
+    version = kernel_version(release)
+    return version >= NO_OPEN_SINCE, version >= NO_OPENDIR_SINCE
+
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 READ_IN = struct.Struct("<QQII")  # fh offset size read_flags (lock_owner, flags follow)

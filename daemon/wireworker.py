@@ -88,7 +88,10 @@ class WireWorker:
                  cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
         self.ns = namespace
         self.fd = fd
-        self.count_opens = count_opens
+        no_open, self.no_opendir = fw.kernel_skips_opens()
+        # Opens are answered by us when counted, or when this kernel would hand our
+        # "no open needed" ENOSYS to the application (see fusewire.kernel_skips_opens).
+        self.answer_opens = count_opens or not no_open
         self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
         # `.dlfs/` files change all the time: the kernel must ask again on each read.
         self.control_attrs = fw.AttrPacker(uid, gid, 0.0)
@@ -138,8 +141,8 @@ class WireWorker:
             except _Stop:
                 return 0
             except OSError as err:
-                if err.errno == errno.ENODEV:  # unmounted
-                    return 0
+                if err.errno in (errno.ENODEV, errno.ECONNABORTED):  # unmounted; aborted
+                    return 0  # (umount -f, fusectl abort): the daemon stops, no crash
                 if err.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
                     raise  # ENOENT: the request was interrupted before we got it
             finally:
@@ -217,7 +220,7 @@ class WireWorker:
 
     def _attr(self, ino: int, caller: Caller | None):
         """Attributes of `ino`; `caller` is traced (None: part of another request)."""
-        if self.count_opens or not ROOT_INODE < ino < FIRST_DATASET_INODE:
+        if self.answer_opens or not ROOT_INODE < ino < FIRST_DATASET_INODE:
             return self.ns.getattr(ino, caller)
         # A `.dlfs/` file the kernel will open without us: its size is that of the
         # snapshot this process will read (see ControlFiles.latest_attr).
@@ -237,7 +240,7 @@ class WireWorker:
         flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
         if flags & _WRITE_FLAGS:
             raise _Errno(errno.EROFS)
-        if not self.count_opens:
+        if not self.answer_opens:
             # FUSE no_open: from this reply on the kernel opens and closes files
             # itself (keeping their page cache) and reads arrive with handle 0.
             raise _Errno(errno.ENOSYS)
@@ -272,7 +275,10 @@ class WireWorker:
         # treats them as opened with FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE: listings never
         # change, so it keeps them, and a second walk of the tree costs no request.
         # Listing requests then name the directory by its inode only (handle 0).
-        raise _Errno(errno.ENOSYS)
+        if self.no_opendir:
+            raise _Errno(errno.ENOSYS)
+        self.ns.getattr(nodeid)  # ENOENT for an inode we never gave out
+        return fw.OPEN_OUT.pack(0, fw.FOPEN_KEEP_CACHE | fw.FOPEN_CACHE_DIR, 0)
 
     def readdir(self, nodeid: int, n: int) -> bytes:
         return self._listing(nodeid, False)

@@ -7,6 +7,7 @@ the real `dlfs populate`, compared with the source tree it was made from.
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing
 import os
 import random
@@ -169,6 +170,22 @@ def test_every_file_reads_back_identical(mounted, edge_store, edge_nodes, worker
     wrong = [rel for rel in regular_files(edge_nodes)
              if sha256_file(os.path.join(root, rel)) != edge_nodes[rel].sha256]
     assert wrong == []
+
+
+@pytest.mark.parametrize("release", ["4.18.0-553.el8_10.x86_64", "3.10.0-1160.el7.x86_64"])
+def test_on_kernels_without_no_open_opens_are_answered(mounted, edge_store, edge_nodes,
+                                                       monkeypatch, release):
+    """Kernels before 4.14 (no_open) and 5.1 (no_opendir) hand our ENOSYS to the
+    application; there the workers answer OPEN and OPENDIR instead. This kernel takes
+    either answer, so a stand-in release string exercises that path end to end."""
+    monkeypatch.setenv("DLFSD_KERNEL_RELEASE", release)
+    m = mounted(edge_store, "--workers", "2")
+    root = m / b"edge"
+    assert set(describe_tree(root, hashes=False)) == set(edge_nodes)
+    wrong = [rel for rel in regular_files(edge_nodes)
+             if sha256_file(os.path.join(root, rel)) != edge_nodes[rel].sha256]
+    assert wrong == []
+    assert "edge" in json.loads((m.path / ".dlfs" / "stats.json").read_bytes())["datasets"]
 
 
 def test_reads_across_extent_and_chunk_boundaries(mounted, edge_store, edge_tree):
