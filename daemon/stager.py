@@ -20,6 +20,7 @@ import struct
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import trio
@@ -113,9 +114,22 @@ class Stager:
         self.started = time.monotonic()
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._stop_when_cancelled)
                 nursery.start_soon(self._receive_demands)
                 for _ in range(self.jobs):
                     nursery.start_soon(self._job)
+        finally:
+            self._stopping = True
+
+    async def _stop_when_cancelled(self) -> None:
+        """Raise the stop flag the moment the nursery is cancelled, not once it is done.
+
+        The copy threads cannot be cancelled (to_thread.run_sync waits for them), so the
+        nursery waits for every copy in flight: without the flag they would each run to
+        the end of a whole chunk (up to 2 GiB) before the unmount could go on.
+        """
+        try:
+            await trio.sleep_forever()
         finally:
             self._stopping = True
 
@@ -123,7 +137,16 @@ class Stager:
         async for ds, chunk in self.demand.receive():
             if ds < len(self.datasets) and chunk < self.datasets[ds].chunk_count:
                 self._urgent.append((ds, chunk))
-                self._wake.set()
+                self._wake_jobs()
+
+    def _wake_jobs(self) -> None:
+        """Wake every idle job; the next idle ones wait on a fresh event.
+
+        Only the waker replaces the event: a job that replaced it after waking would
+        leave a job that woke with it waiting on an event nobody sets any more.
+        """
+        self._wake.set()
+        self._wake = trio.Event()
 
     async def _job(self) -> None:
         buffer = bytearray()
@@ -132,8 +155,7 @@ class Stager:
             if item is None:
                 if self.finished is None and not self._urgent:
                     self.finished = time.monotonic()
-                await self._wake.wait()
-                self._wake = trio.Event()
+                await self._wake.wait()  # no checkpoint since _next(): no wake-up is missed
                 continue
             ds, chunk = item
             self._busy[item] = int(self.datasets[ds].chunk_lengths[chunk])
@@ -204,8 +226,10 @@ class Stager:
             with open(source, "rb", buffering=0) as src, open(temp, "wb", buffering=0) as dst:
                 if os.fstat(src.fileno()).st_size < total:
                     raise CorruptDataError(f"chunk file is truncated: {source}")
-                if not self._copy_range(src.fileno(), dst.fileno(), total):
-                    return buffer  # unmounting
+                copied = self._copy_range(src.fileno(), dst.fileno(), total)
+            if not copied or self._stopping:  # unmounting: abandon it, verifying included
+                _discard(temp)
+                return buffer
             if len(buffer) < total:
                 buffer = bytearray(total)
             view = memoryview(buffer)[:total]
@@ -220,8 +244,7 @@ class Stager:
             self._check_extents(ds, chunk, view)
             cache.publish(chunk, temp)
         except BaseException:
-            with contextlib.suppress(OSError):
-                temp.unlink()
+            _discard(temp)
             raise
         self.copied_bytes += total - CHUNK_HEADER_SIZE
         self.copied_chunks += 1
@@ -280,3 +303,9 @@ class Stager:
             out.append(StageProgress(int(owned.sum()), owned_bytes, int(staged.sum()),
                                      staged_bytes, rate, eta))
         return out
+
+
+def _discard(temp: Path) -> None:
+    """Remove an unfinished or rejected copy: only verified copies are ever renamed in."""
+    with contextlib.suppress(OSError):
+        temp.unlink()
