@@ -10,8 +10,18 @@ hundred microseconds of Python per read. Same wire protocol
 A DATA reply is received whole into one buffer (MSG_WAITALL: one system call,
 not one per arriving segment) and its payload handed out as a view of that
 buffer when the frame starts with exactly the head expected for this
-request; anything else is decoded the general way. The view is valid until
-the next call on the client.
+request; anything else is decoded the general way. That buffer (4 MiB, the
+largest frame) is one per process, shared by all its clients: a worker serves
+one request at a time, and a worker talking to N peers must not hold N of them.
+So the view is valid only until the next read on ANY client of the process;
+the callers (ChunkPool.fetch_blocking, SampleReader._read_peer) use or copy it
+first. Not for use from several threads at once.
+
+A connection kept between reads may have been closed by the server meanwhile
+(idle for its idle_timeout, or the peer daemon restarted): a read on it that
+fails before any byte of the reply came is sent again, once, on a new
+connection, within the same timeout; a peer that is really gone then fails to
+connect.
 """
 
 from __future__ import annotations
@@ -26,6 +36,16 @@ from dlfs.protocol import LENGTH_PREFIX, Message, ProtocolError
 from dlfsd.peer import PeerUnavailable, reply_bytes
 
 _PREFIX = LENGTH_PREFIX.size
+_shared_view: memoryview | None = None  # the receive buffer of this process's clients
+
+
+def _receive_buffer() -> memoryview:
+    """The process's receive buffer, made when the first client is (the main daemon
+    process, which has none, does not pay for it)."""
+    global _shared_view
+    if _shared_view is None:
+        _shared_view = memoryview(bytearray(protocol.MAX_FRAME))
+    return _shared_view
 
 
 class BlockingPeerClient:
@@ -40,8 +60,8 @@ class BlockingPeerClient:
         self._sock: socket.socket | None = None
         self._next_id = 0
         self._prefix = bytearray(_PREFIX)
-        self._body = bytearray(protocol.MAX_FRAME)
-        self._view = memoryview(self._body)
+        self._view = _receive_buffer()  # shared: see the module's docstring
+        self._replied = False  # a byte of the current reply has arrived
         self._deadline = 0.0  # of the read (or handshake) under way
         self._shortened = False  # the socket's kernel timeout is below `timeout`
 
@@ -51,19 +71,26 @@ class BlockingPeerClient:
         PeerRefused like PeerClient.read, within `timeout` for the whole read,
         connecting and the handshake included.
 
-        The bytes may be a view of the client's buffer: use them before the next call.
+        The bytes may be a view of the shared receive buffer: use them before the next
+        read on any client of this process.
         """
-        if self._sock is None:
-            sock = self._connect()  # starts the read's clock
-        else:
+        reused = self._sock is not None
+        if reused:
             sock = self._sock
             self._start_clock(sock)
+        else:
+            sock = self._connect()  # starts the read's clock
         self._next_id = (self._next_id + 1) % protocol.MAX_REQUEST_ID
         request_id = self._next_id
+        request = protocol.encode(protocol.read(request_id, dataset_id, chunk, offset, length))
         try:
-            sock.sendall(protocol.encode(protocol.read(request_id, dataset_id, chunk, offset,
-                                                       length)))
-            size = self._receive_frame(sock)
+            try:
+                size = self._exchange(sock, request)
+            except (ConnectionResetError, BrokenPipeError) as error:
+                if not reused or self._replied:
+                    raise
+                sock = self._reconnect(error)
+                size = self._exchange(sock, request)
             head = protocol.data_frame_head(request_id, length)
             start = len(head) - _PREFIX  # where the payload starts in the body
             if size == start + length and self._view[:start] == head[_PREFIX:]:
@@ -77,6 +104,24 @@ class BlockingPeerClient:
             self.close()
             raise PeerUnavailable(f"peer {self.address} answered another request")
         return self._result(reply, dataset_id, chunk, offset, length)
+
+    def _exchange(self, sock: socket.socket, request: bytes) -> int:
+        """Send a request and receive its reply's frame; returns the body's size."""
+        self._replied = False
+        sock.sendall(request)
+        return self._receive_frame(sock)
+
+    def _reconnect(self, error: OSError) -> socket.socket:
+        """A new connection for a request the kept one could not carry: the server
+        closed it before the request came (idle timeout, restart), which says nothing
+        about the peer's health. Within the read's deadline; the cause of the retry
+        goes into the message if connecting fails too."""
+        self.close()
+        try:
+            return self._connect(self._deadline)
+        except PeerUnavailable as failure:
+            raise PeerUnavailable(f"{failure} (after the connection in use was lost: "
+                                  f"{self._why(error)})") from None
 
     def _result(self, reply: Message, dataset_id: bytes, chunk: int, offset: int,
                 length: int) -> bytes:
@@ -102,10 +147,15 @@ class BlockingPeerClient:
             self._sock = None
 
     # -- connection ------------------------------------------------------------------
-    def _connect(self) -> socket.socket:
-        self._deadline = time.monotonic() + self.timeout
+    def _connect(self, deadline: float | None = None) -> socket.socket:
+        """Connect and shake hands by `deadline` (default: `timeout` from now)."""
+        self._deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise PeerUnavailable(f"cannot connect to peer {self.address}: no time left "
+                                  f"of the read's {self.timeout:g} s")
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            sock = socket.create_connection((self.host, self.port), timeout=left)
         except OSError as error:
             raise PeerUnavailable(f"cannot connect to peer {self.address}: "
                                   f"{error.strerror or error}") from None
@@ -178,6 +228,7 @@ class BlockingPeerClient:
             n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
             if not n:
                 raise ConnectionResetError("connection closed by the peer")
+            self._replied = True
             got += n
             if got < len(view):  # cut short by the kernel timeout: part of it came
                 left = self._deadline - time.monotonic()  # a peer that trickles bytes
