@@ -224,8 +224,30 @@ async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
     return True
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class HeldStopSignals:
+    """From READY on, a stop signal outside supervise's own receiver is recorded, not
+    acted on: one that comes before the receiver is up stops the daemon as soon as it
+    is; those that come during the unmount (an impatient user, a scheduler repeating
+    TERM) must not kill the daemon before it stopped its workers and unmounted, or the
+    workers would go on serving a mount nobody takes down. `dlfs umount` ends with
+    SIGKILL if a daemon ever hangs."""
+
+    def __init__(self) -> None:
+        self.caught: list[int] = []
+
+    def install(self) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame) -> None:
+        self.caught.append(signum)
+
+
 async def supervise(config: MountConfig, worker_pids: list[int], services,
-                    fuse_fd: int = -1) -> bool:
+                    fuse_fd: int = -1, held: HeldStopSignals | None = None) -> bool:
     """The main process: run the background services (stager, peer server, status) and
     either serve FUSE itself (single-process mode) or watch the workers that do.
 
@@ -237,7 +259,9 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
 
         async def watch_signals() -> None:
             nonlocal must_unmount
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            with trio.open_signal_receiver(*STOP_SIGNALS) as sigs:
+                if held is not None and held.caught:  # came before the receiver was up
+                    await _send_self(held.caught[0])
                 async for signum in sigs:
                     log.info("got %s; unmounting %s", signal.Signals(signum).name,
                              config.mountpoint)
@@ -288,20 +312,33 @@ class Services:
         return build_status(self.config, self.datasets, self.stats, self.stager,
                             self.pool, self.server)
 
+    def listen(self) -> None:
+        """Take the peer port now, before READY: check_port_free only looked, and a
+        port taken since (another job's daemon on this node) must fail the mount with
+        one line, not end the daemon after `dlfs mount` said it is up."""
+        if self.server is None:
+            return
+        me = self.pool.view.me
+        try:
+            self.server.start(me.host, me.port)
+        except OSError as err:
+            raise DlfsError(f"cannot listen for peers on {me.host}:{me.port}: "
+                            f"{err.strerror}; pick another port in --nodes") from None
+
+    def stop_listening(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                if self.server is not None:
-                    me = self.pool.view.me
-                    self.server.start(me.host, me.port)
                 if self.stager is not None:
                     nursery.start_soon(self.stager.run)
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint),
                                    self.status, self._current)
                 task_status.started()
         finally:
-            if self.server is not None:
-                self.server.stop()
+            self.stop_listening()
             if self.pool is not None:
                 with trio.CancelScope(shield=True):
                     await self.pool.aclose()
@@ -342,18 +379,30 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
     workers: list[int] = []
     control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe)
+    ready = False
+    held = HeldStopSignals()
     try:
         trio.run(_answer_kernel_init, ops)
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         workers = start_workers(config, namespace, ops, fds_before_mount, pool)
         control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
+        services.listen()  # after the workers: they must not inherit the listener
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
                                   start_time(os.getpid())))
         write_status(status_path(config.mountpoint), services.status())  # before READY
+        held.install()
         readiness.send("READY")
+        ready = True
         fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1
-        unmount = trio.run(supervise, config, workers, services, fuse_fd)
+        unmount = trio.run(supervise, config, workers, services, fuse_fd, held)
+    except DlfsError as err:
+        if ready:
+            raise
+        log.error("%s", err)
+        readiness.send(f"ERROR {err}")
+        return err.exit_code
     finally:
+        services.stop_listening()
         stop_workers(workers)
         control.stop()
         namespace.observe.write_summary(config.summary_file)
@@ -364,6 +413,12 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         remove_record(config.mountpoint, os.getpid())
         log.info("unmounted %s; daemon exits", config.mountpoint)
     return 0
+
+
+async def _send_self(signum: int) -> None:
+    """Deliver a held signal again, now to the receiver that is listening."""
+    signal.raise_signal(signum)
+    await trio.lowlevel.checkpoint()
 
 
 async def _answer_kernel_init(ops: DlfsOperations) -> None:

@@ -215,3 +215,5 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
             if not pid_alive(pid):
                 return
             time.sleep(0.02)
+    raise DlfsError(f"unmounted, but daemon {pid} did not exit even after SIGKILL (stuck "
+                    f"in the kernel? see `ps -o pid,stat,wchan -p {pid}`)")

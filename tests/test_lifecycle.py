@@ -259,7 +259,7 @@ def test_force_holds_ctrl_c_until_the_new_dataset_took_the_name(monkeypatch, sma
                  PopulateOptions(chunk_size=256 << 10, fsync=False, force=True))
     monkeypatch.undo()
     assert Store(small_store).open("ds").uuid != before
-    assert Store(small_store).dataset_names() == ["ds"]
+    assert sorted(os.listdir(small_store)) == ["ds"], "the replaced dataset is deleted"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -546,6 +546,21 @@ def test_sigterm_to_daemon_unmounts(mounted, small_store, sysproc):
     os.kill(m.pid, signal.SIGTERM)
     assert all(sysproc.wait_dead(pid, 15) for pid in m.pids)
     assert sysproc.fstype_at(m.path) is None
+
+
+def test_signals_repeated_during_shutdown_do_not_cut_it_short(mounted, small_store, sysproc):
+    """An impatient scheduler or user sends TERM again and again: the first one starts
+    the unmount, the others must not kill the daemon before it stopped its workers
+    and unmounted (which left workers serving a mount nobody would take down)."""
+    m = mounted(small_store, "--workers", "4")
+    for _ in range(200):
+        try:
+            os.kill(m.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.001)
+    assert all(sysproc.wait_dead(pid, 20) for pid in m.pids), "processes left running"
+    assert sysproc.fstype_at(m.path) is None, "the mount was left behind"
 
 
 # -- mount / umount contracts ----------------------------------------------------------

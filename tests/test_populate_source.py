@@ -9,7 +9,6 @@ faked: real files, real symlinks, a real fifo, the library's own calls.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from dlfs.populate import (
     PopulateOptions,
     plan_populate,
     populate,
-    publish_dataset,
     start_temp_dir,
     write_chunks,
 )
@@ -130,30 +128,6 @@ def test_force_over_a_linked_dataset_replaces_only_the_link(source, tmp_path):
     assert not (store.path / "ds").is_symlink()
     assert sorted(os.listdir(store.path)) == ["ds"], "no .old- leftover"
     assert elsewhere.open("ds").uuid != new.uuid  # the linked dataset is untouched
-
-
-def test_signal_during_replace_still_deletes_the_old_dataset(source, tmp_path, monkeypatch):
-    """Ctrl-C held across the renames is raised once they are done; the replaced
-    dataset must be deleted all the same, not left beside the new one."""
-    store = Store(tmp_path / "store")
-    old_uuid = populate(source, store, "ds", OPTIONS).uuid
-    options = PopulateOptions(chunk_size=64 << 10, jobs=2, progress=False, force=True)
-    plan = plan_populate(source, store, "ds", options)
-    start_temp_dir(plan)
-    checksums = write_chunks(source, plan.tmp, plan.directory, plan.dataset_uuid, options)
-    real_rename = os.rename
-
-    def rename_then_interrupt(src, dst):  # Ctrl-C lands between the two renames
-        real_rename(src, dst)
-        if Path(dst).name.startswith(".old-"):
-            os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(os, "rename", rename_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        publish_dataset(store, plan, checksums, options)
-    monkeypatch.setattr(os, "rename", real_rename)
-    assert sorted(os.listdir(store.path)) == ["ds"], "the replaced dataset was left behind"
-    assert store.open("ds").uuid not in (old_uuid, None)
 
 
 def test_progress_shows_a_path_with_brackets_as_text():
