@@ -36,6 +36,7 @@ from dlfs.protocol import LENGTH_PREFIX, Message, ProtocolError
 from dlfsd.peer import PeerUnavailable, reply_bytes
 
 _PREFIX = LENGTH_PREFIX.size
+_SLACK = 0.05  # s a read may run over its timeout, to spare a clock-based call per frame
 _shared_view: memoryview | None = None  # the receive buffer of this process's clients
 
 
@@ -210,8 +211,21 @@ class BlockingPeerClient:
         if size > protocol.MAX_FRAME:
             raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
                                 f"{protocol.MAX_FRAME}")
+        self._bound_by_deadline(sock, 0, size)
         self._fill(sock, self._view[:size])
         return size
+
+    def _bound_by_deadline(self, sock: socket.socket, got: int, want: int) -> None:
+        """Before a receive: if the read's time is running out, cut the kernel timeout
+        to what is left. A prefix (or the part of a frame) that came late must not buy
+        the rest a full `timeout` again. A quick reply costs one clock read, no call."""
+        left = self._deadline - time.monotonic()
+        if left > self.timeout - _SLACK:
+            return
+        if left <= 0:  # must not hold a worker past the read's own timeout
+            raise TimeoutError(f"only {got} of {want} bytes within {self.timeout:g} s")
+        _kernel_timeouts(sock, max(left, 0.001))  # 0 would mean: wait forever
+        self._shortened = True
 
     def _start_clock(self, sock: socket.socket) -> None:
         """A read (or a handshake) has `timeout` in all from now."""
@@ -231,12 +245,7 @@ class BlockingPeerClient:
             self._replied = True
             got += n
             if got < len(view):  # cut short by the kernel timeout: part of it came
-                left = self._deadline - time.monotonic()  # a peer that trickles bytes
-                if left <= 0:  # must not hold a worker past the read's own timeout
-                    raise TimeoutError(f"only {got} of {len(view)} bytes within "
-                                       f"{self.timeout:g} s")
-                _kernel_timeouts(sock, max(left, 0.001))  # 0 would mean: wait forever
-                self._shortened = True
+                self._bound_by_deadline(sock, got, len(view))  # a peer trickling bytes
 
 
 def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:

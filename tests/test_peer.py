@@ -679,3 +679,26 @@ async def test_blocking_client_gives_up_on_a_peer_that_trickles_its_reply(nurser
         await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 1000)
     assert trio.current_time() - start < 1.5
     client.close()
+
+
+async def test_blocking_client_late_prefix_does_not_buy_the_body_a_new_timeout(nursery):
+    """A frame's length prefix that comes late leaves the body only what is left of
+    the read's timeout, not a whole new one (a slow peer held reads for 2x)."""
+    async def late_server(stream):
+        decoder = protocol.FrameDecoder()
+        await fake_handshake(stream, decoder)
+        (read,) = decoder.feed(await stream.receive_some())
+        frame = protocol.encode(protocol.data(read["id"], bytes(read["len"])))
+        await trio.sleep(0.4)
+        await stream.send_all(frame[:4])  # the prefix, within the timeout...
+        await trio.sleep(0.6)
+        await stream.send_all(frame[4:])  # ...the body after it has run out
+        await trio.sleep(1)
+
+    port = await serve_fake(nursery, late_server)
+    client = BlockingPeerClient(SECRET, "worker", "127.0.0.1", port, timeout=0.6)
+    start = trio.current_time()
+    with pytest.raises(PeerUnavailable, match=r"0\.6 s"):
+        await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 1000)
+    assert trio.current_time() - start < 0.9
+    client.close()
