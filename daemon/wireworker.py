@@ -137,6 +137,8 @@ class WireWorker:
         while True:
             self._reading = True
             try:
+                if self._stopping:  # the signal came before _reading was set: it did not
+                    return 0  # raise, and readv would wait for the next request
                 return os.readv(self.fd, [self._buf])
             except _Stop:
                 return 0
