@@ -57,6 +57,7 @@ SIZE_HIST = SRC_LATENCY + len(SOURCE_NAMES)
 LATENCY_HIST = SIZE_HIST + BUCKETS
 STRIDE = LATENCY_HIST + BUCKETS
 
+COUNT_MAX = 0xFFFFFFFF  # per-file opens and reads are 32-bit: they stop there
 _FILE_FIELDS = (("opens", "I"), ("reads", "I"), ("bytes", "q"), ("last_end", "q"),
                 ("first_ns", "q"), ("last_ns", "q"))  # times: monotonic ns since mount, 0 = never
 
@@ -127,7 +128,8 @@ class Stats:
         lock = self._locks[f & (LOCK_STRIPES - 1)]
         lock.acquire()  # not `with`: half the cost; try/finally is free in 3.11
         try:
-            self._fopens[f] += 1
+            if self._fopens[f] != COUNT_MAX:  # saturate: past it the += would raise
+                self._fopens[f] += 1
             self._last_end[f] = 0
             if not self._first[f]:
                 self._first[f] = now
@@ -144,7 +146,8 @@ class Stats:
         try:
             sequential = offset == 0 or self._last_end[f] == offset
             self._last_end[f] = offset + size
-            self._freads[f] += 1
+            if self._freads[f] != COUNT_MAX:  # (2**32 reads of one file: a day at 50k/s)
+                self._freads[f] += 1
             self._fbytes[f] += size
             if not self._first[f]:  # no open seen (the kernel opened it: FUSE no_open)
                 self._first[f] = now
@@ -234,7 +237,7 @@ def _counters(c: np.ndarray, opens: int, reads: int, nbytes: int) -> dict:
     """The summed slab counters `c` of a dataset (or mount) plus its file totals."""
     return {
         "opens": opens, "reads": reads, "bytes": nbytes,
-        "sequential_reads": int(c[SEQ_READS]), "random_reads": reads - int(c[SEQ_READS]),
+        "sequential_reads": int(c[SEQ_READS]), "random_reads": max(reads - int(c[SEQ_READS]), 0),
         "read_latency_ns_sum": int(c[LATENCY_SUM]),
         "read_size_hist": [int(v) for v in c[SIZE_HIST : SIZE_HIST + BUCKETS]],
         "read_latency_us_hist": [int(v) for v in c[LATENCY_HIST : LATENCY_HIST + BUCKETS]],
