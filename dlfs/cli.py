@@ -662,7 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-size", type=_size, default=110 * 1024,
                    help="mean sample size (110K, like ImageNet JPEGs)")
     p.add_argument("--workers", type=_positive, default=4, help="reader processes (4)")
-    p.add_argument("--workdir", help="where to put source, store and mountpoint (default: temp)")
+    p.add_argument("--workdir", help="make the demo's directory (source, store, mountpoint) "
+                   "in here, and remove it at the end (default: /var/tmp)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return parser
 

@@ -29,7 +29,11 @@ def _line(label: str, r: EpochResult) -> None:
 
 
 def run_demo(files: int, mean_size: int, workers: int, workdir: Path | None, keep: bool) -> int:
-    work = Path(workdir or tempfile.mkdtemp(prefix="dlfs-demo-", dir="/var/tmp"))
+    """Run the demo in a new directory under `workdir` (default /var/tmp), removed at the
+    end unless `keep`: never in `workdir` itself, whose other contents are the user's."""
+    parent = Path(workdir or "/var/tmp")
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="dlfs-demo-", dir=parent))
     src, store, mnt = work / "source", Store(work / "store"), work / "mnt"
     mnt.mkdir(parents=True, exist_ok=True)
     mounted = False
@@ -63,7 +67,7 @@ def run_demo(files: int, mean_size: int, workers: int, workdir: Path | None, kee
     finally:
         if mounted:
             print(f"6. dlfs umount {mnt}")
-            umount(str(mnt))
+            umount(str(mnt))  # raises if it fails: then nothing below runs on a mount
         if keep:
             print(f"   kept {work}")
         else:

@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import subprocess
+from pathlib import Path
 
 import pytest
 from trees import describe_tree, file_bytes, make_small_tree, regular_files
@@ -437,3 +438,18 @@ def test_rm_and_populate_agree_on_a_directory_that_is_no_dataset(dlfs_cli, env, 
                  ("populate", env["src"], "--store", store, "--name", "half", "--force")):
         assert_one_line_error(dlfs_cli(*argv), 1, ("not a DLFS dataset",))
     assert os.listdir(store) == ["half"]
+
+
+def test_demo_runs_and_leaves_the_workdir_as_it_found_it(dlfs_cli, tmp_path, sysproc):
+    """The README's first command, small: it packs, mounts, reads, compares, unmounts,
+    and removes only what it made (the work directory may hold the user's files)."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "mine.txt").write_text("not the demo's")
+    result = dlfs_cli("demo", "--files", "300", "--workers", "2", "--workdir", workdir,
+                      timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "identical" in result.stdout and "files/s" in result.stdout
+    assert sorted(os.listdir(workdir)) == ["mine.txt"]
+    assert (workdir / "mine.txt").read_text() == "not the demo's"
+    assert str(workdir) not in Path("/proc/mounts").read_text()
