@@ -1,16 +1,17 @@
 """ChunkCache: this node's staged copies of one dataset's chunks on local NVMe.
 
 Layout: CACHE_DIR/<dataset uuid hex>/<index>.chunk, byte-identical copies of
-the store's chunk files (header included), written under a temporary name and
-renamed into place. Which chunks are staged lives in an anonymous shared
-mapping (one byte per chunk: 0 = absent, else a generation number), so the
-stager in the main process and the readers in forked workers agree without
-messages; a reader reopens its file descriptor when the generation changed
-(the chunk was evicted as corrupt and staged again). Generations count on
-across evictions (a second shared byte per chunk remembers the last one): a
-copy staged again after an eviction must not get the generation of the copy
-it replaces, or a process still holding that old, unlinked file would take
-it for current, find it bad again and evict the good copy, over and over.
+the store's chunk files (header included), written under a temporary name,
+synced and renamed into place (the directory synced too: durable before staged).
+Which chunks are staged lives in an anonymous shared mapping (one byte per
+chunk: 0 = absent, else a generation number), so the stager in the main
+process and the readers in forked workers agree without messages; a reader
+reopens its file descriptor when the generation changed (the chunk was
+evicted as corrupt and staged again). Generations count on across evictions
+(a second shared byte per chunk remembers the last one): a copy staged again
+after an eviction must not get the generation of the copy it replaces, or a
+process still holding that old, unlinked file would take it for current, find
+it bad again and evict the good copy, over and over.
 
 A re-mount reuses what a previous mount staged: files whose header and size
 are right count as staged; their bytes are checked on first read like any
@@ -70,8 +71,16 @@ class ChunkCache:
         return self.dir / f"{TEMP_PREFIX}{chunk_filename(chunk)}.{os.getpid()}"
 
     def publish(self, chunk: int, temp: Path) -> None:
-        """Rename a fully written, verified copy into place and mark it staged."""
+        """Rename a fully written, verified copy into place and mark it staged. Blocks.
+
+        The copy's data reaches the disk before its name does, and the name before it
+        counts as staged: a re-mount adopts copies by header and size alone (and
+        --no-verify trusts their bytes), so after a crash a renamed but unwritten copy
+        would be adopted zero-filled and served as wrong bytes.
+        """
+        _fsync(temp)
         os.rename(temp, self.path(chunk))
+        _fsync(self.dir)
         gen = self._last_gen[chunk] % 255 + 1
         self._last_gen[chunk] = gen
         self._state[chunk] = gen
@@ -177,6 +186,15 @@ def _chunk_index(filename: str) -> int | None:
     if ext != "chunk" or not stem.isdigit():
         return None
     return int(stem)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: str) -> None:

@@ -3,18 +3,23 @@
 It runs in the daemon's main process while the mount already serves reads.
 Chunks a reader asked for (it had to go to the store, or found a corrupt
 copy) jump the queue: any process sends (dataset, chunk) down a pipe
-created before the workers forked. Each copy is read from the store, its
-header and every extent checksum are checked, then it is written under a
-temporary name and renamed into the cache; a copy that fails verification is
-never published. `--cache-limit` caps what is staged: the rest is read from
-peers or the store.
+created before the workers forked. Each copy is written under a temporary
+name, read back and its header and every extent checksum checked, then synced
+and renamed into the cache; a copy that fails verification is never published.
+A chunk whose copy failed is tried again after a backoff (RETRY_FIRST, doubling
+up to RETRY_MAX), and a cache disk that cannot be written (full, read-only)
+pauses all staging the same way: a moment's ENOSPC must not end staging for the
+mount, and a bad store copy must not be copied in a loop. `--cache-limit` caps
+what is staged. What is not staged (yet) is read from peers or the store.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
 import logging
+import math
 import os
 import struct
 import time
@@ -34,6 +39,10 @@ from dlfsd.throttle import pace
 log = logging.getLogger(__name__)
 
 READ_BLOCK = 8 << 20
+RETRY_FIRST = 10.0  # seconds until a failed copy (or a full cache disk) is tried again,
+RETRY_MAX = 300.0  # doubling per failure up to this
+# Errors of the cache disk itself, not of one chunk: they pause all staging.
+CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
 class DemandChannel:
@@ -70,6 +79,31 @@ class DemandChannel:
 
 
 @dataclass
+class Backoff:
+    """Consecutive failures of one thing (a chunk's copy, the cache disk) and when
+    (trio clock) it may be tried again; a success forgets them."""
+
+    failures: int = 0
+    due: float = float("-inf")
+
+    def waiting(self, now: float) -> bool:
+        return now < self.due
+
+    def fail(self, now: float) -> tuple[float, bool]:
+        """Count a failure: (the delay until the next try, whether it grew: log then)."""
+        before = self.delay()
+        self.failures += 1
+        delay = self.delay()
+        self.due = now + delay
+        return delay, delay != before
+
+    def delay(self) -> float:
+        if not self.failures:
+            return 0.0
+        return min(RETRY_FIRST * 2.0 ** min(self.failures - 1, 30), RETRY_MAX)
+
+
+@dataclass
 class StageProgress:
     """What `dlfs status` shows for one dataset."""
 
@@ -98,10 +132,11 @@ class Stager:
         self.store_rate = store_rate
         self._urgent: deque[tuple[int, int]] = deque()
         self._busy: dict[tuple[int, int], int] = {}
-        self._failed: set[tuple[int, int]] = set()
+        self._failed: dict[tuple[int, int], Backoff] = {}
+        self._retries: list[tuple[float, int, int]] = []  # heap of (due, ds, chunk)
+        self._cache_pause = Backoff()  # the cache disk cannot be written
         self._wake = trio.Event()
         self._stopping = False
-        self._cache_broken = False
         self._by_chunk = [d.directory.extents_by_chunk(d.chunk_count) for d in datasets]
         self.copied_bytes = 0
         self.copied_chunks = 0
@@ -155,18 +190,35 @@ class Stager:
             if item is None:
                 if self.finished is None and not self._urgent:
                     self.finished = time.monotonic()
-                await self._wake.wait()  # no checkpoint since _next(): no wake-up is missed
+                with trio.move_on_at(self._next_due()):  # a retry comes due meanwhile
+                    await self._wake.wait()  # no checkpoint since _next(): none is missed
                 continue
             ds, chunk = item
             self._busy[item] = int(self.datasets[ds].chunk_lengths[chunk])
             try:
-                buffer = await trio.to_thread.run_sync(self._copy_logged, ds, chunk, buffer)
+                buffer, error = await trio.to_thread.run_sync(self._copy_caught, ds, chunk,
+                                                              buffer)
             finally:
                 del self._busy[item]
+            if error is None:
+                self._failed.pop(item, None)
+                self._cache_pause.failures = 0  # the disk took a whole copy
+            else:
+                self._copy_failed(ds, chunk, error)
 
     def _next(self) -> tuple[int, int] | None:
+        now = trio.current_time()
+        if self._cache_pause.waiting(now):
+            # Nothing can be written: keep the cursor, drop demands (readers demand a
+            # chunk again each time they read it from the store) so they cannot pile up.
+            self._urgent.clear()
+            return None
         while self._urgent:
             ds, chunk = self._urgent.popleft()
+            if self._eligible(ds, chunk):
+                return ds, chunk
+        while self._retries and self._retries[0][0] <= now:
+            _, ds, chunk = heapq.heappop(self._retries)
             if self._eligible(ds, chunk):
                 return ds, chunk
         for ds, chunks in enumerate(self._owned_lists):
@@ -177,12 +229,20 @@ class Stager:
                     return ds, chunk
         return None
 
+    def _next_due(self) -> float:
+        """When an idle job must look again without being woken: a retry comes due, or
+        the pause ends (retries due before that wait for it: no job may spin on them)."""
+        if self._cache_pause.waiting(trio.current_time()):
+            return self._cache_pause.due
+        return self._retries[0][0] if self._retries else math.inf
+
     def _eligible(self, ds: int, chunk: int) -> bool:
-        if self._cache_broken or not self.owned_masks[ds][chunk]:
+        if not self.owned_masks[ds][chunk]:
             return False
         if self.caches[ds].is_staged(chunk) or (ds, chunk) in self._busy:
             return False
-        if (ds, chunk) in self._failed:
+        backoff = self._failed.get((ds, chunk))
+        if backoff is not None and backoff.waiting(trio.current_time()):
             return False
         return self._fits(int(self.datasets[ds].chunk_lengths[chunk]))
 
@@ -192,25 +252,52 @@ class Stager:
         used = sum(c.staged_bytes() for c in self.caches) + sum(self._busy.values())
         return used + length <= self.cache_limit
 
+    def _copy_failed(self, ds: int, chunk: int, err: Exception) -> None:
+        """Try the chunk again once its backoff (or the cache disk's pause) is over.
+
+        Its own failures count only against the chunk: a store copy that stays bad is
+        tried every RETRY_MAX for the rest of the mount, while the other chunks go on.
+        """
+        now = trio.current_time()
+        if isinstance(err, OSError) and err.errno in CACHE_ERRNOS:
+            due = self._pause(ds, err, now)
+        else:
+            backoff = self._failed.setdefault((ds, chunk), Backoff())
+            delay, grew = backoff.fail(now)
+            due = backoff.due
+            if grew:  # once per backoff step, not at every try
+                self._log_failure(ds, chunk, err, delay)
+        heapq.heappush(self._retries, (due, ds, chunk))
+
+    def _pause(self, ds: int, err: OSError, now: float) -> float:
+        """The cache disk cannot be written (full, read-only): stop all copies for a
+        backoff, not for good (another job's files may be deleted in a moment). Only
+        the first of the jobs that hit it counts; returns when staging resumes."""
+        if not self._cache_pause.waiting(now):
+            delay, grew = self._cache_pause.fail(now)
+            if grew:
+                log.error("staging paused for %.3g s: cannot write the cache dir %s (%s); "
+                          "reads go to peers and the store", delay, self.caches[ds].dir,
+                          err.strerror)
+        return self._cache_pause.due
+
+    def _log_failure(self, ds: int, chunk: int, err: Exception, delay: float) -> None:
+        name = self.datasets[ds].name
+        if isinstance(err, (CorruptDataError, FormatError)):
+            log.error("not staging chunk %d of %s for %.3g s: the store copy is bad (%s); "
+                      "reads of it are checked and fail with EIO", chunk, name, delay, err)
+        else:
+            log.error("cannot stage chunk %d of %s (%s); trying again in %.3g s", chunk,
+                      name, err, delay)
+
     # -- copying (in a worker thread) -----------------------------------------------------
-    def _copy_logged(self, ds: int, chunk: int, buffer: bytearray) -> bytearray:
-        """Copy one chunk; log (once) and remember a failure instead of raising."""
-        dataset = self.datasets[ds]
+    def _copy_caught(self, ds: int, chunk: int,
+                     buffer: bytearray) -> tuple[bytearray, Exception | None]:
+        """Copy one chunk; return a failure (for _copy_failed) instead of raising it."""
         try:
-            return self._copy(ds, chunk, buffer)
-        except (CorruptDataError, FormatError) as err:
-            self._failed.add((ds, chunk))
-            log.error("not staging chunk %d of %s: the store copy is bad (%s); reads of it "
-                      "are checked and fail with EIO", chunk, dataset.name, err)
-        except OSError as err:
-            self._failed.add((ds, chunk))
-            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                self._cache_broken = True
-                log.error("staging stopped: cannot write the cache dir %s (%s); reads go to "
-                          "peers and the store", self.caches[ds].dir, err.strerror)
-            else:
-                log.error("cannot stage chunk %d of %s: %s", chunk, dataset.name, err)
-        return buffer
+            return self._copy(ds, chunk, buffer), None
+        except (CorruptDataError, FormatError, OSError) as err:
+            return buffer, err
 
     def _copy(self, ds: int, chunk: int, buffer: bytearray) -> bytearray:
         """Copy in the kernel (copy_file_range, like cp), then verify the copy itself.

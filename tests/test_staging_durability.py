@@ -1,0 +1,232 @@
+"""Staged copies are durable once published, and a failed copy is tried again.
+
+A re-mount adopts staged copies by header and size alone, and with --no-verify
+their bytes are trusted: a copy whose data was still only in the page cache
+when it was renamed in could come back zero-filled after a crash and be served
+as wrong bytes. The kernel tells whether a file still has data that never
+reached the disk (cachestat: dirty and under-writeback pages), so that is what
+is checked of a copy the real Stager published.
+
+A copy that fails (the cache disk full for a moment, a bad store copy) must be
+tried again after a backoff, not never again for the rest of the mount, and a
+source that keeps failing must not make the stager spin: attempts are counted
+as the kernel sees them (inotify opens of the store's chunk file).
+
+Real objects throughout: a populated store, ChunkCaches in tmp_path (one on a
+small tmpfs this test mounts and unmounts), the Stager under a real trio run
+with its real copy threads; only its retry delays are shortened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+import trio
+
+from dlfs.populate import PopulateOptions, populate
+from dlfs.store import Store
+from dlfsd import stager as stager_module
+from dlfsd.chunkcache import ChunkCache
+from dlfsd.stager import DemandChannel, Stager
+
+FIRST, CAP = 0.05, 0.2  # the stager's retry delays in these tests (seconds)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_CACHESTAT = 451  # same number on every architecture (Linux >= 6.5)
+_IN_OPEN, _IN_CLOSE_NOWRITE = 0x20, 0x10
+_IN_NONBLOCK = os.O_NONBLOCK
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+def unwritten_pages(path) -> int:
+    """Pages of `path` the kernel has not written to the disk yet (dirty or in flight)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        whole, stat = _CachestatRange(0, 0), _Cachestat()
+        if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(whole), ctypes.byref(stat), 0):
+            err = ctypes.get_errno()
+            pytest.skip(f"cachestat is not available here: {os.strerror(err)}")
+        return stat.nr_dirty + stat.nr_writeback
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def opens_of(path):
+    """Count the opens of `path` (inotify IN_OPEN) during the block: yields a callable.
+
+    Closes are watched too: inotify merges an event into an identical one still
+    unread, so opens would be counted once, closes in between keep them apart."""
+    fd = _libc.inotify_init1(_IN_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    seen = 0
+
+    def count() -> int:
+        nonlocal seen
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                events = os.read(fd, 65536)
+                pos = 0
+                while pos < len(events):
+                    _wd, mask, _cookie, name_len = struct.unpack_from("iIII", events, pos)
+                    seen += bool(mask & _IN_OPEN)
+                    pos += 16 + name_len
+        return seen
+
+    try:
+        watched = _libc.inotify_add_watch(fd, os.fsencode(path), _IN_OPEN | _IN_CLOSE_NOWRITE)
+        assert watched >= 0, os.strerror(ctypes.get_errno())
+        yield count
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """A dataset of a few 256 KiB chunks."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(11)
+    for i in range(3):
+        (src / f"f{i}").write_bytes(rng.bytes(250_000))
+    return populate(src, Store(tmp_path / "store"), "ds",
+                    PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False))
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    """The stager tries failed copies again after FIRST, 2 FIRST, ... up to CAP seconds."""
+    monkeypatch.setattr(stager_module, "RETRY_FIRST", FIRST)
+    monkeypatch.setattr(stager_module, "RETRY_MAX", CAP)
+
+
+@pytest.fixture
+def make_stager(dataset):
+    """make(cache_root, owned) -> a Stager of `dataset`, closed afterwards."""
+    made = []
+
+    def make(cache_root, owned: np.ndarray) -> Stager:
+        cache = ChunkCache(cache_root, dataset)
+        cache.scan()
+        stager = Stager([dataset], [cache], [owned], DemandChannel(), jobs=2)
+        made.append(stager)
+        return stager
+
+    yield make
+    for stager in made:
+        stager.caches[0].close()
+        stager.demand.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs mounted in tmp_path (unmounted afterwards): a disk that fills up."""
+    where = tmp_path / "nvme"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def only(dataset, *chunks: int) -> np.ndarray:
+    owned = np.zeros(dataset.chunk_count, dtype=bool)
+    owned[list(chunks)] = True
+    return owned
+
+
+async def until(condition, timeout: float) -> bool:
+    with trio.move_on_after(timeout):
+        while not condition():
+            await trio.sleep(0.005)
+    return condition()
+
+
+async def test_a_published_copy_has_no_data_left_that_never_reached_the_disk(
+        dataset, make_stager, tmp_path):
+    """Once the stager marks a chunk staged, every byte of the copy is on the disk: a
+    crash right then cannot leave a right-sized copy of zeros that a re-mount adopts."""
+    control = tmp_path / "cache-control"
+    control.write_bytes(os.urandom(256 << 10))  # written, not synced
+    if not unwritten_pages(control):
+        pytest.skip("this file system writes at once: unsynced data cannot be told apart")
+    stager = make_stager(tmp_path / "cache", only(dataset, 0))
+    cache = stager.caches[0]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stager.run)
+        assert await until(lambda: cache.is_staged(0), 5), "chunk 0 was never staged"
+        nursery.cancel_scope.cancel()
+    left = unwritten_pages(cache.path(0))
+    if not unwritten_pages(control):  # written back meanwhile: `left` would prove nothing
+        pytest.skip("the kernel wrote unsynced data back during the test")
+    assert left == 0, f"{left} pages of the published copy were not on the disk yet"
+    assert cache.path(0).read_bytes() == dataset.chunk_path(0).read_bytes()
+
+
+async def test_a_copy_that_failed_on_a_full_cache_disk_is_staged_once_there_is_room(
+        dataset, make_stager, small_tmpfs, fast_retries):
+    """ENOSPC for a moment (another job's files not yet deleted) pauses staging for a
+    backoff; it must not switch staging off for the rest of the mount."""
+    stager = make_stager(small_tmpfs, only(dataset, 0))
+    cache = stager.caches[0]
+    filler = small_tmpfs / "other-job"
+    with open(filler, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"x" * 65536)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stager.run)
+        await trio.sleep(3 * CAP)  # several backoff steps on a full disk
+        assert not cache.is_staged(0)
+        assert os.listdir(cache.dir) == [], "a failed copy left a temp file behind"
+        filler.unlink()  # room again
+        staged = await until(lambda: cache.is_staged(0), 3 * CAP + 1)
+        nursery.cancel_scope.cancel()
+    assert staged, "chunk 0 was not staged again after the cache disk had room"
+    assert cache.path(0).read_bytes() == dataset.chunk_path(0).read_bytes()
+
+
+async def test_a_bad_store_copy_is_retried_with_backoff_and_staged_once_repaired(
+        dataset, make_stager, tmp_path, caplog, fast_retries):
+    """A truncated store chunk fails every copy: it is tried again after growing delays
+    (not in a loop, not never), logged once per backoff step, and staged once the store
+    copy is whole again."""
+    source = dataset.chunk_path(1)
+    whole = source.read_bytes()
+    source.write_bytes(whole[: len(whole) // 2])
+    stager = make_stager(tmp_path / "cache", only(dataset, 1))
+    cache = stager.caches[0]
+    caplog.set_level(logging.WARNING, logger=stager_module.__name__)
+    with opens_of(source) as opens:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stager.run)
+            await trio.sleep(1.0)  # FIRST, 2 FIRST, then CAP apart: about 7 attempts
+            attempts = opens()
+            assert not cache.is_staged(1)
+            source.write_bytes(whole)  # repaired
+            staged = await until(lambda: cache.is_staged(1), CAP + 1)
+            nursery.cancel_scope.cancel()
+    assert attempts >= 3, f"the failed copy was tried {attempts} times in 1 s: not retried"
+    assert attempts <= 15, f"the failed copy was tried {attempts} times in 1 s: spinning"
+    logged = [r for r in caplog.records if "chunk 1" in r.getMessage()]
+    assert 1 <= len(logged) < attempts, [r.getMessage() for r in logged]
+    assert staged, "chunk 1 was not staged after its store copy was repaired"
+    assert cache.path(1).read_bytes() == whole
