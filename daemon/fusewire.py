@@ -88,13 +88,15 @@ def kernel_version(release: str) -> tuple[int, int]:
     return (numbers[0], numbers[1]) if len(numbers) == 2 else (0, 0)
 
 
+def kernel_release() -> str:
+    return os.environ.get(KERNEL_RELEASE_VAR) or os.uname().release
+
+
 def kernel_skips_opens(release: str | None = None) -> tuple[bool, bool]:
     """(no_open, no_opendir): whether this kernel stops sending OPEN / OPENDIR once
     answered ENOSYS. Distribution kernels may have them backported; then we answer
     opens we need not, which costs a round trip per open, never a failed open."""
-    if release is None:
-        release = os.environ.get(KERNEL_RELEASE_VAR) or os.uname().release
-    version = kernel_version(release)
+    version = kernel_version(kernel_release() if release is None else release)
     return version >= NO_OPEN_SINCE, version >= NO_OPENDIR_SINCE
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad

@@ -458,6 +458,11 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
     pipe_size = usable_pipe_size() if config.splice else 0
     if config.splice:
         log.info(describe_pipe_size(pipe_size))
+    no_open, no_opendir = fw.kernel_skips_opens()
+    if not (no_open and no_opendir):
+        log.info("kernel %s: the workers answer %s (this kernel would pass on the ENOSYS "
+                 "that tells newer ones to stop asking)", fw.kernel_release(),
+                 "OPENDIR" if no_open else "OPEN and OPENDIR")
     pids = []
     for _ in range(config.workers):
         pid = os.fork()

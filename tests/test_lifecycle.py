@@ -337,8 +337,10 @@ def test_a_worker_killed_mid_request_does_not_hang_its_reader(mounted, tmp_path,
     store = store_with(src, "ds", "64M", tmp_path / "store")
     # A slow store (1 MiB/s) keeps the worker busy with the read for about a second.
     m = mounted(store, "--workers", "2", "--store-bandwidth", "1M", "--prefetch", "off")
-    idle = [pid for pid in m.pids if _waiting_on_dev_fuse(pid)]
-    assert len(idle) == 2, "both workers wait for requests"
+    deadline = time.monotonic() + 10  # the workers are forked just before READY
+    while len(idle := [pid for pid in m.pids if _waiting_on_dev_fuse(pid)]) < 2:
+        assert time.monotonic() < deadline, f"both workers wait for requests: {idle}"
+        time.sleep(0.01)
     reader = subprocess.Popen([sys.executable, "-c", (
         "import os, sys\n"
         f"fd = os.open({str(m / 'ds' / 'big')!r}, os.O_RDONLY)\n"

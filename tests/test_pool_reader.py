@@ -136,20 +136,24 @@ async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path)
     ds, src = dataset
     secret = secrets.token_bytes(32)
     with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, server, port):
-        reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
-        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
-        d = ds.directory
-        row = d.resolve(b"big")
-        want = (src / "big").read_bytes()
-        owned_by_b = [e for e in d.extents(row) if not reader_pool.owned[0][d.ext_chunk_view[e]]]
-        got = bytearray()
-        for off in range(0, len(want), 64 << 10):  # 64 KiB requests, like the kernel's
-            got += await reader.read(row, off, 64 << 10)
-        assert bytes(got) == want
-        assert server.counters()["reads_served"] == len(owned_by_b)  # one fetch per extent
-        await reader_pool.aclose()
-    reader.close()
-    reader_pool.close()
+        # Both nodes own every chunk and a has staged none: every extent comes from b
+        # (with one replica, placement by the random uuid gave b no chunk of "big" now
+        # and then, and the test then read nothing from a peer).
+        reader_pool, reader = reading_node(ds, secret, port, tmp_path / "cache-a")
+        try:
+            d = ds.directory
+            row = d.resolve(b"big")
+            want = (src / "big").read_bytes()
+            got = bytearray()
+            for off in range(0, len(want), 64 << 10):  # 64 KiB requests, like the kernel's
+                got += await reader.read(row, off, 64 << 10)
+            assert bytes(got) == want
+            extents = len(d.extents(row))
+            assert extents > 1 and server.counters()["reads_served"] == extents  # one each
+            await reader_pool.aclose()
+        finally:
+            reader.close()
+            reader_pool.close()
 
 
 def reading_node(ds, secret: bytes, port: int, cache: Path) -> tuple[ChunkPool, SampleReader]:
@@ -303,22 +307,24 @@ async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(datase
     nothing (every partial read fetching the whole extent again)."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
-    with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, _server, port):
-        reader_pool = ChunkPool(view(0, [1, port], secret), [ds], tmp_path / "cache-a")
-        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
-        row = ds.directory.resolve(b"big")
-        want = (src / "big").read_bytes()
-        got: dict[int, bytes] = {}
+    with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, server, port):
+        reader_pool, reader = reading_node(ds, secret, port, tmp_path / "cache-a")
+        try:
+            row = ds.directory.resolve(b"big")
+            want = (src / "big").read_bytes()
+            got: dict[int, bytes] = {}
 
-        async def read(off: int) -> None:
-            got[off] = bytes(await reader.read(row, off, 16 << 10))
+            async def read(off: int) -> None:
+                got[off] = bytes(await reader.read(row, off, 16 << 10))
 
-        async with trio.open_nursery() as readers:
-            for off in range(0, len(want), 16 << 10):
-                readers.start_soon(read, off)
-        assert b"".join(got[off] for off in sorted(got)) == want
-        cached = sum(len(data) for data in reader._peer_cache.values())
-        assert cached > 0 and reader._peer_cache_bytes == cached
-        await reader_pool.aclose()
-    reader.close()
-    reader_pool.close()
+            async with trio.open_nursery() as readers:
+                for off in range(0, len(want), 16 << 10):
+                    readers.start_soon(read, off)
+            assert b"".join(got[off] for off in sorted(got)) == want
+            assert server.counters()["reads_served"] == len(ds.directory.extents(row))
+            cached = sum(len(data) for data in reader._peer_cache.values())
+            assert cached > 0 and reader._peer_cache_bytes == cached
+            await reader_pool.aclose()
+        finally:
+            reader.close()
+            reader_pool.close()
