@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -93,6 +94,25 @@ def _timeout(text: str) -> float:
     if not 0 <= value <= MAX_CACHE_TIMEOUT:
         raise argparse.ArgumentTypeError(
             f"must be 0 to {MAX_CACHE_TIMEOUT:.0f} seconds, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A wait, timeout or interval: positive and finite (0 would busy-loop or fail at
+    once, NaN compares false with everything)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {text!r}")
     return value
 
 
@@ -393,6 +413,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dlfs.demo import run_demo
 
+    if args.mean_size < 1:
+        raise UsageError("--mean-size must be at least 1 byte")
+
     return run_demo(args.files, args.mean_size, args.workers,
                     Path(args.workdir) if args.workdir else None, args.keep)
 
@@ -523,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-file", metavar="PATH",
                    help="at unmount, write the final I/O counters and a text summary "
                         "(JSON) to PATH, e.g. for a Slurm epilogue to keep")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
     g = p.add_argument_group(
         "chunk pool (cluster mode)",
@@ -547,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: no limit)")
     g.add_argument("--stage-jobs", type=_positive, default=2,
                    help="chunks copied from the store at once (default 2)")
-    g.add_argument("--peer-timeout", type=float, default=5.0,
+    g.add_argument("--peer-timeout", type=_seconds, default=5.0,
                    help="seconds before a silent peer is skipped (default 5)")
     g.add_argument("--store-bandwidth", type=_size, help=argparse.SUPPRESS)  # benchmarks only
     g.add_argument("--slurm", action="store_true",
@@ -558,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under mpirun/srun: one daemon per rank; the ranks exchange host "
                         "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
                         "a host) in paths; all mounts come up or none")
-    g.add_argument("--port-base", type=_positive, default=7000,
+    g.add_argument("--port-base", type=_port, default=7000,
                    help="with --slurm/--mpi: node i listens on PORT_BASE + i (default 7000)")
     g.add_argument("--node-host", default="%n", metavar="PATTERN",
                    help="with --slurm/--mpi: address of each node, %%n = its host name "
@@ -583,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint")
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes")
 
     p = _sub(subs, "umount", cmd_umount,
              "unmount and wait for the daemon to exit (also cleans a dead daemon's mount)",
@@ -592,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
     p.add_argument("--mpi", action="store_true",
                    help="unmount on every MPI rank (after `mount --mpi`; %%n as there)")
-    p.add_argument("--timeout", type=float, default=30.0,
+    p.add_argument("--timeout", type=_seconds, default=30.0,
                    help="seconds to wait for the daemon to exit before killing it")
 
     p = _sub(subs, "stats", cmd_stats,
@@ -603,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
              "\nReads MOUNTPOINT/.dlfs/stats.json (Prometheus text: MOUNTPOINT/.dlfs/metrics).")
     p.add_argument("mountpoint")
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
-    p.add_argument("--interval", type=float, default=1.0,
+    p.add_argument("--interval", type=_seconds, default=1.0,
                    help="seconds between refreshes with --watch (default 1)")
     p.add_argument("--json", action="store_true", help="print the raw stats.json")
 
@@ -653,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
              "failed.")
     p.add_argument("--store", help="also check this store and every dataset's manifest")
     p.add_argument("--cache-dir", help="also check this cache dir is writable with free space")
-    p.add_argument("--port", type=_positive, help="also check this peer port is free")
+    p.add_argument("--port", type=_port, help="also check this peer port is free")
 
     p = _sub(subs, "demo", cmd_demo,
              "generate a dataset, pack it, mount it, read it like a training epoch, unmount",

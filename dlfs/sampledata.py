@@ -25,7 +25,9 @@ class TreeSummary:
 
 
 def lognormal_sizes(n: int, mean: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
-    """n sizes with the given mean, lognormally spread (at least 1 byte)."""
+    """n sizes with the given mean (at least 1), lognormally spread (at least 1 byte)."""
+    if mean < 1:
+        raise ValueError(f"mean sample size must be at least 1 byte, got {mean}")
     mu = math.log(mean) - sigma * sigma / 2
     return np.maximum(1, rng.lognormal(mu, sigma, n)).astype(np.int64)
 
@@ -35,7 +37,8 @@ def generate_tree(root: Path, files: int, mean_size: int, sigma: float = 0.5,
     """Write `files` samples under root/train/cNNNNN/sample_NNNNNNN.bin."""
     rng = np.random.default_rng(seed)
     sizes = lognormal_sizes(files, mean_size, sigma, rng)
-    pool = rng.bytes(min(POOL_SIZE, max(1 << 20, int(sizes.max()) * 2)))
+    largest = int(sizes.max(initial=1))
+    pool = rng.bytes(max(largest, min(POOL_SIZE, max(1 << 20, largest * 2))))  # fits any
     starts = rng.integers(0, len(pool) - sizes + 1)
     paths = []
     for i, (size, start) in enumerate(zip(sizes.tolist(), starts.tolist(), strict=True)):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from dlfs.errors import UsageError
 
+MAX_SIZE = 1 << 50  # 1 PiB: beyond any chunk, cache or bandwidth this takes
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
@@ -16,7 +18,10 @@ def parse_size(text: str) -> int:
     if not match:
         raise UsageError(f"not a size: {text!r} (use e.g. 4096, 512K, 64M, 1G)")
     number, unit = match.groups()
-    return int(float(number) * _UNITS[unit.upper()])
+    value = int(Decimal(number) * _UNITS[unit.upper()])  # exact: no float rounding
+    if value > MAX_SIZE:
+        raise UsageError(f"size too large: {text!r} (at most 1024T)")
+    return value
 
 
 def format_size(n: float) -> str:

@@ -468,3 +468,20 @@ def test_demo_runs_and_leaves_the_workdir_as_it_found_it(dlfs_cli, tmp_path, sys
     assert sorted(os.listdir(workdir)) == ["mine.txt"]
     assert (workdir / "mine.txt").read_text() == "not the demo's"
     assert str(workdir) not in Path("/proc/mounts").read_text()
+
+
+@pytest.mark.parametrize("argv", [
+    ["populate", "SRC", "--store", "S", "--name", "x", "--chunk-size", "9" * 400],
+    ["doctor", "--port", "70000"],
+    ["stats", "M", "--watch", "--interval", "-1"],
+    ["status", "M", "--watch", "--interval", "nan"],
+    ["mount", "M", "--store", "S", "--peer-timeout", "0"],
+    ["mount", "M", "--store", "S", "--timeout", "-5"],
+    ["demo", "--mean-size", "0"],
+], ids=["huge_size", "port_out_of_range", "negative_interval", "nan_interval",
+        "zero_peer_timeout", "negative_timeout", "zero_mean_size"])
+def test_nonsense_numbers_are_one_line_usage_errors(dlfs_cli, tmp_path, argv):
+    """Values that used to raise OverflowError, ValueError or 'math domain error', or
+    were taken (a peer timeout of 0 sent every read to the store)."""
+    args = [str(tmp_path / a) if a in ("SRC", "S", "M") else a for a in argv]
+    assert_one_line_error(dlfs_cli(*args), 2)
