@@ -67,7 +67,9 @@ def _reads(trace: Trace) -> np.ndarray:
 
 
 def random_read_count(trace: Trace) -> int:
-    """Reads not starting where the previous read of the same file ended (reset by open)."""
+    """Reads not starting where the previous read of the same file ended, nor at 0:
+    the daemon's counters' rule (docs/STATS.md), which must hold without opens too,
+    since by default the kernel opens files without telling the daemon."""
     ops = {name: i for i, name in enumerate(trace.ops)}
     last_end: dict[int, int] = {}
     random = 0
@@ -77,7 +79,7 @@ def random_read_count(trace: Trace) -> int:
         if op == ops.get("open"):
             last_end[path] = 0
         elif op == ops.get("read"):
-            if last_end.get(path, 0) != offset:
+            if offset and last_end.get(path, 0) != offset:
                 random += 1
             last_end[path] = offset + size
     return random
