@@ -55,7 +55,8 @@ class Observability:
             self.stats.opens_counted = config.opens_counted
         # Without counters the trace cannot start (see start_trace): one record suffices.
         capacity = config.trace_capacity if config.enabled else 1
-        self.trace = Trace(capacity, self.slot)
+        # With workers (processes > 1) the main process serves no requests.
+        self.trace = Trace(capacity, self.slot, max(1, config.processes - 1))
         self.datasets = datasets
         self.control = ControlFiles({b"stats.json": self.render_stats_json,
                                      b"metrics": self.render_metrics}, self.slot)

@@ -10,7 +10,8 @@ Layout of the one anonymous shared mmap (made before the workers fork):
 * per process, a ring of fixed-size records (RECORD / RECORD_DTYPE: a numpy
   structured array over the same bytes). Each process writes only its own
   ring (no lock, nothing lost between processes); the capacity is split
-  evenly over the processes. On overflow a process overwrites its oldest
+  evenly over the processes that serve requests (not the main one when there
+  are workers). On overflow a process overwrites its oldest
   records; `dump()` reports how many were dropped.
 
 Handles: without tracing, a file handle is the inode (stateless). While
@@ -70,13 +71,18 @@ class TraceDump:
 class Trace:
     """The bounded shared-memory trace of one mount."""
 
-    def __init__(self, capacity: int, slot: ProcessSlot) -> None:
+    def __init__(self, capacity: int, slot: ProcessSlot, recorders: int | None = None) -> None:
+        """`recorders`: how many of the slot's processes serve requests (default all).
+        The capacity is split over those only: with worker processes the main one
+        serves none, and its ring, never written, costs no memory."""
         self.slot = slot
-        self.per_process = max(1, capacity // slot.count)
-        self.capacity = self.per_process * slot.count
+        recorders = min(slot.count, recorders or slot.count)
+        self.per_process = max(1, capacity // recorders)
+        self.capacity = self.per_process * recorders  # records kept, as reported
+        self._ring_records = self.per_process * slot.count
         self._handles_at = _HEADER
         self._rings_at = _HEADER + slot.count * HANDLE_SLOTS * _HANDLE.size
-        size = self._rings_at + self.capacity * RECORD.size
+        size = self._rings_at + self._ring_records * RECORD.size
         self._mm = mmap.mmap(-1, size)  # pages are only backed once written
         self._counters = memoryview(self._mm)[64 : 64 + 8 * slot.count].cast("q")
         self._next_handle = 0
@@ -147,7 +153,7 @@ class Trace:
     # -- reading ---------------------------------------------------------------------------
     def dump(self) -> TraceDump:
         """All kept records of all processes, oldest first."""
-        rings = np.frombuffer(self._mm, RECORD_DTYPE, self.capacity, self._rings_at)
+        rings = np.frombuffer(self._mm, RECORD_DTYPE, self._ring_records, self._rings_at)
         parts, dropped = [], 0
         for i in range(self.slot.count):
             n = self._counters[i]
