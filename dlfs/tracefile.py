@@ -11,6 +11,7 @@ then a header row, then one row per operation, oldest first:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import json
@@ -106,6 +107,17 @@ def write_trace_csv(path: Path, header: dict, records: np.ndarray) -> None:
     paths = {(ds, row): p for ds, row, p in header["paths"]}
     ops, sources, names = header["ops"], header["sources"], header["datasets"]
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        _write_rows(tmp, header, records, paths, ops, sources, names)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _write_rows(tmp: Path, header: dict, records: np.ndarray, paths: dict, ops: list,
+                sources: list, names: list) -> None:
     with open(tmp, "w", newline="") as f:
         f.write(f"# dlfs-trace v{CSV_VERSION} records={len(records)} "
                 f"dropped={header['dropped']} capacity={header['capacity']} "
@@ -117,7 +129,6 @@ def write_trace_csv(path: Path, header: dict, records: np.ndarray) -> None:
             out.writerow((time_ns, pid, uid, ops[op], names[ds] if ds >= 0 else "",
                           paths.get((ds, row), "") if ds >= 0 else "", offset, size, latency,
                           _sources_text(mask, sources)))
-    os.replace(tmp, path)
 
 
 _META = re.compile(r"(\w+)=(-?\d+)")
@@ -134,7 +145,7 @@ def read_trace_csv(path: Path) -> Trace:
             reader = csv.reader(f)
             if tuple(next(reader, ())) != COLUMNS:
                 raise DlfsError(f"{path}: unexpected header row (not a version-1 DLFS trace)")
-            rows = list(reader)
+            rows = [row for row in reader if row]  # a trailing blank line is no record
     except OSError as err:
         raise DlfsError(f"cannot read trace {path}: {err.strerror}") from None
     ops: dict[str, int] = {}
@@ -169,9 +180,17 @@ def run_trace_command(action: str, mountpoint: str, output: str | None) -> int:
     target = Path(output or time.strftime("dlfs-trace-%Y%m%d-%H%M%S.csv"))
     if target.is_dir():
         raise DlfsError(f"{target} is a directory; give a file name with -o")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise DlfsError(f"cannot write {target}: {parent} is not a writable directory "
+                        "(the trace is still running)")
     trace_command(mountpoint, "stop")
     header, records = fetch_trace(mountpoint)
-    write_trace_csv(target, header, records)
+    try:
+        write_trace_csv(target, header, records)
+    except OSError as err:
+        raise DlfsError(f"cannot write {target} ({err.strerror}); the trace is stopped but "
+                        f"kept: run `dlfs trace stop {mountpoint} -o FILE` again") from None
     dropped = f" ({header['dropped']:,} older ones dropped)" if header["dropped"] else ""
     print(f"wrote {len(records):,} records{dropped} to {target}")
     return 0
