@@ -71,7 +71,7 @@ class Observability:
         return (json.dumps(self.stats.snapshot(), indent=1) + "\n").encode()
 
     def render_metrics(self) -> bytes:
-        return prometheus_text(self.stats.snapshot()).encode()
+        return prometheus_text(self.stats.snapshot(top_files=0)).encode()  # not exported
 
     # -- trace control (called by dlfsd.controlsock) -------------------------------------
     def start_trace(self) -> None:

@@ -203,7 +203,8 @@ class Stats:
     def _dataset_snapshot(self, k: int, counts: np.ndarray, top_files: int) -> dict:
         lo, hi = self._file_base[k], self._file_base[k + 1]
         # A copy: other processes keep writing, and numpy refuses arrays that change under it.
-        files = {name: array[lo:hi].copy() for name, array in self._files.items()}
+        files = {name: array[lo:hi].copy() for name, array in self._files.items()
+                 if name != "last_end"}  # (the read detector's state: not reported)
         touched = np.flatnonzero(files["first_ns"])
         out = _counters(counts, int(files["opens"].sum(dtype=np.int64)),
                         int(files["reads"].sum(dtype=np.int64)),
@@ -219,9 +220,7 @@ class Stats:
     def _top_files(self, k: int, files: dict, touched: np.ndarray, count: int) -> list[dict]:
         if not touched.size or count <= 0:
             return []
-        nbytes = files["bytes"][touched]
-        order = np.argsort(-nbytes, kind="stable")[:count]
-        rows = touched[order]
+        rows = top_rows(touched, files["bytes"][touched], count)
         return [{"path": display_path(self.directories[k].path(int(row))),
                  "opens": int(files["opens"][row]), "reads": int(files["reads"][row]),
                  "bytes": int(files["bytes"][row]),
@@ -231,6 +230,20 @@ class Stats:
     def _wall(self, since_mount_ns: int) -> int:
         """A monotonic time since mount as wall-clock ns (0 stays 0: never)."""
         return self.mounted_ns + since_mount_ns if since_mount_ns else 0
+
+
+def top_rows(rows: np.ndarray, nbytes: np.ndarray, count: int) -> np.ndarray:
+    """The `count` rows with the most bytes, most first, ties by row (`rows` ascending).
+
+    Found in O(n), then only those sorted: a million touched files must not cost a
+    full sort on every read of `.dlfs/stats.json`.
+    """
+    candidates = np.arange(rows.size)
+    if rows.size > count:
+        kth = np.partition(nbytes, rows.size - count)[rows.size - count]
+        candidates = np.flatnonzero(nbytes >= kth)
+    order = candidates[np.lexsort((rows[candidates], -nbytes[candidates]))]
+    return rows[order[:count]]
 
 
 def _counters(c: np.ndarray, opens: int, reads: int, nbytes: int) -> dict:
