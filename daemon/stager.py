@@ -379,6 +379,7 @@ class Stager:
     def progress(self) -> list[StageProgress]:
         elapsed = max((self.finished or time.monotonic()) - self.started, 1e-9)
         rate = self.copied_bytes / elapsed
+        idle = self.finished is not None and not self._busy and not self._urgent
         out = []
         for ds, dataset in enumerate(self.datasets):
             owned = self.owned_masks[ds]
@@ -386,7 +387,12 @@ class Stager:
             lengths = dataset.chunk_lengths
             owned_bytes, staged_bytes = int(lengths[owned].sum()), int(lengths[staged].sum())
             remaining = owned_bytes - staged_bytes
-            eta = 0.0 if not remaining else (remaining / rate if rate > 0 else None)
+            if not remaining:
+                eta = 0.0
+            elif idle or rate <= 0:  # the rest is not being staged: over --cache-limit,
+                eta = None  # or failed copies waiting to be tried again
+            else:
+                eta = remaining / rate
             out.append(StageProgress(int(owned.sum()), owned_bytes, int(staged.sum()),
                                      staged_bytes, rate, eta))
         return out

@@ -230,3 +230,26 @@ async def test_a_bad_store_copy_is_retried_with_backoff_and_staged_once_repaired
     assert 1 <= len(logged) < attempts, [r.getMessage() for r in logged]
     assert staged, "chunk 1 was not staged after its store copy was repaired"
     assert cache.path(1).read_bytes() == whole
+
+
+async def test_progress_does_not_promise_an_eta_for_what_the_cache_limit_keeps_out(
+        dataset, make_stager, tmp_path):
+    """With --cache-limit below the owned bytes, staging stops short; `dlfs status` must
+    not show a fixed positive ETA for chunks that will never be staged."""
+    owned = only(dataset, *range(dataset.chunk_count))
+    cache = ChunkCache(tmp_path / "cache", dataset)
+    cache.scan()
+    one_chunk = int(dataset.chunk_lengths[0]) + 4096
+    stager = Stager([dataset], [cache], [owned], DemandChannel(), jobs=2,
+                    cache_limit=one_chunk)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stager.run)
+            assert await until(lambda: stager.finished is not None and not stager._busy, 5)
+            nursery.cancel_scope.cancel()
+        (progress,) = stager.progress()
+        assert 0 < progress.staged_chunks < progress.owned_chunks
+        assert progress.eta is None, f"eta {progress.eta} s for chunks that do not fit"
+    finally:
+        cache.close()
+        stager.demand.close()
