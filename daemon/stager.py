@@ -249,7 +249,12 @@ class Stager:
     def _fits(self, length: int) -> bool:
         if not self.cache_limit:
             return True
-        used = sum(c.staged_bytes() for c in self.caches) + sum(self._busy.values())
+        # A copy is published (staged) by its thread a moment before its job takes it
+        # off _busy: counted twice then, every other chunk looked too big and was
+        # passed over for good (staging stopped short of the limit, 1 run in 3).
+        in_flight = sum(n for (ds, chunk), n in self._busy.items()
+                        if not self.caches[ds].is_staged(chunk))
+        used = sum(c.staged_bytes() for c in self.caches) + in_flight
         return used + length <= self.cache_limit
 
     def _copy_failed(self, ds: int, chunk: int, err: Exception) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import daemon_pids_for, describe_result, kill_and_reap
 
+from dlfs.format import CHUNK_HEADER_SIZE
 from dlfs.placement import owners
 from dlfs.sampledata import generate_large_files, generate_tree
 from dlfs.store import Store
@@ -105,6 +106,24 @@ def wait_staged(dlfs_cli, mount, timeout: float = 60.0) -> dict:
 
 def staged_chunks(cache_dir: Path) -> set[int]:
     return {int(p.name.split(".")[0]) for p in cache_dir.glob("*/*.chunk")}
+
+
+def staged_data_bytes(cache_dir: Path) -> int:
+    """Data bytes of the published copies in a cache dir (headers not counted)."""
+    return sum(p.stat().st_size - CHUNK_HEADER_SIZE for p in cache_dir.glob("*/*.chunk"))
+
+
+def wait_new_copy(path: Path, inode_before: int, timeout: float = 60.0) -> None:
+    """Poll until `path` is a published copy other than the inode it was."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if path.stat().st_ino != inode_before:
+                return
+        except FileNotFoundError:
+            pass  # evicted, not staged again yet
+        assert time.monotonic() < deadline, f"{path} was not staged anew"
+        time.sleep(0.1)
 
 
 def read_and_compare(mount, source: Path, files: list[Path]) -> None:
@@ -239,8 +258,8 @@ def test_flipped_byte_in_staged_chunk_is_detected_and_restaged(
     chunk = int(d.directory.ext_chunk_view[ext])
     chunk_file = next(cache.glob(f"*/{chunk:08d}.chunk"))
     inode_before = chunk_file.stat().st_ino
+    pos = CHUNK_HEADER_SIZE + int(d.directory.ext_offset_view[ext]) + 10
     with open(chunk_file, "r+b") as f:
-        pos = 4096 + int(d.directory.ext_offset_view[ext]) + 10
         f.seek(pos)
         byte = f.read(1)
         f.seek(pos)
@@ -248,8 +267,11 @@ def test_flipped_byte_in_staged_chunk_is_detected_and_restaged(
     assert (Path(mount.path) / "ds" / victim.relative_to(pool_source)).read_bytes() == \
         victim.read_bytes()
     assert "checksum mismatch in staged chunk" in mount.log_text()
-    wait_staged(dlfs_cli, mount)
-    assert chunk_file.stat().st_ino != inode_before, "the corrupt copy should be staged anew"
+    # Evicted, then staged again: a copy under the same name, a new file, the right byte.
+    wait_new_copy(chunk_file, inode_before)
+    with open(chunk_file, "rb") as f:
+        f.seek(pos)
+        assert f.read(1) == byte, "the copy staged anew holds the flipped byte"
     read_and_compare(mount, pool_source, source_files(pool_source))
 
 
@@ -280,11 +302,28 @@ def test_reads_during_staging_are_correct_and_remount_reuses_staged_chunks(
 
 def test_cache_limit_stages_what_fits(mounted, pool_store, pool_source, tmp_path, dlfs_cli):
     cache = tmp_path / "cache"
+    limit = 1 << 20
     mount = mounted(pool_store, "--cache-dir", str(cache), "--cache-limit", "1M")
-    time.sleep(1.5)
-    staged = sum(p.stat().st_size - 4096 for p in cache.glob("*/*.chunk"))
-    assert 0 < staged <= 1 << 20
+    lengths = Store(pool_store).open("ds").chunk_lengths.tolist()  # a lone node owns all
+    assert min(lengths) <= limit < sum(lengths), "the limit must let some chunks in, not all"
+    # Staging is over once no chunk left out would fit beside the staged ones.
+    deadline = time.monotonic() + 60
+    while True:
+        on_disk = staged_chunks(cache)
+        staged = sum(lengths[c] for c in on_disk)
+        left_out = [n for c, n in enumerate(lengths) if c not in on_disk]
+        if not left_out or staged + min(left_out) > limit:
+            break
+        assert time.monotonic() < deadline, (
+            f"staging stopped with chunks {sorted(on_disk)} ({staged} bytes) staged, yet a "
+            f"left-out chunk of {min(left_out)} bytes fits in the {limit}-byte limit")
+        time.sleep(0.2)
+    assert 0 < staged_data_bytes(cache) <= limit
     read_and_compare(mount, pool_source, source_files(pool_source))
+    # Demands of the reads are held to the limit too.
+    assert 0 < staged_data_bytes(cache) <= limit
+    st = fresh_status(dlfs_cli, mount)["datasets"][0]["staging"]
+    assert st["staged_bytes"] == staged_data_bytes(cache) and st["staged_chunks"] < len(lengths)
 
 
 def test_a_remount_with_a_lower_cache_limit_drops_what_no_longer_fits(
@@ -293,10 +332,10 @@ def test_a_remount_with_a_lower_cache_limit_drops_what_no_longer_fits(
     mount = mounted(pool_store, "--cache-dir", str(cache))
     wait_staged(dlfs_cli, mount)
     assert dlfs_cli("umount", mount.path).returncode == 0
-    assert sum(p.stat().st_size - 4096 for p in cache.glob("*/*.chunk")) > 1 << 20
+    assert staged_data_bytes(cache) > 1 << 20
     again = mounted(pool_store, "--cache-dir", str(cache), "--cache-limit", "1M",
                     mountpoint=Path(mount.path))
-    assert 0 < sum(p.stat().st_size - 4096 for p in cache.glob("*/*.chunk")) <= 1 << 20
+    assert 0 < staged_data_bytes(cache) <= 1 << 20
     st = status_of(dlfs_cli, again)["datasets"][0]["staging"]
     assert st["staged_chunks"] < st["owned_chunks"]
 
