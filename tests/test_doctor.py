@@ -14,8 +14,13 @@ from trees import make_small_tree
 
 from dlfs.format import MANIFEST_NAME
 
-FREE_PORT = 7456
-BUSY_PORT = 7457
+
+def free_port() -> int:
+    """A port nothing listens on now: the OS picks it (it may be taken again later, but
+    not by a fixed choice that another service on the machine happens to hold)."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +42,13 @@ def lines_of(result) -> dict[str, str]:
 
 
 def test_healthy_node_passes(dlfs_cli, small_store, tmp_path):
+    port = free_port()
     result = dlfs_cli("doctor", "--store", small_store, "--cache-dir", tmp_path / "cache",
-                      "--port", str(FREE_PORT))
+                      "--port", str(port))
     assert result.returncode == 0, describe_result(result)
     checks = lines_of(result)
     for name in ("/dev/fuse", "fusermount3", "pyfuse3", "trio", "store", "dataset ds",
-                 "dataset other", "cache dir", f"port {FREE_PORT}"):
+                 "dataset other", "cache dir", f"port {port}"):
         assert checks[name].startswith("ok"), checks.get(name, checks)
     assert result.stdout.splitlines()[-1] == "all checks passed"
     assert not (tmp_path / "cache").exists(), "doctor must not create the cache dir"
@@ -68,11 +74,12 @@ def test_broken_dataset_is_named(dlfs_cli, small_store, tmp_path):
 
 def test_busy_port_fails(dlfs_cli):
     with socket.socket() as sock:
-        sock.bind(("0.0.0.0", BUSY_PORT))
+        sock.bind(("0.0.0.0", 0))  # a port the OS gives us, held while the doctor runs
         sock.listen()
-        result = dlfs_cli("doctor", "--port", str(BUSY_PORT))
+        busy = sock.getsockname()[1]
+        result = dlfs_cli("doctor", "--port", str(busy))
     assert result.returncode == 1
-    assert lines_of(result)[f"port {BUSY_PORT}"].startswith("FAIL")
+    assert lines_of(result)[f"port {busy}"].startswith("FAIL")
 
 
 def test_cache_dir_under_a_file_fails(dlfs_cli, tmp_path):

@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,17 +44,66 @@ def require_mpi() -> None:
         pytest.skip("; ".join(problems))
 
 
-def mpirun_dlfs(*args: str | os.PathLike, ranks: int = RANKS) -> subprocess.CompletedProcess:
+def mpirun_dlfs(*args: str | os.PathLike, ranks: int = RANKS, dlfs: list[str] = DLFS,
+                extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`mpirun ... -n RANKS dlfs ARGS` (the venv's dlfs), never raising on failure."""
     require_mpi()
     env = {k: v for k, v in os.environ.items() if k != "DLFS_READY_FD"}
+    env.update(extra_env or {})
     return subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(ranks),
-                           *DLFS, *map(str, args)],
+                           *dlfs, *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=180)
 
 
 def mpirun_populate(*args: str | os.PathLike) -> subprocess.CompletedProcess:
     return mpirun_dlfs("populate", *args)
+
+
+# The real `dlfs` CLI with an audit hook that only watches: every file a rank opens for
+# writing whose name ends in .chunk is appended to $DLFS_TEST_WRITES/rank-N. What each
+# rank really wrote, seen from outside the code under test.
+RECORD_CHUNK_WRITES = """
+import os, sys
+log = os.path.join(os.environ["DLFS_TEST_WRITES"],
+                   "rank-" + (os.environ.get("OMPI_COMM_WORLD_RANK")
+                              or os.environ.get("PMIX_RANK", "unknown")))
+busy = False
+
+def record(event, args):
+    global busy
+    if busy or event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)) \\
+            or not isinstance(args[1], str) or "w" not in args[1]:
+        return
+    name = os.path.basename(os.fsdecode(args[0]))
+    if name.endswith(".chunk"):
+        busy = True  # the log's own open is an "open" event too
+        try:
+            with open(log, "a") as f:
+                f.write(name + "\\n")
+        finally:
+            busy = False
+
+sys.addaudithook(record)
+from dlfs.cli import main
+sys.exit(main())
+"""
+
+
+def reserve_ports(count: int, host: str = "127.0.0.1") -> list[socket.socket]:
+    """`count` consecutive ports nothing uses, each held by a bound socket (close them
+    before use): the OS picks the first, so no fixed port that may be busy on CI."""
+    for _ in range(100):
+        held: list[socket.socket] = []
+        try:
+            for i in range(count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind((host, held[0].getsockname()[1] + i if i else 0))
+            return held
+        except (OSError, OverflowError):  # taken, or past 65535: another base
+            for sock in held:
+                sock.close()
+    pytest.fail(f"found no {count} consecutive free ports on {host}")
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -90,14 +140,29 @@ def test_node_names_suffix_ranks_only_on_shared_hosts():
 
 # -- real mpirun --------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def parallel_store(tmp_path_factory, edge_tree) -> Path:
-    store = tmp_path_factory.mktemp("mpi") / "store"
-    result = mpirun_populate(edge_tree.root, "--store", store, "--name", "edge",
-                             "--chunk-size", "256K")
+def parallel_run(tmp_path_factory, edge_tree) -> tuple[Path, dict[int, list[int]]]:
+    """The parallel populate's store, and the chunks each rank opened for writing."""
+    base = tmp_path_factory.mktemp("mpi")
+    store, writes = base / "store", base / "writes"
+    writes.mkdir()
+    result = mpirun_dlfs("populate", edge_tree.root, "--store", store, "--name", "edge",
+                         "--chunk-size", "256K", dlfs=[sys.executable, "-c", RECORD_CHUNK_WRITES],
+                         extra_env={"DLFS_TEST_WRITES": str(writes)})
     assert result.returncode == 0, describe_result(result)
     published = [line for line in result.stdout.splitlines() if line.startswith("published")]
     assert len(published) == 1, result.stdout  # rank 0 reports, once
-    return store
+    assert {p.name for p in writes.iterdir()} <= {f"rank-{r}" for r in range(RANKS)}
+    written = {}
+    for rank in range(RANKS):
+        log = writes / f"rank-{rank}"
+        names = log.read_text().split() if log.exists() else []
+        written[rank] = [int(name.removesuffix(".chunk")) for name in names]
+    return store, written
+
+
+@pytest.fixture(scope="module")
+def parallel_store(parallel_run) -> Path:
+    return parallel_run[0]
 
 
 def test_same_manifest_as_serial(parallel_store, edge_store):
@@ -111,12 +176,21 @@ def test_same_manifest_as_serial(parallel_store, edge_store):
         assert np.array_equal(par.directory.arrays[key], array), key
 
 
-def test_every_rank_wrote_chunks(parallel_store):
-    d = Store(parallel_store).open("edge")
-    owners = chunk_owners(d.chunk_lengths, RANKS)
-    assert set(owners.tolist()) == set(range(RANKS))
+def test_every_rank_wrote_chunks(parallel_run):
+    """What the ranks really wrote: each a share, together every chunk once; the shares
+    are contiguous runs in rank order, balanced by bytes (within one chunk)."""
+    store, written = parallel_run
+    d = Store(store).open("edge")
+    lengths = [int(n) for n in d.chunk_lengths]
+    assert all(written[rank] for rank in range(RANKS)), f"a rank wrote nothing: {written}"
+    everything = [chunk for rank in range(RANKS) for chunk in written[rank]]
+    assert sorted(everything) == list(range(d.chunk_count)), "chunks missed or written twice"
+    assert everything == list(range(d.chunk_count)), f"not contiguous in rank order: {written}"
+    for rank in range(RANKS):
+        share = sum(lengths[chunk] for chunk in written[rank])
+        assert abs(share - sum(lengths) / RANKS) <= max(lengths), (rank, share, sum(lengths))
     for index in range(d.chunk_count):
-        assert d.chunk_path(index).stat().st_size == CHUNK_HEADER_SIZE + d.chunk_lengths[index]
+        assert d.chunk_path(index).stat().st_size == CHUNK_HEADER_SIZE + lengths[index]
 
 
 def test_verify_passes(parallel_store, dlfs_cli):
@@ -181,9 +255,6 @@ def test_read_error_on_another_rank_publishes_nothing(tmp_path, store_with, moun
 
 
 # -- mpirun dlfs mount --mpi -----------------------------------------------------------
-LAUNCH_PORT = 7430
-BUSY_LAUNCH_PORT = 7433
-
 
 @pytest.fixture
 def launch_site(tmp_path, store_with):
@@ -213,7 +284,11 @@ def _launch(base: Path, store: Path, port: int) -> subprocess.CompletedProcess:
 @pytest.mark.usefixtures("daemon_guard")
 def test_mpi_launch_brings_up_one_pool_and_tears_it_down(tmp_path, launch_site):
     src, store, names, mounts = launch_site
-    result = _launch(tmp_path, store, LAUNCH_PORT)
+    ports = reserve_ports(RANKS)
+    base = ports[0].getsockname()[1]
+    for sock in ports:
+        sock.close()
+    result = _launch(tmp_path, store, base)
     assert result.returncode == 0, describe_result(result)
     expected = describe_tree(src)
     for name, mp in zip(names, mounts, strict=True):
@@ -234,10 +309,13 @@ def test_mpi_launch_brings_up_one_pool_and_tears_it_down(tmp_path, launch_site):
 @pytest.mark.usefixtures("daemon_guard")
 def test_mpi_launch_is_all_or_nothing(tmp_path, launch_site):
     _, store, names, mounts = launch_site
-    with socket.socket() as busy:  # the last rank's peer port is taken
-        busy.bind(("127.0.0.1", BUSY_LAUNCH_PORT + RANKS - 1))
+    *free, busy = reserve_ports(RANKS)
+    base = free[0].getsockname()[1]
+    for sock in free:
+        sock.close()
+    with busy:  # the last rank's peer port is taken
         busy.listen()
-        result = _launch(tmp_path, store, BUSY_LAUNCH_PORT)
+        result = _launch(tmp_path, store, base)
     assert result.returncode != 0
     lines = error_lines(result)
     assert len(lines) == 1, result.stderr

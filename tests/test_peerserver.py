@@ -13,7 +13,7 @@ import socket
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dlfs import protocol
@@ -251,21 +251,96 @@ def test_after_auth_a_big_frame_or_a_non_read_closes_the_connection(server):
     good_read(server)
 
 
-@settings(max_examples=40, deadline=None,
+def fuzzed_read(request_id: int, chunk: int, offset: int, length: int, known: bool) -> bytes:
+    return protocol.encode(protocol.read(request_id, DATASET if known else bytes(16), chunk,
+                                         offset, length))
+
+
+# A READ with fields near every bound: known or unknown dataset, chunk in range, not
+# staged (NOT_STAGED) or beyond, offsets and lengths at and over the chunk's end.
+_reads = st.builds(
+    fuzzed_read, st.integers(0, protocol.MAX_REQUEST_ID), st.integers(0, NOT_STAGED + 1),
+    st.one_of(st.integers(0, 20), st.integers((4 << 20) - 20, (4 << 20) + 5),
+              st.integers(0, protocol.MAX_UINT)),
+    st.one_of(st.integers(0, 20), st.integers(990, 1010),
+              st.integers(protocol.MAX_READ - 2, protocol.MAX_READ + 2),
+              st.integers(0, protocol.MAX_UINT)),
+    st.booleans())
+
+
+@st.composite
+def _valid_reads(draw) -> bytes:
+    """A READ the server must answer with DATA."""
+    chunk = draw(st.sampled_from([0, 1]))
+    size = len(CHUNKS[chunk])
+    length = draw(st.one_of(st.integers(1, min(size, 2000)), st.integers(1, size)))
+    offset = draw(st.integers(0, size - length))
+    return fuzzed_read(draw(st.integers(0, protocol.MAX_REQUEST_ID)), chunk, offset, length,
+                       True)
+
+
+# Raw junk, or READ frames (valid or not) mixed with junk and with other messages.
+_junk = st.one_of(
+    st.binary(min_size=1, max_size=300),
+    st.lists(st.one_of(_valid_reads(), _reads, st.binary(min_size=1, max_size=40),
+                       st.just(protocol.encode(protocol.ok()))),
+             min_size=1, max_size=5).map(b"".join))
+
+
+def expected_replies(junk: bytes) -> tuple[list[dict], bool]:
+    """The reply to each request the junk holds, in order, up to the first message
+    that ends the connection (a frame that cannot be decoded, or a message other than
+    READ); and whether the junk is nothing but whole READ frames."""
+    decoder = protocol.FrameDecoder(protocol.MAX_CONTROL_FRAME)
+    replies = []
+    for i in range(len(junk)):  # byte by byte: the messages before a bad frame
+        try:
+            messages = decoder.feed(junk[i:i + 1])
+        except protocol.ProtocolError:
+            return replies, False
+        for m in messages:
+            if m["t"] != protocol.READ:
+                return replies, False
+            limit = len(CHUNKS[m["chunk"]]) if m["ds"] == DATASET and m["chunk"] < NOT_STAGED \
+                else 1000 if m["ds"] == DATASET and m["chunk"] == NOT_STAGED else None
+            problem = protocol.read_bounds_problem(limit, m["off"], m["len"])
+            if problem is not None:
+                replies.append(protocol.fail(m["id"], problem))
+            elif m["chunk"] == NOT_STAGED:
+                replies.append(protocol.miss(m["id"]))
+            else:
+                replies.append(protocol.data(m["id"], CHUNKS[m["chunk"]][
+                    m["off"]:m["off"] + m["len"]]))
+    return replies, decoder.buffered == 0
+
+
+@settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.binary(min_size=1, max_size=300))
+@given(_junk)
 def test_fuzzed_bytes_after_auth_never_get_data_or_kill_the_server(server, junk):
+    """No DATA for junk, except the exact bytes of a valid, in-bounds READ it holds."""
     sock = raw(server)
     raw_handshake(sock)
-    reads_before = server.provider.reads
+    served_before = server.counters()["bytes_served"]
     sock.sendall(junk)
     sock.shutdown(socket.SHUT_WR)
     replies = until_closed(sock)
-    served = [m for m in replies if m["t"] == protocol.DATA]
-    # Junk can only be a READ by being a well-formed frame; then it is bounds-checked.
-    for m in served:
-        assert server.provider.reads > reads_before
-        assert isinstance(m["data"], bytes)
+    expected, only_reads = expected_replies(junk)
+    ended = next((i for i, m in enumerate(replies) if m["t"] == protocol.ERR), len(replies))
+    answers, goodbye = replies[:ended], replies[ended:]
+    # In order, and only what the junk asked for (requests decoded together with a bad
+    # frame that follows them may go unanswered: the connection ends at that frame),
+    # then at most one ERR and nothing after it.
+    assert answers == expected[:len(answers)]
+    assert [m["t"] for m in goodbye] in ([], [protocol.ERR])
+    if only_reads:  # nothing bad in the junk: every request answered, no ERR
+        assert replies == expected
+    data = [m for m in answers if m["t"] == protocol.DATA]
+    event(f"{len(data)} DATA replies; {'only whole READs' if only_reads else 'junk'}")
+    assert server.counters()["bytes_served"] - served_before == sum(
+        len(m["data"]) for m in data)
+    if not any(m["t"] == protocol.DATA for m in expected):
+        assert data == [] and server.counters()["bytes_served"] == served_before
     good_read(server)
 
 
@@ -283,12 +358,12 @@ def test_a_reply_that_waits_for_a_slow_reader_arrives_whole_and_unchanged(server
     is still to be sent must not change when another peer's read reuses the server's read
     buffer, nor when the staged copy changes meanwhile (re-staging: the provider's
     descriptor is now another file)."""
-    client = BlockingPeerClient(SECRET, "slow", "127.0.0.1", server.port, timeout=5)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: tiny window
+    sock.settimeout(10)
     sock.connect(("127.0.0.1", server.port))
     try:
-        client._handshake(sock)
+        raw_handshake(sock)
         sock.sendall(protocol.encode(protocol.read(1, DATASET, 0, 0, 4 << 20)))
         assert counter_reaches(server, "replies_waited", 1), "the reply never had to wait"
         # Another peer's read meanwhile: the server's read buffer now holds other bytes.
@@ -302,7 +377,12 @@ def test_a_reply_that_waits_for_a_slow_reader_arrives_whole_and_unchanged(server
         replaced = os.open(other, os.O_RDONLY)
         os.dup2(replaced, server.provider.fds[0])  # the provider's copy is now other bytes
         os.close(replaced)
-        reply = client._receive(sock)
+        decoder, replies = protocol.FrameDecoder(protocol.MAX_FRAME), []
+        while not replies:  # the slow reader reads at last
+            received = sock.recv(1 << 20)
+            assert received, "the server closed the connection before its reply"
+            replies = decoder.feed(received)
+        (reply,) = replies
         assert reply["t"] == protocol.DATA and reply["id"] == 1
         assert reply["data"] == CHUNKS[0]
     finally:

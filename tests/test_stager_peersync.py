@@ -4,12 +4,13 @@ connection reuse and shared receive buffer.
 Real objects throughout: a populated store, ChunkCaches in tmp_path, the Stager
 under a real trio run with its real copy threads (slowed by its own store
 pacing and a smaller copy step, so a copy is still in flight when the test
-looks), and BlockingPeerClients against the daemon's PeerLoopServer or a small
-trio server on loopback.
+looks, even on a busy machine), and BlockingPeerClients against the daemon's
+PeerLoopServer or a small trio server on loopback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -33,7 +34,7 @@ SECRET = b"job-secret-0123456789abcdef"
 DATASET = os.urandom(16)
 HEADER = 64  # bytes before a chunk's data in the provider's files
 STEP = 16 << 10  # the stager's copy step in these tests
-RATE = 256 << 10  # store pacing: a 256 KiB chunk takes about 1 s to copy
+RATE = 32 << 10  # store pacing: a step takes 0.5 s, a 256 KiB chunk about 8 s
 
 
 # -- the stager ------------------------------------------------------------------------
@@ -54,7 +55,7 @@ def dataset(tmp_path):
 
 @pytest.fixture
 def slow_stager(dataset, tmp_path, monkeypatch):
-    """make(owned, jobs) -> a Stager of `dataset` whose copies take about a second."""
+    """make(owned, jobs) -> a Stager of `dataset` whose copies take about 8 s (0.5 s a step)."""
     monkeypatch.setattr(stager_module, "READ_BLOCK", STEP)
     made = []
 
@@ -93,7 +94,9 @@ async def test_idle_jobs_that_woke_for_nothing_still_wake_for_later_demands(
         owned[:2] = True
         stager.demand.send(0, 0)
         stager.demand.send(0, 1)
-        both = await until(lambda: len(stager._busy) == 2, 0.8)
+        # Well within the first copy (8 s): a job left asleep would only take the second
+        # chunk once the first copy is over, never both at once.
+        both = await until(lambda: len(stager._busy) == 2, 5)
         nursery.cancel_scope.cancel()
     assert both, "only one job woke for two demanded chunks"
 
@@ -107,14 +110,22 @@ async def test_unmount_abandons_copies_in_flight_at_once_and_leaves_no_temp_file
     owned[0] = True
     stager = slow_stager(owned, jobs=1)
     cache = stager.caches[0]
+
+    def copy_under_way() -> bool:  # a temp file with a step of the chunk in it
+        for entry in os.scandir(cache.dir):
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat().st_size > 0:
+                    return True
+        return False
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stager.run)
-        assert await until(lambda: bool(os.listdir(cache.dir)), 2), "the copy never started"
-        await trio.sleep(0.1)  # a few steps into a copy of about a second
+        assert await until(copy_under_way, 10), "the copy never started"
         cancelled = time.monotonic()
         nursery.cancel_scope.cancel()
     waited = time.monotonic() - cancelled
-    assert waited < 0.4, f"the unmount waited {waited:.2f} s for a copy in flight"
+    # The copy stops after its step (0.5 s); the rest of the chunk would take 7 s more.
+    assert waited < 4, f"the unmount waited {waited:.2f} s for a copy in flight"
     assert os.listdir(cache.dir) == []
     assert not cache.is_staged(0)
 
@@ -278,15 +289,16 @@ async def test_the_retry_on_a_new_connection_keeps_the_reads_deadline(nursery):
         read = await handshake_and_request(stream)
         await stream.send_all(protocol.encode(protocol.data(read["id"], bytes(read["len"]))))
         await stream.receive_some()  # the second request ...
-        await trio.sleep(0.6)  # ... is dropped late: the connection just closes
+        await trio.sleep(3.5)  # ... is dropped late: the connection just closes
 
     port = await serve_fake(nursery, server)
-    client = blocking_client(port, timeout=1.0)
+    client = blocking_client(port, timeout=4.0)
     assert await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 10) == bytes(10)
     started = time.monotonic()
     with pytest.raises(PeerUnavailable, match="after the connection in use was lost"):
         await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 10)
-    assert time.monotonic() - started < 1.4
+    # One 4 s timeout in all; a retry with a timeout of its own would end at 3.5 + 4 s.
+    assert time.monotonic() - started < 6
     client.close()
 
 

@@ -33,13 +33,27 @@ def test_snapshot_while_another_process_writes_never_fails():
         finally:
             os._exit(0)
     try:
-        deadline = time.monotonic() + 2.0
-        snapshots = 0
-        while time.monotonic() < deadline:
+        def counts() -> tuple:
+            """Counters the worker only ever adds to, from a snapshot and a status read."""
             snap = stats.snapshot()
-            assert stats.sources()["ds"]["peer"]["reads"] >= 0
-            snapshots += 1
-        assert snapshots > 10
+            ds = snap["datasets"]["ds"]
+            peer = stats.sources()["ds"]["peer"]
+            return (snap, (ds["opens"], ds["reads"], ds["bytes"], ds["files_touched"],
+                           ds["sources"]["peer"]["reads"], peer["reads"], peer["bytes"],
+                           peer["latency_ns_sum"]))
+
+        deadline = time.monotonic() + 30
+        snap, first = counts()
+        while first[1] == 0:  # the worker has started recording
+            assert time.monotonic() < deadline, "the worker recorded nothing"
+            snap, first = counts()
+        previous, snapshots = first, 0
+        while snapshots < 200 or previous[1] == first[1]:
+            snap, now = counts()
+            # Torn or half-summed reads would show as a counter going back.
+            assert all(b >= a for a, b in zip(previous, now, strict=True)), (previous, now)
+            previous, snapshots = now, snapshots + 1
+            assert time.monotonic() < deadline, "the worker's counts stood still"
         assert snap["datasets"]["ds"]["files_touched"] > 0
     finally:
         os.kill(pid, signal.SIGKILL)
