@@ -236,13 +236,13 @@ def read_piece(piece: Piece) -> tuple[bytes, int]:
     except OSError as err:
         raise _source_error(piece, err.strerror) from None
     try:
-        _check_unchanged(fd, piece)
         _check_inside(fd, piece)
         # One byte more on the last piece tells us the file grew since the scan.
         want = piece.length + (1 if piece.is_last else 0)
-        data = _pread_full(fd, want, piece.offset)
-        if piece.is_last:
-            _check_unchanged(fd, piece)  # not rewritten in place while we read it
+        try:
+            data = _pread_full(fd, want, piece.offset)
+        finally:  # after the read (a rewrite during it shows), and on a fifo's ESPIPE too
+            _check_unchanged(fd, piece)
     except OSError as err:  # a source problem, not the store's (which OSErrors elsewhere mean)
         raise _source_error(piece, err.strerror) from None
     finally:
