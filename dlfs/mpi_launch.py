@@ -88,7 +88,7 @@ def default_secret_file(world: Rank) -> str:
 def apply_mpi(args: argparse.Namespace, world: Rank, secret: str) -> None:
     """Fill this rank's cluster flags: node list, our name, expanded paths, and the
     shared secret written 0600 to --secret-file (default: in our runtime dir)."""
-    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file"):
+    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file", "summary_file"):
         value = getattr(args, flag)
         if value:
             setattr(args, flag, expand_node(world, value))

@@ -235,3 +235,17 @@ def test_write_secret_file_mode_and_owner(tmp_path):
         assert (path.stat().st_uid, path.stat().st_gid) == (4242, 4243)
         assert path.read_text() == "def\n"
     assert [p.name for p in tmp_path.iterdir()] == ["secret"]
+
+
+def test_mount_slurm_expands_every_path_flag_its_help_names():
+    """`dlfs mount --slurm`: %j/%n expand in each path flag the help lists, the summary
+    file (written at unmount, e.g. for the epilogue to keep) included."""
+    from dlfs.cli import apply_slurm, build_parser
+
+    args = build_parser().parse_args([
+        "mount", "/mnt/dlfs/%j", "--store", "/store", "--slurm",
+        "--log-file", "/var/log/dlfs-%j-%n.log", "--summary-file", "/scratch/%j/%n.json"])
+    apply_slurm(args, PROLOG_ENV)
+    assert args.mountpoint == "/mnt/dlfs/42"
+    assert args.log_file == "/var/log/dlfs-42-node2.log"
+    assert args.summary_file == "/scratch/42/node2.json"
