@@ -15,6 +15,7 @@ import os
 import resource
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ from dlfsd.ops import DlfsOperations
 from dlfsd.prefetch import available_memory, prefetch_decision
 from dlfsd.splicer import describe_pipe_size, usable_pipe_size
 from dlfsd.status import build_status, keep_status, write_status
-from dlfsd.wireworker import WireWorker, find_fuse_fd, fuse_fds
+from dlfsd.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 
 log = logging.getLogger("dlfsd")
 
@@ -204,6 +205,9 @@ async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
                 pids.remove(pid)
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     continue
+                if os.WIFEXITED(status) and os.WEXITSTATUS(status) == WORKER_ABORTED:
+                    log.error("the FUSE connection was aborted (umount -f or fusectl)")
+                    return False
                 how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
                        if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
                 if not pids:
@@ -379,10 +383,11 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
     workers: list[int] = []
     control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe)
-    ready = False
+    ready = aborted = False
     held = HeldStopSignals()
     try:
         trio.run(_answer_kernel_init, ops)
+        ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         workers = start_workers(config, namespace, ops, fds_before_mount, pool)
         control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
@@ -395,6 +400,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         ready = True
         fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1
         unmount = trio.run(supervise, config, workers, services, fuse_fd, held)
+        aborted = _still_mounted(config.mountpoint, ours) if not unmount else False
     except DlfsError as err:
         if ready:
             raise
@@ -407,12 +413,39 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         control.stop()
         namespace.observe.write_summary(config.summary_file)
         pyfuse3.close(unmount=unmount)
+        if aborted:
+            _unmount_dead(config.mountpoint)
         namespace.close()
         if pool is not None:
             pool.close()
         remove_record(config.mountpoint, os.getpid())
         log.info("unmounted %s; daemon exits", config.mountpoint)
     return 0
+
+
+def _still_mounted(mountpoint: str, ours) -> bool:
+    """Our mount (same device: not one mounted there since by another daemon) is still
+    at `mountpoint`."""
+    now = find_mount(mountpoint)
+    return ours is not None and now is not None and now.device == ours.device
+
+
+def _unmount_dead(mountpoint: str) -> None:
+    """The workers saw the connection end, yet our mount is still there: it was
+    aborted (fusectl, umount -f) and answers ENOTCONN for good. libfuse leaves an
+    aborted connection's mount alone, so take it down here, lazily (a process may
+    still have it as its cwd)."""
+    log.error("the FUSE connection was aborted with %s still mounted; unmounting it",
+              mountpoint)
+    try:
+        done = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.error("cannot unmount %s: %s; run `dlfs umount %s`", mountpoint, err, mountpoint)
+        return
+    if done.returncode:
+        log.error("cannot unmount %s: %s; run `dlfs umount %s`", mountpoint,
+                  done.stderr.strip(), mountpoint)
 
 
 async def _send_self(signum: int) -> None:
@@ -471,8 +504,8 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
             try:
                 if pool is not None:
                     pool.after_fork()
-                WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout,
-                           config.count_opens, pipe_size).serve()
+                code = WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout,
+                                  config.count_opens, pipe_size).serve()
             except BaseException:
                 log.exception("worker %d failed", os.getpid())
                 code = 1

@@ -81,6 +81,9 @@ def run_inline(coro):
     raise RuntimeError("a request tried to wait for another task in a worker process")
 
 
+WORKER_ABORTED = 3  # exit code: /dev/fuse said ECONNABORTED
+
+
 class WireWorker:
     """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
 
@@ -101,6 +104,7 @@ class WireWorker:
         self._view = memoryview(self._buf)
         self._reading = False
         self._stopping = False
+        self._aborted = False
         # pipe_size: for spliced read replies (dlfsd.splicer.usable_pipe_size); 0: copy.
         self.splicer = ReplySplicer(fd, pipe_size) if pipe_size else None
         self._splice_warned = False
@@ -115,7 +119,10 @@ class WireWorker:
         }
 
     # -- the loop ---------------------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self) -> int:
+        """Serve until unmounted or stopped; returns the worker's exit code: 0, or
+        WORKER_ABORTED when the connection was aborted (the mount is still there,
+        dead: the main process must take it down)."""
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
         try:
@@ -126,6 +133,7 @@ class WireWorker:
                 self._dispatch(n)
         except _Stop:  # the signal came just as a read returned: we are stopping anyway
             pass
+        return WORKER_ABORTED if self._aborted else 0
 
     def _on_signal(self, signum, frame) -> None:
         self._stopping = True
@@ -143,8 +151,11 @@ class WireWorker:
             except _Stop:
                 return 0
             except OSError as err:
-                if err.errno in (errno.ENODEV, errno.ECONNABORTED):  # unmounted; aborted
-                    return 0  # (umount -f, fusectl abort): the daemon stops, no crash
+                if err.errno == errno.ENODEV:  # unmounted
+                    return 0
+                if err.errno == errno.ECONNABORTED:  # umount -f, fusectl abort: no crash,
+                    self._aborted = True  # but the dead mount must go (see serve)
+                    return 0
                 if err.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
                     raise  # ENOENT: the request was interrupted before we got it
             finally:

@@ -672,3 +672,13 @@ def test_umount_through_the_symlink_used_to_mount(dlfs_cli, mounted, small_store
     result = dlfs_cli("umount", link)
     assert result.returncode == 0, result.stderr
     assert sysproc.fstype_at(real) is None
+
+
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_an_aborted_connection_takes_the_mount_down(mounted, small_store, sysproc, workers):
+    """fusectl abort (or umount -f): the daemon must not exit leaving a dead mount
+    behind (ENOTCONN for every later access until someone unmounts by hand)."""
+    m = mounted(small_store, "--workers", workers)
+    _abort_fuse_connection(m.path)
+    assert all(sysproc.wait_dead(pid, 20) for pid in m.pids), "the daemon must exit"
+    assert sysproc.fstype_at(m.path) is None, "the aborted mount was left behind"
