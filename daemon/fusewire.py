@@ -71,7 +71,8 @@ FOPEN_CACHE_DIR = 1 << 3  # the kernel may cache this directory's entries (readd
 
 # Kernels from which an ENOSYS answer to OPEN / OPENDIR means "never ask again"
 # (no_open / no_opendir); before them the application would get the ENOSYS.
-NO_OPEN_SINCE = (4, 14)
+# FUSE protocol 7.23 (Linux 3.15) added FUSE_NO_OPEN_SUPPORT, 7.29 (5.1) no_opendir.
+NO_OPEN_SINCE = (3, 15)
 NO_OPENDIR_SINCE = (5, 1)
 KERNEL_RELEASE_VAR = "DLFSD_KERNEL_RELEASE"  # stands in for uname's release (tests)
 

@@ -241,10 +241,18 @@ class HeldStopSignals:
 
     def __init__(self) -> None:
         self.caught: list[int] = []
+        self._before: dict[int, object] = {}
 
     def install(self) -> None:
         for signum in STOP_SIGNALS:
-            signal.signal(signum, self._record)
+            self._before[signum] = signal.signal(signum, self._record)
+
+    def restore(self) -> None:
+        """The handlers from before install (run() may be called in a longer-lived
+        process: the foreground CLI, tests)."""
+        for signum, handler in self._before.items():
+            signal.signal(signum, handler)
+        self._before = {}
 
     def _record(self, signum: int, frame) -> None:
         self.caught.append(signum)
@@ -420,6 +428,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
             pool.close()
         remove_record(config.mountpoint, os.getpid())
         log.info("unmounted %s; daemon exits", config.mountpoint)
+        held.restore()
     return 0
 
 

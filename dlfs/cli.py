@@ -29,6 +29,7 @@ from dlfs.errors import (
     EXIT_USAGE,
     DlfsError,
     FormatError,
+    FormatVersionError,
     ReportedElsewhere,
     UsageError,
 )
@@ -97,6 +98,9 @@ def _timeout(text: str) -> float:
     return value
 
 
+MIN_SECONDS, MAX_SECONDS = 0.001, 1e6  # beyond: a busy loop, or sleep/select overflow
+
+
 def _seconds(text: str) -> float:
     """A wait, timeout or interval: positive and finite (0 would busy-loop or fail at
     once, NaN compares false with everything)."""
@@ -104,8 +108,9 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    if not MIN_SECONDS <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be {MIN_SECONDS:g} to {MAX_SECONDS:g} seconds, got {text!r}")
     return value
 
 
@@ -203,8 +208,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     try:
         d = Store(args.store).open(args.name)
-    except FormatError as err:  # the manifest is part of the dataset: corrupt data too
-        err.exit_code = EXIT_CORRUPT
+    except FormatError as err:  # the manifest is part of the dataset: corrupt data too,
+        if not isinstance(err, FormatVersionError):  # unless another version wrote it
+            err.exit_code = EXIT_CORRUPT
         raise
     report = verify_dataset(d, jobs=args.jobs)
     for error in report.chunk_errors:

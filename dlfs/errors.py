@@ -43,6 +43,10 @@ class FormatError(DlfsError):
     errno = _errno.EIO
 
 
+class FormatVersionError(FormatError):
+    """Written by another dlfs version: not damage (verify must not call it corrupt)."""
+
+
 class CorruptDataError(DlfsError):
     """Bytes on disk do not match their recorded checksum."""
 

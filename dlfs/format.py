@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import xxhash
 
-from dlfs.errors import FormatError
+from dlfs.errors import FormatError, FormatVersionError
 
 CHUNK_MAGIC = b"DLFSCHNK"
 CHUNK_FORMAT_VERSION = 1
@@ -66,7 +66,7 @@ def check_chunk_header(raw: bytes, path: Path, index: int, dataset_uuid: bytes) 
     if magic != CHUNK_MAGIC:
         raise FormatError(f"not a DLFS chunk file (bad magic): {path}")
     if version != CHUNK_FORMAT_VERSION:
-        raise FormatError(
+        raise FormatVersionError(
             f"chunk format version {version} is not supported (this dlfs reads "
             f"{CHUNK_FORMAT_VERSION}): {path}; upgrade dlfs or re-populate"
         )
@@ -89,7 +89,7 @@ def decode_manifest(raw: bytes, path: Path) -> dict:
     if magic != MANIFEST_MAGIC:
         raise FormatError(f"not a DLFS manifest (bad magic): {path}")
     if version != MANIFEST_FORMAT_VERSION:
-        raise FormatError(
+        raise FormatVersionError(
             f"manifest format version {version} is not supported (this dlfs reads "
             f"{MANIFEST_FORMAT_VERSION}): {path}; upgrade dlfs or re-populate"
         )

@@ -240,7 +240,7 @@ def read_piece(piece: Piece) -> tuple[bytes, int]:
         # One byte more on the last piece tells us the file grew since the scan.
         want = piece.length + (1 if piece.is_last else 0)
         try:
-            data = _pread_full(fd, want, piece.offset)
+            data = _pread_full(fd, want, piece.offset, piece.length)
         finally:  # after the read (a rewrite during it shows), and on a fifo's ESPIPE too
             _check_unchanged(fd, piece)
     except OSError as err:  # a source problem, not the store's (which OSErrors elsewhere mean)
@@ -266,21 +266,38 @@ def _check_inside(fd: int, piece: Piece) -> None:
         opened = os.readlink(b"/proc/self/fd/%d" % fd)
     except OSError:  # no /proc: nothing to compare with
         return
-    if opened != piece.path:
+    if opened != piece.path and not _same_file_in_place(fd, piece):
         raise DlfsError(f"source file {display_path(piece.path)} now leads outside its "
                         f"planned place (to {display_path(opened)}): a directory on its path "
                         "was replaced while packing; re-run populate once the source is stable")
 
 
-def _pread_full(fd: int, length: int, pos: int) -> bytes:
-    """Up to `length` bytes, short only at end of file (network file systems may
-    return less than asked without being at the end)."""
+def _same_file_in_place(fd: int, piece: Piece) -> bool:
+    """The path shown differs only in spelling (a case-insensitive file system shows
+    the name as first looked up): the opened file is the one at the planned path now,
+    and no directory on the way is a symlink."""
+    try:
+        here = os.stat(piece.path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise _changed(piece) from None  # deleted since we opened it
+    except OSError:
+        return False
+    opened = os.fstat(fd)
+    directory = os.path.dirname(piece.path)
+    return (opened.st_dev, opened.st_ino) == (here.st_dev, here.st_ino) \
+        and os.path.realpath(directory) == directory
+
+
+def _pread_full(fd: int, length: int, pos: int, enough: int) -> bytes:
+    """Up to `length` bytes, at least `enough` unless the file ends first: a network
+    file system may return less than asked without being at the end. (The last piece
+    asks one byte past the scanned end; getting `enough` there costs no second call.)"""
     data = os.pread(fd, length, pos)
-    if len(data) in (0, length):
+    if len(data) >= enough or not data:
         return data
     parts = [data]
     got = len(data)
-    while got < length:
+    while got < enough:
         more = os.pread(fd, length - got, pos + got)
         if not more:
             break

@@ -478,10 +478,27 @@ def test_demo_runs_and_leaves_the_workdir_as_it_found_it(dlfs_cli, tmp_path, sys
     ["mount", "M", "--store", "S", "--peer-timeout", "0"],
     ["mount", "M", "--store", "S", "--timeout", "-5"],
     ["demo", "--mean-size", "0"],
+    ["stats", "M", "--watch", "--interval", "1e10"],
+    ["mount", "M", "--store", "S", "--peer-timeout", "1e10"],
 ], ids=["huge_size", "port_out_of_range", "negative_interval", "nan_interval",
-        "zero_peer_timeout", "negative_timeout", "zero_mean_size"])
+        "zero_peer_timeout", "negative_timeout", "zero_mean_size", "huge_interval",
+        "huge_peer_timeout"])
 def test_nonsense_numbers_are_one_line_usage_errors(dlfs_cli, tmp_path, argv):
     """Values that used to raise OverflowError, ValueError or 'math domain error', or
     were taken (a peer timeout of 0 sent every read to the store)."""
     args = [str(tmp_path / a) if a in ("SRC", "S", "M") else a for a in argv]
     assert_one_line_error(dlfs_cli(*args), 2)
+
+
+def test_verify_of_a_manifest_from_another_version_is_no_corruption(dlfs_cli,
+                                                                    two_dataset_store):
+    """Exit 3 means damaged data (scripts re-populate on it); a manifest written by
+    another dlfs version is not damage: exit 1, and the line says to upgrade."""
+    store, _ = two_dataset_store
+    manifest = store / "alpha" / "manifest.dlfs"
+    raw = bytearray(manifest.read_bytes())
+    version = int.from_bytes(raw[8:12], "little")
+    raw[8:12] = (version + 1).to_bytes(4, "little")
+    manifest.write_bytes(raw)
+    assert_one_line_error(dlfs_cli("verify", "--store", store, "alpha"), 1,
+                          ("version", "upgrade dlfs"))

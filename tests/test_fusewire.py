@@ -83,5 +83,6 @@ def test_kernel_version_reads_distribution_release_strings():
 def test_kernels_that_would_pass_enosys_on_get_opens_answered():
     assert fw.kernel_skips_opens("6.18.0-1-amd64") == (True, True)
     assert fw.kernel_skips_opens("4.18.0-553.el8_10.x86_64") == (True, False)
+    assert fw.kernel_skips_opens("4.4.0-210-generic") == (True, False)  # 3.15 had no_open
     assert fw.kernel_skips_opens("3.10.0-1160.el7.x86_64") == (False, False)
     assert fw.kernel_skips_opens("garbage") == (False, False)

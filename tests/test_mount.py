@@ -185,8 +185,12 @@ def test_on_kernels_without_no_open_opens_are_answered(mounted, edge_store, edge
     wrong = [rel for rel in regular_files(edge_nodes)
              if sha256_file(os.path.join(root, rel)) != edge_nodes[rel].sha256]
     assert wrong == []
-    assert "edge" in json.loads((m.path / ".dlfs" / "stats.json").read_bytes())["datasets"]
+    snapshot = json.loads((m.path / ".dlfs" / "stats.json").read_bytes())
     answered = "OPENDIR" if release.startswith("4.") else "OPEN and OPENDIR"
+    # Opens the workers answer are counted, and the snapshot must say so.
+    assert snapshot["opens_counted"] == (answered != "OPENDIR")
+    if snapshot["opens_counted"]:
+        assert snapshot["datasets"]["edge"]["opens"] > 0
     assert f"the workers answer {answered} " in m.log.read_text()
 
 
