@@ -208,6 +208,22 @@ def _run_quietly(cmd: list[str], timeout: float) -> str:
     return result.stderr.strip()
 
 
+@contextlib.contextmanager
+def tmpfs_at(path: Path, options: str):
+    """A tmpfs mounted at `path` (made if missing) for the block, unmounted after even
+    if the test fails: a small disk that fills, or a read-only one (even for root).
+    Skips the test where tmpfs cannot be mounted."""
+    path.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {made.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
 def force_unmount(mountpoint: Path) -> list[str]:
     """Unmount however possible and kill its daemon; returns what had to be forced.
 

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import tmpfs_at
 from trees import describe_tree, file_bytes, make_small_tree, regular_files
 
 from dlfs import runtime
@@ -151,38 +152,22 @@ def test_unparsable_chunk_size_is_one_line(dlfs_cli, env, value):
 def test_populate_onto_a_full_disk_is_one_line_and_leaves_nothing(dlfs_cli, tmp_path):
     """The disk fills midway through writing chunks: one line, and neither a dataset nor
     a temporary directory is left taking the space."""
-    store = tmp_path / "small"
-    store.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(store)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
-    try:
-        src = tmp_path / "src"
-        src.mkdir()
-        for i in range(8):
-            (src / f"f{i}.bin").write_bytes(os.urandom(256 << 10))  # 2 MiB in all
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}.bin").write_bytes(os.urandom(256 << 10))  # 2 MiB in all
+    with tmpfs_at(tmp_path / "small", "size=512k") as store:
         result = dlfs_cli("populate", src, "--store", store, "--name", "x",
                           "--chunk-size", "256K")
         assert_one_line_error(result, 1, ("store is full", str(store)))
         assert os.listdir(store) == []
-    finally:
-        subprocess.run(["umount", str(store)], capture_output=True)
 
 
 @pytest.fixture
 def readonly_dir(tmp_path):
     """A directory on a read-only tmpfs: unwritable even for root."""
-    path = tmp_path / "ro"
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs_at(tmp_path / "ro", "ro,size=1m") as path:
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True)
 
 
 @pytest.mark.parametrize("sub", [None, "sub"])

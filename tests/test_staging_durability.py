@@ -24,11 +24,11 @@ import ctypes
 import logging
 import os
 import struct
-import subprocess
 
 import numpy as np
 import pytest
 import trio
+from conftest import tmpfs_at
 
 from dlfs.populate import PopulateOptions, populate
 from dlfs.store import Store
@@ -136,16 +136,8 @@ def make_stager(dataset):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs mounted in tmp_path (unmounted afterwards): a disk that fills up."""
-    where = tmp_path / "nvme"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with tmpfs_at(tmp_path / "nvme", "size=1m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def only(dataset, *chunks: int) -> np.ndarray:
