@@ -36,6 +36,7 @@ from dlfs.runtime import (
     status_path,
     write_record,
 )
+from dlfs.sizes import format_size
 from dlfs.store import Dataset, Store
 from dlfsd import fusewire as fw
 from dlfsd.controlsock import ControlServer
@@ -102,6 +103,12 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
     adopted = pool.scan_caches(config.cache_limit)
     log.info("chunk pool: node %s of %d, %d replicas, cache %s (%d staged chunks reused)",
              view.me.name, len(view.nodes), view.replicas, cache_root, adopted)
+    dirs, nbytes = pool.foreign_copies()
+    if dirs:
+        log.warning("cache dir %s also holds %s in %d dataset directories this mount does "
+                    "not use (re-populated or removed datasets, or another mount's); they "
+                    "count against no --cache-limit: delete those no mount uses", cache_root,
+                    format_size(nbytes), dirs)
     return pool
 
 

@@ -20,7 +20,10 @@ call `after_fork` and open their own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
 import time
 from pathlib import Path
 
@@ -37,6 +40,9 @@ log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
 BAD_COPY_SECONDS = 60.0
+
+
+_UUID_DIR = re.compile(r"[0-9a-f]{32}")  # a dataset's directory in a cache dir
 
 
 class ChunkPool:
@@ -81,6 +87,28 @@ class ChunkPool:
                         cache.evict(chunk)
                         adopted -= 1
         return adopted
+
+    def foreign_copies(self) -> tuple[int, int]:
+        """(directories, bytes) of staged copies in the cache dir that belong to no
+        dataset of this mount: earlier versions of re-populated or removed datasets,
+        or another mount's. Never counted against --cache-limit, never removed here
+        (a cache dir may be shared): the admin is told at mount."""
+        ours = {cache.dir.name for cache in self.caches}
+        root = self.caches[0].dir.parent if self.caches else None
+        dirs = nbytes = 0
+        try:
+            entries = list(os.scandir(root)) if root is not None else []
+        except OSError:
+            return 0, 0
+        for entry in entries:
+            if entry.name in ours or not _UUID_DIR.fullmatch(entry.name) \
+                    or not entry.is_dir(follow_symlinks=False):
+                continue
+            dirs += 1
+            with contextlib.suppress(OSError), os.scandir(entry.path) as files:
+                nbytes += sum(f.stat(follow_symlinks=False).st_size for f in files
+                              if f.is_file(follow_symlinks=False))
+        return dirs, nbytes
 
     def after_fork(self) -> None:
         """In a forked worker: drop the parent's client objects and peer health."""

@@ -373,3 +373,20 @@ def test_placement_command_matches_what_daemons_stage(pool_store, dlfs_cli):
     shares = expected_shares(pool_store, ["n1", "n2", "n3"], 1)
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
     assert [int(rows[n][2]) for n in ("n1", "n2", "n3")] == [len(s) for s in shares]
+
+
+def test_copies_of_datasets_this_mount_does_not_use_are_reported(mounted, pool_store, tmp_path):
+    """A re-populated dataset gets a new uuid: its old copies stay in the cache dir,
+    counted against no limit. The mount says how much lies there (it does not delete:
+    a cache dir may be another mount's too)."""
+    cache = tmp_path / "cache"
+    stale = cache / ("ab" * 16)
+    stale.mkdir(parents=True)
+    (stale / "00000000.chunk").write_bytes(b"x" * 300_000)
+    (cache / "not-a-dataset").mkdir()  # not a uuid: not ours to judge
+    mount = mounted(pool_store, "--cache-dir", str(cache))
+    warnings = [line for line in mount.log_text().splitlines()
+                if "dataset directories this mount does not use" in line]
+    assert len(warnings) == 1, warnings
+    assert "in 1 dataset directories" in warnings[0] and "293.0 KiB" in warnings[0]
+    assert (stale / "00000000.chunk").exists()
