@@ -208,6 +208,23 @@ def _run_quietly(cmd: list[str], timeout: float) -> str:
     return result.stderr.strip()
 
 
+def chunked_dataset(tmp_path: Path, files: int, seed: int):
+    """A dataset of `files` random 250,000-byte files in 256 KiB chunks (about one file
+    per chunk), populated in-process: for stager and chunk-cache tests."""
+    import numpy as np
+
+    from dlfs.populate import PopulateOptions, populate
+    from dlfs.store import Store
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(seed)
+    for i in range(files):
+        (src / f"f{i}").write_bytes(rng.bytes(250_000))
+    return populate(src, Store(tmp_path / "store"), "ds",
+                    PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False))
+
+
 @contextlib.contextmanager
 def tmpfs_at(path: Path, options: str):
     """A tmpfs mounted at `path` (made if missing) for the block, unmounted after even

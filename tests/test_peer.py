@@ -2,10 +2,9 @@
 (single-process mounts), the blocking client of the worker processes, and hostile
 raw sockets.
 
-The provider is a stand-in for the daemon's chunk pool that keeps its chunks in
-real files, like staged copies (it is what the server reads from, not what is
-under test); it can be made slow or stuck, which stalls the server's loop
-thread: that is how these tests make a server that does not answer.
+The provider (peerfakes.FileProvider) stands in for the daemon's chunk pool; made
+slow or stuck, it stalls the server's loop thread: that is how these tests make a
+server that does not answer.
 """
 
 from __future__ import annotations
@@ -20,61 +19,19 @@ import time
 
 import pytest
 import trio
+from peerfakes import DATASET, SECRET, FileProvider
 
 from dlfs import protocol
 from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
 from dlfsd.peerserver import PeerLoopServer
 from dlfsd.peersync import BlockingPeerClient
 
-SECRET = b"job-secret-0123456789abcdef"
 WRONG_SECRET = b"another-jobs-secret-0123456789"
-DATASET = os.urandom(16)
 UNKNOWN_DATASET = os.urandom(16)
 CHUNKS = [os.urandom(100_000), os.urandom(protocol.MAX_READ + 12_345), os.urandom(7)]
 NOT_STAGED = 3  # a valid chunk index this node has not staged
 FAILING = 4  # a chunk whose local copy cannot be read
 CHUNK_LENGTHS = [len(c) for c in CHUNKS] + [50_000, 50_000]
-HEADER = 64  # bytes before a chunk's data in its staged file
-
-
-class FileProvider:
-    """Chunks of one dataset in files; reads can be delayed or held at a gate."""
-
-    def __init__(self, directory) -> None:
-        self.delay = 0.0
-        self.gate: threading.Event | None = None  # the server waits for it when set
-        self.lookups = 0
-        self.failed_copies: list[tuple[bytes, int]] = []  # what the server reported broken
-        self.fds = []
-        for i, data in enumerate(CHUNKS):
-            path = directory / f"chunk{i}"
-            path.write_bytes(b"h" * HEADER + data)
-            self.fds.append(os.open(path, os.O_RDONLY))
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-
-    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
-        if dataset_id != DATASET or chunk >= len(CHUNK_LENGTHS):
-            return None
-        return CHUNK_LENGTHS[chunk]
-
-    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
-        self.lookups += 1
-        if self.gate is not None:
-            self.gate.wait(10)
-        if self.delay:
-            time.sleep(self.delay)
-        if chunk == FAILING:
-            raise OSError(5, "Input/output error")
-        if chunk >= len(CHUNKS):
-            return None
-        return self.fds[chunk], HEADER
-
-    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
-        self.failed_copies.append((dataset_id, chunk))
-        return False  # this stand-in cannot evict: the copy stays broken
 
 
 class Peer:
@@ -103,7 +60,7 @@ def start_peer(tmp_path):
     running = []
 
     def start(**server_kwargs) -> Peer:
-        provider = FileProvider(tmp_path)
+        provider = FileProvider(tmp_path, CHUNKS, CHUNK_LENGTHS, failing=FAILING)
         server = PeerLoopServer(SECRET, provider, "server-node", **server_kwargs)
         peer = Peer(server, provider, server.start("127.0.0.1", 0))
         running.append(peer)

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from conftest import chunked_dataset
+from peerfakes import DATASET, SECRET, FileProvider
 
 from dlfs import protocol
-from dlfs.populate import PopulateOptions, populate
-from dlfs.store import Store
 from dlfsd import stager as stager_module
 from dlfsd.chunkcache import ChunkCache
 from dlfsd.peer import PeerUnavailable
@@ -30,9 +30,6 @@ from dlfsd.peerserver import PeerLoopServer
 from dlfsd.peersync import BlockingPeerClient
 from dlfsd.stager import DemandChannel, Stager
 
-SECRET = b"job-secret-0123456789abcdef"
-DATASET = os.urandom(16)
-HEADER = 64  # bytes before a chunk's data in the provider's files
 STEP = 16 << 10  # the stager's copy step in these tests
 RATE = 32 << 10  # store pacing: a step takes 0.5 s, a 256 KiB chunk about 8 s
 
@@ -42,13 +39,7 @@ RATE = 32 << 10  # store pacing: a step takes 0.5 s, a 256 KiB chunk about 8 s
 @pytest.fixture
 def dataset(tmp_path):
     """A dataset of at least three 256 KiB chunks."""
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(7)
-    for i in range(4):
-        (src / f"f{i}").write_bytes(rng.bytes(250_000))
-    ds = populate(src, Store(tmp_path / "store"), "ds",
-                  PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False))
+    ds = chunked_dataset(tmp_path, files=4, seed=7)
     assert ds.chunk_count >= 3
     return ds
 
@@ -148,34 +139,6 @@ def test_a_copy_stopped_by_unmount_removes_its_temp_file(dataset, tmp_path):
 
 
 # -- the blocking peer client ---------------------------------------------------------
-
-class FileProvider:
-    """One dataset's chunks in real files, like staged copies, for a PeerLoopServer."""
-
-    def __init__(self, directory, chunks: list[bytes]) -> None:
-        directory.mkdir()
-        self.chunks = chunks
-        self.fds = []
-        for i, data in enumerate(chunks):
-            path = directory / f"chunk{i}"
-            path.write_bytes(b"h" * HEADER + data)
-            self.fds.append(os.open(path, os.O_RDONLY))
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-
-    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
-        if dataset_id != DATASET or chunk >= len(self.chunks):
-            return None
-        return len(self.chunks[chunk])
-
-    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
-        return self.fds[chunk], HEADER
-
-    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
-        return False
-
 
 @pytest.fixture
 def start_peer(tmp_path):

@@ -28,10 +28,8 @@ import struct
 import numpy as np
 import pytest
 import trio
-from conftest import tmpfs_at
+from conftest import chunked_dataset, tmpfs_at
 
-from dlfs.populate import PopulateOptions, populate
-from dlfs.store import Store
 from dlfsd import stager as stager_module
 from dlfsd.chunkcache import ChunkCache
 from dlfsd.stager import DemandChannel, Stager
@@ -99,13 +97,7 @@ def opens_of(path):
 @pytest.fixture
 def dataset(tmp_path):
     """A dataset of a few 256 KiB chunks."""
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(11)
-    for i in range(3):
-        (src / f"f{i}").write_bytes(rng.bytes(250_000))
-    return populate(src, Store(tmp_path / "store"), "ds",
-                    PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False))
+    return chunked_dataset(tmp_path, files=3, seed=11)
 
 
 @pytest.fixture

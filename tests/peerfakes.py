@@ -1,0 +1,64 @@
+"""A stand-in for the daemon's chunk pool, for tests that run a real PeerLoopServer.
+
+It keeps one dataset's chunks in real files, like staged copies (it is what the
+server reads from, not what is under test), and can be made slow, stuck or failing:
+that is how tests make a server that does not answer or a copy that cannot be read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+SECRET = b"job-secret-0123456789abcdef"
+DATASET = os.urandom(16)
+HEADER = 64  # bytes before a chunk's data in its staged file
+
+
+class FileProvider:
+    """`chunks` staged in files under `directory`. `lengths` (default: the chunks')
+    may name more chunks than are staged: those are valid but not here (MISS).
+    Reading chunk `failing` raises EIO; reads can be delayed or held at a gate."""
+
+    def __init__(self, directory: Path, chunks: list[bytes], lengths: list[int] | None = None,
+                 failing: int | None = None) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.chunks = chunks
+        self.lengths = lengths if lengths is not None else [len(c) for c in chunks]
+        self.failing = failing
+        self.delay = 0.0
+        self.gate: threading.Event | None = None  # the server waits for it when set
+        self.lookups = 0
+        self.failed_copies: list[tuple[bytes, int]] = []  # what the server reported broken
+        self.fds = []
+        for i, data in enumerate(chunks):
+            path = directory / f"chunk{i}"
+            path.write_bytes(b"h" * HEADER + data)
+            self.fds.append(os.open(path, os.O_RDONLY))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
+        if dataset_id != DATASET or chunk >= len(self.lengths):
+            return None
+        return self.lengths[chunk]
+
+    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
+        self.lookups += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.delay:
+            time.sleep(self.delay)
+        if chunk == self.failing:
+            raise OSError(5, "Input/output error")
+        if chunk >= len(self.chunks):
+            return None
+        return self.fds[chunk], HEADER
+
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
+        self.failed_copies.append((dataset_id, chunk))
+        return False  # this stand-in cannot evict: the copy stays broken
