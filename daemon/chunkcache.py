@@ -31,7 +31,7 @@ import numpy as np
 
 from dlfs.errors import FormatError
 from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, chunk_filename
-from dlfs.store import Dataset
+from dlfs.store import Dataset, fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,9 @@ class ChunkCache:
         --no-verify trusts their bytes), so after a crash a renamed but unwritten copy
         would be adopted zero-filled and served as wrong bytes.
         """
-        _fsync(temp)
+        fsync_path(temp)
         os.rename(temp, self.path(chunk))
-        _fsync(self.dir)
+        fsync_path(self.dir)
         gen = self._last_gen[chunk] % 255 + 1
         self._last_gen[chunk] = gen
         self._state[chunk] = gen
@@ -186,15 +186,6 @@ def _chunk_index(filename: str) -> int | None:
     if ext != "chunk" or not stem.isdigit():
         return None
     return int(stem)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:

@@ -39,7 +39,7 @@ from dlfs.format import (
 )
 from dlfs.progress import byte_progress
 from dlfs.scan import check_source, scan_tree
-from dlfs.store import Dataset, Store, check_dataset_name, fsync_dir, manifest_body
+from dlfs.store import Dataset, Store, check_dataset_name, fsync_path, manifest_body
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +164,8 @@ def publish_dataset(store: Store, plan: PopulatePlan, checksums: np.ndarray,
                          chunk_lengths(directory), directory, plan.stats)
     _write_file(plan.tmp / MANIFEST_NAME, encode_manifest(body), options.fsync)
     if options.fsync:
-        fsync_dir(plan.tmp / CHUNK_DIR)
-        fsync_dir(plan.tmp)
+        fsync_path(plan.tmp / CHUNK_DIR)
+        fsync_path(plan.tmp)
     store.publish(plan.tmp, plan.name, replace=options.force)
 
 

@@ -206,7 +206,7 @@ class Store:
 
     def _sync_published(self, name: str) -> None:
         try:
-            fsync_dir(self.path)
+            fsync_path(self.path)
         except OSError as err:
             raise DlfsError(f"published dataset {name!r}, but could not sync the store "
                             f"directory {self.path} ({err.strerror}): a crash of the store's "
@@ -296,8 +296,9 @@ def _owner_tag() -> str:
     return f"{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
