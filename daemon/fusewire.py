@@ -100,6 +100,12 @@ def kernel_skips_opens(release: str | None = None) -> tuple[bool, bool]:
     version = kernel_version(kernel_release() if release is None else release)
     return version >= NO_OPEN_SINCE, version >= NO_OPENDIR_SINCE
 
+
+def workers_answer_opens(count_opens: bool) -> bool:
+    """Whether worker processes answer OPEN (and so see, and count, every open): when
+    asked to count them, or when this kernel would hand our ENOSYS to the application."""
+    return count_opens or not kernel_skips_opens()[0]
+
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 READ_IN = struct.Struct("<QQII")  # fh offset size read_flags (lock_owner, flags follow)

@@ -18,7 +18,7 @@ from dlfs.prometheus import prometheus_text
 from dlfs.statsview import text_summary
 from dlfs.store import Dataset
 from dlfsd.control import ControlFiles
-from dlfsd.fusewire import kernel_skips_opens
+from dlfsd.fusewire import workers_answer_opens
 from dlfsd.slots import ProcessSlot
 from dlfsd.stats import NullStats, Stats
 from dlfsd.trace import DEFAULT_CAPACITY, Trace
@@ -37,12 +37,11 @@ class ObserveConfig:
     def from_mount(cls, config: MountConfig) -> ObserveConfig:
         # The main process, plus N forked FUSE workers when --workers N > 1.
         processes = 1 + config.workers if config.workers > 1 else 1
-        # pyfuse3 (--workers 1) cannot read without an open: it always answers them;
-        # so do the workers on a kernel without no_open (see WireWorker.answer_opens).
-        no_open, _ = kernel_skips_opens()
+        # pyfuse3 (--workers 1) cannot read without an open: it always answers them.
         return cls(enabled=config.stats, processes=processes,
                    trace_capacity=config.trace_capacity,
-                   opens_counted=config.count_opens or config.workers <= 1 or not no_open)
+                   opens_counted=config.workers <= 1
+                   or workers_answer_opens(config.count_opens))
 
 
 class Observability:

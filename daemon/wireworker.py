@@ -91,10 +91,8 @@ class WireWorker:
                  cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
         self.ns = namespace
         self.fd = fd
-        no_open, self.no_opendir = fw.kernel_skips_opens()
-        # Opens are answered by us when counted, or when this kernel would hand our
-        # "no open needed" ENOSYS to the application (see fusewire.kernel_skips_opens).
-        self.answer_opens = count_opens or not no_open
+        self.answer_opens = fw.workers_answer_opens(count_opens)
+        self.no_opendir = fw.kernel_skips_opens()[1]
         self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
         # `.dlfs/` files change all the time: the kernel must ask again on each read.
         self.control_attrs = fw.AttrPacker(uid, gid, 0.0)
