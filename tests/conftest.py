@@ -225,6 +225,16 @@ def chunked_dataset(tmp_path: Path, files: int, seed: int):
                     PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False))
 
 
+async def until(condition, timeout: float) -> bool:
+    """Poll `condition` every 5 ms (trio) for up to `timeout` s; its last value."""
+    import trio
+
+    with trio.move_on_after(timeout):
+        while not condition():
+            await trio.sleep(0.005)
+    return condition()
+
+
 @contextlib.contextmanager
 def tmpfs_at(path: Path, options: str):
     """A tmpfs mounted at `path` (made if missing) for the block, unmounted after even

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from conftest import chunked_dataset
+from conftest import chunked_dataset, until
 from peerfakes import DATASET, SECRET, FileProvider
 
 from dlfs import protocol
@@ -62,13 +62,6 @@ def slow_stager(dataset, tmp_path, monkeypatch):
     for stager in made:
         stager.caches[0].close()
         stager.demand.close()
-
-
-async def until(condition, timeout: float) -> bool:
-    with trio.move_on_after(timeout):
-        while not condition():
-            await trio.sleep(0.005)
-    return condition()
 
 
 async def test_idle_jobs_that_woke_for_nothing_still_wake_for_later_demands(

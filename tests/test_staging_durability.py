@@ -28,7 +28,7 @@ import struct
 import numpy as np
 import pytest
 import trio
-from conftest import chunked_dataset, tmpfs_at
+from conftest import chunked_dataset, tmpfs_at, until
 
 from dlfsd import stager as stager_module
 from dlfsd.chunkcache import ChunkCache
@@ -136,13 +136,6 @@ def only(dataset, *chunks: int) -> np.ndarray:
     owned = np.zeros(dataset.chunk_count, dtype=bool)
     owned[list(chunks)] = True
     return owned
-
-
-async def until(condition, timeout: float) -> bool:
-    with trio.move_on_after(timeout):
-        while not condition():
-            await trio.sleep(0.005)
-    return condition()
 
 
 async def test_a_published_copy_has_no_data_left_that_never_reached_the_disk(
