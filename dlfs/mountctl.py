@@ -31,6 +31,7 @@ from dlfs.runtime import (
     remove_record,
     serving_daemon,
 )
+from dlfs.signals import signals_deferred
 
 FSTYPE = "fuse.dlfs"
 
@@ -106,18 +107,15 @@ def _mount_lock(mountpoint: str):
 
 def _spawn_and_wait(config: MountConfig, timeout: float) -> int:
     read_end, write_end = os.pipe()
-    env = dict(os.environ, DLFS_READY_FD=str(write_end))
-    with open(config.log_file, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dlfsd", "--config", config.to_json()],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-            pass_fds=(write_end,), start_new_session=True)
-    os.close(write_end)
+    proc = None
     try:
-        try:
-            line = _read_line(read_end, timeout)
-        finally:
-            os.close(read_end)
+        # A Ctrl-C while Popen runs (the daemon may already be up) must still find
+        # `proc` set, or nothing would stop that daemon: hold it until it is.
+        with signals_deferred():
+            proc = _spawn_daemon(config, write_end)
+        os.close(write_end)
+        write_end = -1
+        line = _read_line(read_end, timeout)
         if line == "READY":
             _wait_until_answering(config.mountpoint, proc, timeout)
             return 0
@@ -130,8 +128,24 @@ def _spawn_and_wait(config: MountConfig, timeout: float) -> int:
                             f"{config.log_file}")
         raise DlfsError(f"daemon did not come up within {timeout:.0f} s; see {config.log_file}")
     except BaseException:  # failed, timed out, or interrupted (Ctrl-C): leave nothing behind
-        _abandon(proc, config.mountpoint)
+        if proc is not None:
+            _abandon(proc, config.mountpoint)
         raise
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _spawn_daemon(config: MountConfig, ready_fd: int) -> subprocess.Popen:
+    """`python -m dlfsd` in a session of its own, logging to config.log_file, told to
+    report readiness on `ready_fd`."""
+    env = dict(os.environ, DLFS_READY_FD=str(ready_fd))
+    with open(config.log_file, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dlfsd", "--config", config.to_json()],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+            pass_fds=(ready_fd,), start_new_session=True)
 
 
 def _abandon(proc: subprocess.Popen, mountpoint: str) -> None:

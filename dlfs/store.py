@@ -13,9 +13,7 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from dlfs.directory import SampleDirectory
 from dlfs.errors import DlfsError, NotFoundError, UsageError
 from dlfs.format import CHUNK_HEADER_SIZE, MANIFEST_NAME, chunk_path, decode_manifest
 from dlfs.runtime import pid_alive
+from dlfs.signals import signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +33,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 TMP_PREFIX = ".tmp-"  # a populate writing
 OLD_PREFIX = ".old-"  # a whole dataset moved aside while --force puts its successor in place
 RM_PREFIX = ".rm-"  # a dataset being deleted (partly deleted if its remover died)
-#: Signals held while a dataset is moved aside and its successor put in place, so that a
-#: Ctrl-C or a SIGTERM cannot land between the two renames and leave the name empty.
-_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def check_dataset_name(name: str) -> str:
@@ -191,7 +187,7 @@ class Store:
         old = self.path / f"{OLD_PREFIX}{name}.{_owner_tag()}"
         published = False
         try:
-            with _signals_deferred():  # a signal held here is raised on leaving...
+            with signals_deferred():  # a signal held here is raised on leaving...
                 os.rename(final, old)
                 try:
                     os.rename(tmp, final)
@@ -264,27 +260,6 @@ def _whole_dataset(path: Path) -> bool:
                    for i, n in enumerate(lengths))
     except (OSError, DlfsError, KeyError, TypeError, ValueError):
         return False
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """Hold SIGINT, SIGTERM and SIGHUP for a few system calls: one that arrives meanwhile
-    is acted on (by the handler it would have met) on leaving. Python runs handlers in
-    the main thread only, so swapping them holds a signal whichever thread the kernel
-    gives it to (a blocked mask would not); elsewhere nothing can be held."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    old = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-           for sig in _HELD_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        if caught:
-            signal.raise_signal(caught[0])
 
 
 def _host() -> str:

@@ -443,6 +443,39 @@ def test_interrupted_mount_leaves_no_daemon_and_no_mount(sysproc, small_store, t
         subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
 
 
+def test_interrupt_as_the_daemon_starts_still_stops_it(monkeypatch, sysproc, small_store,
+                                                       tmp_path):
+    """Ctrl-C that lands inside Popen, after the daemon was started but before `dlfs
+    mount` holds its pid (the window the test above hits 1 run in 50): the daemon is
+    stopped all the same. Before, the interrupt left the try that cleans up, and the
+    daemon went on to mount with nobody to stop it."""
+    import dlfs.mountctl as mountctl
+    from dlfs.config import MountConfig
+
+    real_spawn = mountctl._spawn_daemon
+
+    def spawn_then_ctrl_c(*args):
+        proc = real_spawn(*args)
+        os.kill(os.getpid(), signal.SIGINT)  # as if it came during Popen's last steps
+        return proc
+
+    monkeypatch.setattr(mountctl, "_spawn_daemon", spawn_then_ctrl_c)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    config = MountConfig(mountpoint=str(mp), store=str(small_store),
+                         log_file=str(tmp_path / "dlfsd.log"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mountctl.mount(config, foreground=False)
+        time.sleep(2)  # a daemon left running would have mounted by now
+        assert sysproc.daemon_pids_for(mp) == []
+        assert sysproc.fstype_at(mp) is None
+    finally:
+        for pid in sysproc.daemon_pids_for(mp):
+            sysproc.kill_and_reap(pid)
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+
+
 def test_two_mounts_of_one_path_at_once_make_one_mount(dlfs_cli, sysproc, small_store,
                                                         tmp_path):
     """`srun` with two tasks per node runs the prologue's mount twice at once."""
