@@ -161,6 +161,10 @@ class Store:
             raise DlfsError(f"dataset {name!r} is removed from the store, but deleting its "
                             f"files failed ({err.strerror}: {err.filename}); delete {doomed} "
                             "by hand") from None
+        except KeyboardInterrupt:  # Ctrl-C on a slow delete (many chunks on a PFS)
+            raise KeyboardInterrupt(f"dataset {name!r} is removed from the store, but its "
+                                    f"files are only partly deleted: delete {doomed} by "
+                                    "hand") from None
 
     # -- publishing --------------------------------------------------------
     def temp_dir_path(self, name: str) -> Path:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 from pathlib import Path
@@ -305,6 +306,35 @@ def test_rm_removes_only_that_dataset(dlfs_cli, two_dataset_store):
     assert sorted(os.listdir(store)) == ["beta"]
     assert dlfs_cli("verify", "--store", store, "beta").returncode == 0
     assert_one_line_error(dlfs_cli("info", "--store", store, "alpha"), 1, ("alpha",))
+
+
+def test_rm_interrupted_midway_names_what_is_left(monkeypatch, capsys, two_dataset_store):
+    """Ctrl-C while `dlfs rm` deletes (minutes for many chunks on a PFS): the dataset is
+    already unpublished, so the one line says so and names the half-deleted directory
+    (which is hidden from `ls`); before, it said only "interrupted"."""
+    from dlfs import cli
+
+    store, _ = two_dataset_store
+    real_rmtree = shutil.rmtree
+
+    def rmtree_then_ctrl_c(path, *args, **kwargs):
+        real_rmtree(Path(path) / "chunks")  # part of the work done, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_then_ctrl_c)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert cli.main(["rm", "--store", str(store), "alpha"]) == 130
+    finally:
+        monkeypatch.undo()
+        for sig, handler in handlers.items():  # main() installs its own
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err.strip()
+    leftovers = [p for p in store.iterdir() if p.name.startswith(".rm-alpha.")]
+    assert len(leftovers) == 1 and leftovers[0].is_dir()
+    assert err.count("\n") == 0 and str(leftovers[0]) in err, err
+    assert "removed from the store" in err and "partly deleted" in err, err
+    assert sorted(Store(store).dataset_names()) == ["beta"]
 
 
 def test_info_counts_match_the_source(dlfs_cli, edge_store, edge_nodes, edge_tree):
