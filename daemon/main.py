@@ -36,6 +36,7 @@ from dlfs.runtime import (
     status_path,
     write_record,
 )
+from dlfs.signals import STOP_SIGNALS
 from dlfs.sizes import format_size
 from dlfs.store import Dataset, Store
 from dlfsd import fusewire as fw
@@ -233,9 +234,6 @@ async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
             if pids:
                 await sigs.__anext__()
     return True
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class HeldStopSignals:

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 
+from dlfs.signals import STOP_SIGNALS
 from dlfsd import fusewire as fw
 from dlfsd.errnomap import errno_for
 from dlfsd.listing import ListingPacker
@@ -121,7 +122,7 @@ class WireWorker:
         """Serve until unmounted or stopped; returns the worker's exit code: 0, or
         WORKER_ABORTED when the connection was aborted (the mount is still there,
         dead: the main process must take it down)."""
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         try:
             while not self._stopping:
