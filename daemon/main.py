@@ -40,6 +40,7 @@ from dlfs.signals import STOP_SIGNALS
 from dlfs.sizes import format_size
 from dlfs.store import Dataset, Store
 from dlfsd import fusewire as fw
+from dlfsd.commit import LaunchCommit
 from dlfsd.controlsock import ControlServer
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.observe import ObserveConfig
@@ -264,32 +265,45 @@ class HeldStopSignals:
 
 
 async def supervise(config: MountConfig, worker_pids: list[int], services,
-                    fuse_fd: int = -1, held: HeldStopSignals | None = None) -> bool:
+                    fuse_fd: int = -1, held: HeldStopSignals | None = None,
+                    commit: LaunchCommit | None = None) -> bool:
     """The main process: run the background services (stager, peer server, status) and
     either serve FUSE itself (single-process mode) or watch the workers that do.
 
-    Returns True if the mount must be unmounted by us (signal, or workers died).
+    Returns True if the mount must be unmounted by us (signal, workers died, or the
+    launcher went away without committing the mount).
     """
     must_unmount = False
     async with trio.open_nursery() as nursery:
         await nursery.start(services.run)
 
-        async def watch_signals() -> None:
+        def stop() -> None:
             nonlocal must_unmount
+            must_unmount = True
+            if worker_pids:
+                nursery.cancel_scope.cancel()
+            else:
+                pyfuse3.terminate()
+
+        async def watch_signals() -> None:
             with trio.open_signal_receiver(*STOP_SIGNALS) as sigs:
                 if held is not None and held.caught:  # came before the receiver was up
                     await _send_self(held.caught[0])
                 async for signum in sigs:
                     log.info("got %s; unmounting %s", signal.Signals(signum).name,
                              config.mountpoint)
-                    must_unmount = True
-                    if worker_pids:
-                        nursery.cancel_scope.cancel()
-                    else:
-                        pyfuse3.terminate()
+                    stop()
                     return
 
+        async def watch_commit() -> None:
+            if not await commit.wait():
+                log.error("the `dlfs mount --mpi` rank that started this daemon ended "
+                          "before every rank was up; unmounting %s", config.mountpoint)
+                stop()
+
         nursery.start_soon(watch_signals)
+        if commit is not None and commit.pending:
+            nursery.start_soon(watch_commit)
         if worker_pids:
             if not await watch_workers(worker_pids, fuse_fd):
                 must_unmount = True
@@ -364,6 +378,7 @@ class Services:
 def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     """Mount and serve; returns the process exit code."""
     readiness = readiness or Readiness()
+    commit = LaunchCommit.from_env()
     configure_logging(config)
     try:
         datasets = load_datasets(config)
@@ -412,7 +427,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         readiness.send("READY")
         ready = True
         fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1
-        unmount = trio.run(supervise, config, workers, services, fuse_fd, held)
+        unmount = trio.run(supervise, config, workers, services, fuse_fd, held, commit)
         aborted = _still_mounted(config.mountpoint, ours) if not unmount else False
     except DlfsError as err:
         if ready:

@@ -299,12 +299,17 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_mpi(args: argparse.Namespace) -> int:
-    """One mount per MPI rank with a shared node list and secret; all come up or none."""
-    from dlfs.mountctl import mount, umount
+    """One mount per MPI rank with a shared node list and secret; all come up or none.
+
+    Each daemon keeps its mount only once every rank is up (mount_uncommitted): a rank
+    interrupted or killed meanwhile (Ctrl-C on mpirun, which then kills the ranks
+    waiting for it) leaves no daemon running and nothing mounted."""
+    from dlfs.mountctl import commit_mount, mount_uncommitted, umount
     from dlfs.mpi_launch import (
         all_or_nothing,
         apply_mpi,
         check_mpi_flags,
+        default_secret_file,
         join_world,
         share_secret,
     )
@@ -312,22 +317,33 @@ def _mount_mpi(args: argparse.Namespace) -> int:
     check_mpi_flags(args)
     world = join_world()
     secret = share_secret(world)
-    mounted: list[str] = []
+    pending: list[tuple[str, int]] = []  # (mountpoint, commit descriptor)
+    committed = False
 
     def step() -> None:
         apply_mpi(args, world, secret)
         config = _mount_config(args)
-        mount(config, foreground=False, timeout=args.timeout)
-        mounted.append(config.mountpoint)
+        pending.append((config.mountpoint, mount_uncommitted(config, args.timeout)))
 
     def undo() -> None:
-        for mountpoint in mounted:
+        for mountpoint, _ in pending:
             umount(mountpoint, timeout=10)
 
     try:
-        return all_or_nothing(world, step, undo)
+        all_or_nothing(world, step, undo)
+        while pending:
+            mountpoint, fd = pending.pop()
+            commit_mount(fd, mountpoint)
+        committed = True
+        return EXIT_OK
     except ReportedElsewhere:
         return EXIT_ERROR  # rank 0 prints the one line
+    finally:
+        for _, fd in pending:  # not committed: each daemon unmounts itself
+            os.close(fd)
+        if not committed and args.secret_file == default_secret_file(world):
+            with contextlib.suppress(OSError):
+                os.unlink(args.secret_file)
 
 
 def cmd_slurm_secret(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from typing import BinaryIO
 
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError, NotFoundError
@@ -34,6 +35,8 @@ from dlfs.runtime import (
 from dlfs.signals import signals_deferred
 
 FSTYPE = "fuse.dlfs"
+COMMIT_FD_ENV = "DLFS_COMMIT_FD"  # the daemon's end of a mount_uncommitted pipe
+COMMIT = b"COMMIT\n"  # what keeps such a mount
 
 
 def mounted_fstype(mountpoint: str) -> str | None:
@@ -75,16 +78,49 @@ def prepare_mountpoint(mountpoint: str) -> str:
     return path
 
 
-def mount(config: MountConfig, foreground: bool, timeout: float = 120.0) -> int:
-    """Mount per `config`; in the background, return once the mount answers."""
+def mount(config: MountConfig, foreground: bool, timeout: float = 120.0,
+          commit_fd: int | None = None) -> int:
+    """Mount per `config`; in the background, return once the mount answers.
+
+    `commit_fd` (background only): the read end of a pipe the daemon is handed; it
+    unmounts itself if the pipe ends before COMMIT is written to it (see
+    mount_uncommitted)."""
     with _mount_lock(mountpoint_path(config.mountpoint)):
         config = replace(config, mountpoint=prepare_mountpoint(config.mountpoint))
         if not foreground:
             log_file = config.log_file or str(default_log_path(config.mountpoint))
-            return _spawn_and_wait(replace(config, log_file=log_file), timeout)
+            return _spawn_and_wait(replace(config, log_file=log_file), timeout, commit_fd)
     from dlfsd.main import run  # the daemon's deps load only when we become it
 
     return run(config)
+
+
+def mount_uncommitted(config: MountConfig, timeout: float = 120.0) -> int:
+    """Mount in the background, for now only: returns a descriptor to pass to
+    commit_mount once the mount is to stay. If it is closed first, by this process
+    ending in any way (SIGKILL too), the daemon unmounts itself and exits. For
+    all-or-nothing launches (`dlfs mount --mpi`), where a launcher that dies between
+    mounting and hearing that every other node is up could not clean up itself."""
+    read_end, write_end = os.pipe()
+    try:
+        mount(config, foreground=False, timeout=timeout, commit_fd=read_end)
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    return write_end
+
+
+def commit_mount(fd: int, mountpoint: str) -> None:
+    """Tell the daemon of a mount_uncommitted to keep its mount (and close `fd`)."""
+    try:
+        os.write(fd, COMMIT)
+    except BrokenPipeError:
+        raise DlfsError(f"the daemon of {mountpoint} exited before the launch finished; "
+                        f"see its log, then `dlfs umount {mountpoint}`") from None
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -105,14 +141,16 @@ def _mount_lock(mountpoint: str):
         os.close(fd)
 
 
-def _spawn_and_wait(config: MountConfig, timeout: float) -> int:
+def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None = None) -> int:
     read_end, write_end = os.pipe()
     proc = None
     try:
         # A Ctrl-C while Popen runs (the daemon may already be up) must still find
         # `proc` set, or nothing would stop that daemon: hold it until it is.
-        with signals_deferred():
-            proc = _spawn_daemon(config, write_end)
+        # (The log opens first: on a hung file system it may block, and must not
+        # block with the signals held.)
+        with open(config.log_file, "ab") as log, signals_deferred():
+            proc = _spawn_daemon(config, log, write_end, commit_fd)
         os.close(write_end)
         write_end = -1
         line = _read_line(read_end, timeout)
@@ -137,15 +175,20 @@ def _spawn_and_wait(config: MountConfig, timeout: float) -> int:
                 os.close(fd)
 
 
-def _spawn_daemon(config: MountConfig, ready_fd: int) -> subprocess.Popen:
-    """`python -m dlfsd` in a session of its own, logging to config.log_file, told to
-    report readiness on `ready_fd`."""
+def _spawn_daemon(config: MountConfig, log: BinaryIO, ready_fd: int,
+                  commit_fd: int | None = None) -> subprocess.Popen:
+    """`python -m dlfsd` in a session of its own, logging to `log`, told to report
+    readiness on `ready_fd` (and to wait for COMMIT on `commit_fd`)."""
     env = dict(os.environ, DLFS_READY_FD=str(ready_fd))
-    with open(config.log_file, "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "dlfsd", "--config", config.to_json()],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-            pass_fds=(ready_fd,), start_new_session=True)
+    env.pop(COMMIT_FD_ENV, None)
+    pass_fds = [ready_fd]
+    if commit_fd is not None:
+        env[COMMIT_FD_ENV] = str(commit_fd)
+        pass_fds.append(commit_fd)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dlfsd", "--config", config.to_json()],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+        pass_fds=pass_fds, start_new_session=True)
 
 
 def _abandon(proc: subprocess.Popen, mountpoint: str) -> None:

@@ -5,9 +5,12 @@ ranks exchange their host names, rank 0 makes the job secret and broadcasts
 it, each rank writes it 0600 and mounts with the same node list (node i
 listens on --port-base + i). Each rank then reports how its mount went; if any
 failed, the others unmount again and rank 0 prints one line, so the launch
-either brings up the whole pool or leaves nothing running. The daemons run
-in their own sessions and outlive mpirun; `mpirun -n N dlfs umount --mpi
-MOUNTPOINT` stops them (same names, same %n expansion).
+either brings up the whole pool or leaves nothing running. That holds when a
+rank never gets to report too (Ctrl-C on mpirun, a killed rank): each daemon
+keeps its mount only once its rank, after hearing from every rank, commits it
+(dlfs.mountctl.mount_uncommitted). The daemons run in their own sessions and
+outlive mpirun; `mpirun -n N dlfs umount --mpi MOUNTPOINT` stops them (same
+names, same %n expansion).
 
 mpi4py is imported only here (optional dependency: pip install dlfs[mpi]).
 """

@@ -476,6 +476,69 @@ def test_interrupt_as_the_daemon_starts_still_stops_it(monkeypatch, sysproc, sma
         subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
 
 
+# A launcher that mounts, then dies: what `dlfs mount --mpi` ranks do when mpirun is
+# interrupted while another rank still comes up (tests/test_mpi.py runs that for real).
+LAUNCHER = """
+import sys, time
+from dlfs.config import MountConfig
+from dlfs.mountctl import mount_uncommitted
+mount_uncommitted(MountConfig(mountpoint=sys.argv[1], store=sys.argv[2], log_file=sys.argv[3],
+                              workers=int(sys.argv[4])))
+print("mounted", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_an_uncommitted_mount_goes_when_its_launcher_dies(sysproc, small_store, small_source,
+                                                          tmp_path, workers):
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    log = tmp_path / "dlfsd.log"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(mp), str(small_store),
+                                 str(log), str(workers)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout.readline() == "mounted\n"
+        assert_read_back(mp, "ds", small_source)  # it serves meanwhile
+        pids = sysproc.daemon_pids_for(mp)
+        assert pids
+        launcher.kill()
+        launcher.wait()
+        assert all(sysproc.wait_dead(pid, 20) for pid in pids), log.read_text()
+        assert sysproc.fstype_at(mp) is None
+        assert "ended before every rank was up; unmounting" in log.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in sysproc.daemon_pids_for(mp):
+            sysproc.kill_and_reap(pid)
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+
+
+def test_a_committed_mount_outlives_its_launcher(dlfs_cli, sysproc, small_store, small_source,
+                                                 tmp_path):
+    from dlfs.config import MountConfig
+    from dlfs.mountctl import commit_mount, mount_uncommitted
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    log = tmp_path / "dlfsd.log"
+    fd = mount_uncommitted(MountConfig(mountpoint=str(mp), store=str(small_store),
+                                       log_file=str(log)))
+    try:
+        commit_mount(fd, str(mp))  # closes fd: the launcher's end is gone from here on
+        time.sleep(1)  # time enough for a daemon that took it for a failure to unmount
+        assert sysproc.fstype_at(mp) == "fuse.dlfs", log.read_text()
+        assert_read_back(mp, "ds", small_source)
+        assert "before every rank was up" not in log.read_text()
+        assert dlfs_cli("umount", mp).returncode == 0
+    finally:
+        for pid in sysproc.daemon_pids_for(mp):
+            sysproc.kill_and_reap(pid)
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+
+
 def test_two_mounts_of_one_path_at_once_make_one_mount(dlfs_cli, sysproc, small_store,
                                                         tmp_path):
     """`srun` with two tasks per node runs the prologue's mount twice at once."""

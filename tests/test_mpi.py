@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -323,3 +325,45 @@ def test_mpi_launch_is_all_or_nothing(tmp_path, launch_site):
     for mp in mounts:
         assert fstype_at(mp) is None, f"{mp} stayed mounted after another rank failed"
         assert daemon_pids_for(mp) == []
+
+
+@pytest.mark.usefixtures("daemon_guard")
+def test_mpi_launch_interrupted_leaves_nothing_running(tmp_path, launch_site):
+    """Ctrl-C on mpirun while the last rank still comes up (its log file is a fifo
+    nobody opens, like a hung file system): mpirun kills the ranks, those that had
+    mounted among them, and their daemons, in sessions of their own, unmount
+    themselves. Before, they served on with nobody to stop them."""
+    require_mpi()
+    _, store, names, mounts = launch_site
+    ports = reserve_ports(RANKS)
+    base = ports[0].getsockname()[1]
+    for sock in ports:
+        sock.close()
+    os.mkfifo(tmp_path / f"log-{names[-1]}")
+    env = {k: v for k, v in os.environ.items() if k != "DLFS_READY_FD"}
+    mpirun = subprocess.Popen(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(RANKS), *DLFS, "mount",
+         "--mpi", tmp_path / "mnt-%n", "--store", store, "--cache-dir", tmp_path / "cache-%n",
+         "--log-file", tmp_path / "log-%n", "--port-base", str(base),
+         "--node-host", "127.0.0.1", "--workers", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(fstype_at(mp) == "fuse.dlfs" for mp in mounts[:-1]):
+            assert mpirun.poll() is None, mpirun.communicate()
+            assert time.monotonic() < deadline, "the other ranks did not mount"
+            time.sleep(0.05)
+        mpirun.send_signal(signal.SIGINT)
+        mpirun.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(fstype_at(mp) or daemon_pids_for(mp) for mp in mounts):
+            assert time.monotonic() < deadline, (
+                "left mounted or running: " + ", ".join(
+                    f"{mp.name} {fstype_at(mp)} {daemon_pids_for(mp)}" for mp in mounts))
+            time.sleep(0.1)
+        for name in names[:-1]:
+            assert "ended before every rank was up" in (tmp_path / f"log-{name}").read_text()
+    finally:
+        if mpirun.poll() is None:
+            mpirun.kill()
+            mpirun.communicate()
