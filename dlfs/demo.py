@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from dlfs.config import MountConfig
-from dlfs.mountctl import mount, umount
+from dlfs.mountctl import FSTYPE, mount, mounted_fstype, umount
 from dlfs.populate import PopulateOptions, populate
+from dlfs.runtime import mountpoint_path
 from dlfs.sampledata import generate_tree
 from dlfs.sizes import format_size
 from dlfs.store import Store
@@ -36,7 +37,6 @@ def run_demo(files: int, mean_size: int, workers: int, workdir: Path | None, kee
     work = Path(tempfile.mkdtemp(prefix="dlfs-demo-", dir=parent))
     src, store, mnt = work / "source", Store(work / "store"), work / "mnt"
     mnt.mkdir(parents=True, exist_ok=True)
-    mounted = False
     try:
         print(f"1. generating {files} samples of ~{format_size(mean_size)} under {src}")
         tree = generate_tree(src, files, mean_size)
@@ -49,7 +49,6 @@ def run_demo(files: int, mean_size: int, workers: int, workdir: Path | None, kee
 
         print(f"3. dlfs mount {mnt} --store {store.path}")
         mount(MountConfig(mountpoint=str(mnt), store=str(store.path)), foreground=False)
-        mounted = True
 
         rel = [os.path.relpath(p, src) for p in tree.paths]
         via_mount = [str(mnt / "demo" / r) for r in rel]
@@ -65,7 +64,9 @@ def run_demo(files: int, mean_size: int, workers: int, workdir: Path | None, kee
               f"{'identical' if same else 'MISMATCH'}")
         return 0 if same else 1
     finally:
-        if mounted:
+        # Asked of the kernel, not tracked: a Ctrl-C just as mount() returns must
+        # still unmount, and a mount that failed left nothing to unmount.
+        if mounted_fstype(mountpoint_path(str(mnt))) == FSTYPE:
             print(f"6. dlfs umount {mnt}")
             umount(str(mnt))  # raises if it fails: then nothing below runs on a mount
         if keep:

@@ -193,16 +193,18 @@ def _spawn_daemon(config: MountConfig, log: BinaryIO, ready_fd: int,
 
 def _abandon(proc: subprocess.Popen, mountpoint: str) -> None:
     """Stop a daemon we gave up on, with every process it forked (its own session), and
-    take away a mount it may have made meanwhile."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait)
-            break
-    if mounted_fstype(mountpoint) == FSTYPE:
-        _fusermount(mountpoint, lazy=True)
-    remove_record(mountpoint)
+    take away a mount it may have made meanwhile. A second Ctrl-C (an impatient user)
+    waits until that is done: cut short, it would leave a hung daemon or its mount."""
+    with signals_deferred():
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait)
+                break
+        if mounted_fstype(mountpoint) == FSTYPE:
+            _fusermount(mountpoint, lazy=True)
+        remove_record(mountpoint)
 
 
 def _read_line(fd: int, timeout: float) -> str:

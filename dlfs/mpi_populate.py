@@ -86,14 +86,16 @@ def mpi_populate(source: Path, store: Store, name: str,
     if rank != 0:
         options = replace(options, progress=False)  # one progress bar: rank 0's share
 
-    plan = _unpack_plan(_shared(comm, lambda: _plan_on_rank0(source, store, name, options)))
+    made: list[PopulatePlan] = []  # rank 0: the plan whose temporary directory it makes
     try:
+        plan = _unpack_plan(_shared(comm, lambda: _plan_on_rank0(source, store, name, options,
+                                                                 made)))
         return _write_and_publish(mpi, comm, source, store, plan, options)
     except KeyboardInterrupt:  # mpirun/srun pass Ctrl-C and scancel's SIGTERM to every rank
-        if rank != 0:
+        if rank != 0 or not made:
             raise
-        shutil.rmtree(plan.tmp, ignore_errors=True)
-        raise KeyboardInterrupt(interrupted_outcome(store, plan)) from None
+        shutil.rmtree(made[0].tmp, ignore_errors=True)
+        raise KeyboardInterrupt(interrupted_outcome(store, made[0])) from None
 
 
 def _write_and_publish(mpi, comm, source: Path, store: Store, plan: PopulatePlan,
@@ -123,8 +125,12 @@ def _write_and_publish(mpi, comm, source: Path, store: Store, plan: PopulatePlan
     return dataset if rank == 0 else None
 
 
-def _plan_on_rank0(source: Path, store: Store, name: str, options: PopulateOptions) -> dict:
+def _plan_on_rank0(source: Path, store: Store, name: str, options: PopulateOptions,
+                   made: list[PopulatePlan]) -> dict:
+    """Plan and make the temporary directory; `made` gets the plan first, so that an
+    interrupt from here on (even before every rank has the plan) removes that directory."""
     plan = plan_populate(source, store, name, options)
+    made.append(plan)
     try:
         start_temp_dir(plan)
     except OSError as err:

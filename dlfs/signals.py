@@ -1,9 +1,10 @@
 """Holding stop signals across a few system calls that must not be cut in two.
 
 Used where an interrupt in the middle would leave something behind that nothing
-cleans up: between the two renames of `populate --force`, and between starting
+cleans up: between the two renames of `populate --force`, between starting
 a daemon and knowing its pid in `dlfs mount` (a Ctrl-C there used to leave a
-running daemon no one would stop).
+running daemon no one would stop), and while `dlfs mount` stops a daemon it
+gave up on.
 """
 
 from __future__ import annotations
