@@ -238,12 +238,13 @@ async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
 
 
 class HeldStopSignals:
-    """From READY on, a stop signal outside supervise's own receiver is recorded, not
-    acted on: one that comes before the receiver is up stops the daemon as soon as it
-    is; those that come during the unmount (an impatient user, a scheduler repeating
-    TERM) must not kill the daemon before it stopped its workers and unmounted, or the
-    workers would go on serving a mount nobody takes down. `dlfs umount` ends with
-    SIGKILL if a daemon ever hangs."""
+    """From the mount on, a stop signal outside supervise's own receiver is recorded,
+    not acted on: one that comes before the receiver is up stops the daemon as soon as
+    it is (a Ctrl-C right after mounting must not leave a dead mount); those that come
+    during the unmount (an impatient user, a scheduler repeating TERM) must not kill
+    the daemon before it stopped its workers and unmounted, or the workers would go on
+    serving a mount nobody takes down. `dlfs umount` ends with SIGKILL if a daemon ever
+    hangs."""
 
     def __init__(self) -> None:
         self.caught: list[int] = []
@@ -396,15 +397,22 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
         raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
         fds_before_mount = fuse_fds()
-        pyfuse3.init(ops, config.mountpoint, mount_options(config))
     except DlfsError as err:
         log.error("%s", err)
         readiness.send(f"ERROR {err}")
         return err.exit_code
+    except Exception as err:
+        return _mount_failed(config, readiness, err)
+    # From the mount on, a stop signal must end in the unmount below, never cut in
+    # between (a Ctrl-C on `dlfs mount --foreground` right after pyfuse3.init used to
+    # leave a dead mount): it is held, and acted on once supervise listens.
+    held = HeldStopSignals()
+    held.install()
+    try:
+        pyfuse3.init(ops, config.mountpoint, mount_options(config))
     except Exception as err:  # e.g. RuntimeError from fuse_session_mount
-        log.exception("mount failed")
-        readiness.send(f"ERROR cannot mount {config.mountpoint}: {err}")
-        return 1
+        held.restore()
+        return _mount_failed(config, readiness, err)
     names = ", ".join(d.name for d in namespace.datasets)
     log.info("mounted %s at %s (datasets: %s, %d worker processes)", config.store,
              config.mountpoint, names, config.workers)
@@ -412,7 +420,6 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     workers: list[int] = []
     control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe)
     ready = aborted = False
-    held = HeldStopSignals()
     try:
         trio.run(_answer_kernel_init, ops)
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
@@ -423,7 +430,6 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
                                   start_time(os.getpid())))
         write_status(status_path(config.mountpoint), services.status())  # before READY
-        held.install()
         readiness.send("READY")
         ready = True
         fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1
@@ -450,6 +456,14 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         log.info("unmounted %s; daemon exits", config.mountpoint)
         held.restore()
     return 0
+
+
+def _mount_failed(config: MountConfig, readiness: Readiness, err: Exception) -> int:
+    """An unexpected error before serving: logged with its traceback, one line to
+    `dlfs mount`."""
+    log.exception("mount failed")
+    readiness.send(f"ERROR cannot mount {config.mountpoint}: {err}")
+    return 1
 
 
 def _still_mounted(mountpoint: str, ours) -> bool:

@@ -476,6 +476,39 @@ def test_interrupt_as_the_daemon_starts_still_stops_it(monkeypatch, sysproc, sma
         subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
 
 
+# `dlfs mount --foreground` with a Ctrl-C that lands right after pyfuse3.init mounted.
+CTRL_C_AFTER_INIT = """
+import os, signal, sys
+import pyfuse3
+from dlfs.cli import main
+real_init = pyfuse3.init
+def init_then_ctrl_c(*args, **kwargs):
+    real_init(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGINT)
+pyfuse3.init = init_then_ctrl_c
+sys.exit(main(["mount", sys.argv[1], "--store", sys.argv[2], "--foreground",
+               "--log-file", sys.argv[3]]))
+"""
+
+
+def test_ctrl_c_right_after_a_foreground_mount_is_made_unmounts_it(sysproc, small_store,
+                                                                     tmp_path):
+    """Before, the KeyboardInterrupt left run() before the try that unmounts: the
+    process exited and left a dead mount (ENOTCONN) behind."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    log = tmp_path / "dlfsd.log"
+    try:
+        done = subprocess.run([sys.executable, "-c", CTRL_C_AFTER_INIT, str(mp),
+                               str(small_store), str(log)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert sysproc.fstype_at(mp) is None, "a dead mount was left behind"
+        assert "got SIGINT; unmounting" in log.read_text()
+    finally:
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+
+
 # A launcher that mounts, then dies: what `dlfs mount --mpi` ranks do when mpirun is
 # interrupted while another rank still comes up (tests/test_mpi.py runs that for real).
 LAUNCHER = """
