@@ -19,7 +19,9 @@ import os
 
 import trio
 
+from dlfs.config import MountConfig
 from dlfs.mountctl import COMMIT, COMMIT_FD_ENV
+from dlfs.mpi_launch import launch_secret_file
 
 
 class LaunchCommit:
@@ -65,3 +67,12 @@ class LaunchCommit:
             return received == COMMIT
         finally:
             self._forget()
+
+
+def discard_launch_secret(config: MountConfig) -> None:
+    """Remove the secret file `dlfs mount --mpi` wrote for this node, if this mount used
+    it (its default place): the launch failed, so no `dlfs umount --mpi` will, and the
+    rank that wrote it may have been killed. The daemon read it at start-up already."""
+    if config.node and config.secret_file == launch_secret_file(config.node):
+        with contextlib.suppress(OSError):
+            os.unlink(config.secret_file)

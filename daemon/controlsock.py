@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from dlfs.signals import stop_signals_blocked, unblock_stop_signals
 from dlfsd.observe import Observability
 from dlfsd.stats import SOURCE_NAMES
 from dlfsd.trace import OP_NAMES, TRACE_FORMAT_VERSION
@@ -68,19 +69,10 @@ class ControlServer:
             log.error("no trace control (cannot listen on %s: %s)", self.path,
                       err.strerror or err)
             return self
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                _serve(sock, self.observe)
-            except BaseException:
-                log.exception("trace control process failed")
-                code = 1
-            finally:
-                logging.shutdown()
-                os._exit(code)
+        with stop_signals_blocked():  # a SIGTERM before SIG_DFL is in must still end it
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, self.observe)
         sock.close()
         self.pid = pid
         return self
@@ -101,6 +93,25 @@ class ControlServer:
         with contextlib.suppress(OSError):
             if self._inode and os.stat(self.path).st_ino == self._inode:
                 os.unlink(self.path)
+
+
+def _child(sock: socket.socket, observe: Observability) -> None:
+    """The control process: answer until SIGTERM from the main process. Ctrl-C and a
+    terminal's hangup reach the whole process group; the main process acts on them
+    and stops this one."""
+    code = 0
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        unblock_stop_signals()  # forked with them blocked (see ControlServer.start)
+        _serve(sock, observe)
+    except BaseException:
+        log.exception("trace control process failed")
+        code = 1
+    finally:
+        logging.shutdown()
+        os._exit(code)
 
 
 def _serve(sock: socket.socket, observe: Observability) -> None:

@@ -36,11 +36,11 @@ from dlfs.runtime import (
     status_path,
     write_record,
 )
-from dlfs.signals import STOP_SIGNALS
+from dlfs.signals import STOP_SIGNALS, stop_signals_blocked
 from dlfs.sizes import format_size
 from dlfs.store import Dataset, Store
 from dlfsd import fusewire as fw
-from dlfsd.commit import LaunchCommit
+from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.controlsock import ControlServer
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.observe import ObserveConfig
@@ -298,8 +298,10 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
 
         async def watch_commit() -> None:
             if not await commit.wait():
-                log.error("the `dlfs mount --mpi` rank that started this daemon ended "
-                          "before every rank was up; unmounting %s", config.mountpoint)
+                log.error("the `dlfs mount --mpi` rank that started this daemon exited or "
+                          "gave up before committing this mount; unmounting %s",
+                          config.mountpoint)
+                discard_launch_secret(config)
                 stop()
 
         nursery.start_soon(watch_signals)
@@ -541,20 +543,22 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
                  "OPENDIR" if no_open else "OPEN and OPENDIR")
     pids = []
     for _ in range(config.workers):
-        pid = os.fork()
-        if pid == 0:  # worker: serve until unmount or SIGTERM, then leave without cleanup
-            code = 0
-            try:
-                if pool is not None:
-                    pool.after_fork()
-                code = WireWorker(namespace, fuse_fd, ops.uid, ops.gid, config.cache_timeout,
-                                  config.count_opens, pipe_size).serve()
-            except BaseException:
-                log.exception("worker %d failed", os.getpid())
-                code = 1
-            finally:
-                logging.shutdown()
-                os._exit(code)
+        with stop_signals_blocked():  # until the worker's own handlers are in (serve)
+            pid = os.fork()
+            if pid == 0:  # worker: serve until unmount or SIGTERM, then leave, no cleanup
+                code = 0
+                try:
+                    if pool is not None:
+                        pool.after_fork()
+                    code = WireWorker(namespace, fuse_fd, ops.uid, ops.gid,
+                                      config.cache_timeout, config.count_opens,
+                                      pipe_size).serve()
+                except BaseException:
+                    log.exception("worker %d failed", os.getpid())
+                    code = 1
+                finally:
+                    logging.shutdown()
+                    os._exit(code)
         pids.append(pid)
     return pids
 

@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 
-from dlfs.signals import STOP_SIGNALS
+from dlfs.signals import STOP_SIGNALS, unblock_stop_signals
 from dlfsd import fusewire as fw
 from dlfsd.errnomap import errno_for
 from dlfsd.listing import ListingPacker
@@ -124,6 +124,7 @@ class WireWorker:
         dead: the main process must take it down)."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
+        unblock_stop_signals()  # forked with them blocked (see start_workers)
         try:
             while not self._stopping:
                 n = self._receive()

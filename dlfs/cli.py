@@ -317,23 +317,23 @@ def _mount_mpi(args: argparse.Namespace) -> int:
     check_mpi_flags(args)
     world = join_world()
     secret = share_secret(world)
-    pending: list[tuple[str, int]] = []  # (mountpoint, commit descriptor)
+    pending: list[tuple[MountConfig, int]] = []  # (its mount, commit descriptor)
     committed = False
 
     def step() -> None:
         apply_mpi(args, world, secret)
         config = _mount_config(args)
-        pending.append((config.mountpoint, mount_uncommitted(config, args.timeout)))
+        pending.append((config, mount_uncommitted(config, args.timeout)))
 
     def undo() -> None:
-        for mountpoint, _ in pending:
-            umount(mountpoint, timeout=10)
+        for config, _ in pending:
+            umount(config.mountpoint, timeout=10)
 
     try:
         all_or_nothing(world, step, undo)
         while pending:
-            mountpoint, fd = pending.pop()
-            commit_mount(fd, mountpoint)
+            config, fd = pending.pop()
+            commit_mount(fd, config)
         committed = True
         return EXIT_OK
     except ReportedElsewhere:

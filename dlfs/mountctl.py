@@ -112,13 +112,15 @@ def mount_uncommitted(config: MountConfig, timeout: float = 120.0) -> int:
     return write_end
 
 
-def commit_mount(fd: int, mountpoint: str) -> None:
-    """Tell the daemon of a mount_uncommitted to keep its mount (and close `fd`)."""
+def commit_mount(fd: int, config: MountConfig) -> None:
+    """Tell the daemon of a mount_uncommitted(config) to keep its mount (and close
+    `fd`)."""
     try:
         os.write(fd, COMMIT)
     except BrokenPipeError:
-        raise DlfsError(f"the daemon of {mountpoint} exited before the launch finished; "
-                        f"see its log, then `dlfs umount {mountpoint}`") from None
+        log_file = config.log_file or default_log_path(config.mountpoint)
+        raise DlfsError(f"the daemon of {config.mountpoint} exited before its mount was "
+                        f"committed; see {log_file}") from None
     finally:
         os.close(fd)
 

@@ -85,7 +85,13 @@ def check_mpi_flags(args: argparse.Namespace) -> None:
 
 
 def default_secret_file(world: Rank) -> str:
-    return str(runtime_dir() / f"mpi-{world.name}.secret")
+    return launch_secret_file(world.name)
+
+
+def launch_secret_file(node: str) -> str:
+    """Where `dlfs mount --mpi` writes node `node`'s copy of the job secret by default
+    (`dlfs umount --mpi` removes it; so does a daemon whose launch failed)."""
+    return str(runtime_dir() / f"mpi-{node}.secret")
 
 
 def apply_mpi(args: argparse.Namespace, world: Rank, secret: str) -> None:

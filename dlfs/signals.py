@@ -37,3 +37,23 @@ def signals_deferred() -> Iterator[None]:
             signal.signal(sig, handler)
         if caught:
             signal.raise_signal(caught[0])
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block the stop signals (in the kernel) around a fork. The child starts with them
+    blocked, so one sent to it before it has its own handlers waits for them
+    (unblock_stop_signals) instead of meeting the handler it inherited, which may
+    only record it for the parent (a daemon's HeldStopSignals): a worker stopped
+    right after its fork used to serve on until SIGKILL. The parent's mask is
+    restored on leaving; a signal meanwhile sent to the parent is then delivered."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock_stop_signals() -> None:
+    """In a child forked under stop_signals_blocked, once its own handlers are in place."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
