@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import BinaryIO
 
 from dlfs.config import MountConfig
@@ -30,6 +31,7 @@ from dlfs.runtime import (
     pid_alive,
     read_record,
     remove_record,
+    remove_stale_files,
     serving_daemon,
 )
 from dlfs.signals import signals_deferred
@@ -131,16 +133,34 @@ def _mount_lock(mountpoint: str):
     mount answers: two at once (srun with two tasks per node) would both find the path
     free and mount twice, stacked. A foreground mount holds it only through the
     stale-mount check (it then becomes the daemon)."""
-    fd = os.open(lock_path(mountpoint), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
+    path = lock_path(mountpoint)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise DlfsError(f"another `dlfs mount` of {mountpoint} is under way; wait for "
                             "it, then check with `dlfs status`") from None
+        if _still_named(fd, path):
+            break
+        os.close(fd)  # the holder before us removed it as we opened it: lock the new one
+    try:
         yield
     finally:
+        # Removed while still held (else one lock file per mountpoint ever mounted
+        # piles up: a per-job mountpoint on every node, every job).
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
         os.close(fd)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    """`path` still names the file open at `fd`."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None = None) -> int:
@@ -243,6 +263,7 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     record = read_record(path)
     if fstype is None:
         remove_record(path)
+        remove_stale_files(path)
         raise DlfsError(f"not mounted: {path}")
     if fstype != FSTYPE:
         raise DlfsError(f"not a DLFS mount: {path} is {fstype}")
@@ -260,6 +281,7 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     if record is not None and record.alive():  # not a reused pid of a SIGKILLed one
         _wait_for_exit(record.pid, timeout)
     remove_record(path)
+    remove_stale_files(path)  # a killed daemon's (a live one removes its own)
     return 0
 
 

@@ -134,6 +134,17 @@ def remove_record(mountpoint: str, pid: int | None = None) -> None:
         record_path(mountpoint).unlink()
 
 
+def remove_stale_files(mountpoint: str) -> None:
+    """Remove the control socket and status file a daemon killed without its cleanup
+    (SIGKILL, the OOM killer) left for `mountpoint`, once no daemon serves it: a lazily
+    detached one still answers `dlfs status` and `dlfs trace` through them."""
+    if serving_daemon(mountpoint) is not None:
+        return
+    for path in (control_socket_path(mountpoint), status_path(mountpoint)):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 def serving_daemon(mountpoint: str) -> int | None:
     """The pid of a live `dlfsd` whose mountpoint is `mountpoint` (canonical), found from
     the process table, not from a record (one kept in another runtime directory, or one

@@ -28,6 +28,7 @@ from dlfs.errors import DlfsError
 from dlfs.populate import PopulateOptions, populate
 from dlfs.runtime import (
     control_socket_path,
+    lock_path,
     read_record,
     record_path,
     status_path,
@@ -655,11 +656,33 @@ def test_killed_daemon_gives_enotconn(mounted, small_store, kill_daemon):
 
 def test_umount_cleans_a_dead_daemons_mount(dlfs_cli, mounted, small_store, kill_daemon, sysproc):
     m = mounted(small_store)
+    key = str(m.path)
+    assert control_socket_path(key).exists() and status_path(key).exists()
     kill_daemon(m.pids)
     result = dlfs_cli("umount", m.path)
     assert result.returncode == 0, result.stderr
     assert sysproc.fstype_at(m.path) is None
     assert os.listdir(m.path) == []  # the plain directory again
+    left = [p for p in (record_path(key), control_socket_path(key), status_path(key))
+            if p.exists()]
+    assert left == [], "the killed daemon's runtime files must go with its mount"
+
+
+def test_mount_and_umount_leave_no_runtime_files(dlfs_cli, small_store, tmp_path):
+    """Before, every mountpoint ever mounted left its lock file behind (one per job on a
+    node whose prolog mounts per-job paths)."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    key = str(mp)
+    assert dlfs_cli("mount", mp, "--store", small_store).returncode == 0
+    try:
+        assert not lock_path(key).exists(), "the lock is only held while mounting"
+        assert record_path(key).exists() and control_socket_path(key).exists()
+    finally:
+        assert dlfs_cli("umount", mp).returncode == 0
+    left = [p for p in (lock_path(key), record_path(key), control_socket_path(key),
+                        status_path(key)) if p.exists()]
+    assert left == []
 
 
 def test_remount_after_dead_daemon_reads_correctly(dlfs_cli, mounted, small_store, small_source,
