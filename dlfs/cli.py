@@ -80,10 +80,20 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t) -1, "no change" to chown
+
+
 def _id(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a numeric id, got {text!r}")
+    if not text.isdigit() or int(text) > MAX_ID:
+        raise argparse.ArgumentTypeError(f"must be a numeric id, 0 to {MAX_ID}, got {text!r}")
     return int(text)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
+    return value
 
 
 def _timeout(text: str) -> float:
@@ -119,6 +129,14 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {text!r}")
     return value
+
+
+def _path(text: str) -> str:
+    """A path argument: an empty one (an unset variable in a script) would mean the
+    current directory, and `dlfs mount "$MNT"` would cover it without a word."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: give a path (an unset variable?)")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -465,8 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
              "  mpirun -n 16 dlfs populate /lustre/imagenet --store /lustre/store --name imagenet\n"
              "\nThe dataset appears atomically when complete; an interrupted run publishes "
              "nothing.")
-    p.add_argument("source", help="directory to pack (read, never modified)")
-    p.add_argument("--store", required=True, help="store directory (created if missing)")
+    p.add_argument("source", type=_path, help="directory to pack (read, never modified)")
+    p.add_argument("--store", type=_path, required=True,
+                   help="store directory (created if missing)")
     p.add_argument("--name", required=True, help="dataset name (letters, digits, . _ + -)")
     p.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE,
                    help="chunk file size, e.g. 64M (default), 256M, 1G")
@@ -482,23 +501,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _sub(subs, "ls", cmd_ls, "list the datasets of a store",
              "example:\n  dlfs ls --store /lustre/store")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", type=_path, required=True)
 
     p = _sub(subs, "info", cmd_info, "show one dataset's details",
              "example:\n  dlfs info --store /lustre/store imagenet")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", type=_path, required=True)
     p.add_argument("name")
 
     p = _sub(subs, "verify", cmd_verify,
              "re-read every chunk of a dataset, check every checksum, name corrupt files",
              "example:\n  dlfs verify --store /lustre/store imagenet")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", type=_path, required=True)
     p.add_argument("name")
     p.add_argument("-j", "--jobs", type=_positive, default=4, help="chunks checked in parallel")
 
     p = _sub(subs, "rm", cmd_rm, "remove a dataset from a store",
              "example:\n  dlfs rm --store /lustre/store imagenet")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", type=_path, required=True)
     p.add_argument("name")
 
     p = _sub(subs, "mount", cmd_mount,
@@ -512,8 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
              "\nWithout --foreground this returns once the mount answers; the daemon keeps "
              "running\nin its own session and logs to --log-file (default: "
              "/run/dlfs/<id>.log for root).")
-    p.add_argument("mountpoint")
-    p.add_argument("--store", required=True)
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("--store", type=_path, required=True)
     p.add_argument("--dataset", action="append", metavar="NAME",
                    help="mount only this dataset (repeatable; default: all)")
     p.add_argument("--foreground", action="store_true", help="run the daemon in this process")
@@ -538,10 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "otherwise one per worker process)")
     p.add_argument("--cache-timeout", type=_timeout, default=86400.0,
                    help="seconds the kernel may cache names and attributes (default 86400)")
-    p.add_argument("--read-ahead-kb", type=int, default=4096,
+    p.add_argument("--read-ahead-kb", type=_non_negative, default=4096,
                    help="kernel read-ahead for large sequential reads (default 4096; "
                         "0 keeps the kernel's 128; needs root)")
-    p.add_argument("--log-file", help="daemon log file")
+    p.add_argument("--log-file", type=_path, help="daemon log file")
     p.add_argument("--no-stats", action="store_true",
                    help="switch the I/O counters and the trace off (to measure their cost)")
     p.add_argument("--prefetch", choices=("auto", "off"), default="auto",
@@ -565,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-capacity", type=_positive, default=MountConfig.trace_capacity,
                    help="trace records kept while tracing (default 1048576, ~52 MB of "
                         "shared memory; beyond it the oldest are dropped)")
-    p.add_argument("--summary-file", metavar="PATH",
+    p.add_argument("--summary-file", type=_path, metavar="PATH",
                    help="at unmount, write the final I/O counters and a text summary "
                         "(JSON) to PATH, e.g. for a Slurm epilogue to keep")
     p.add_argument("--timeout", type=_seconds, default=120.0,
@@ -576,18 +595,19 @@ def build_parser() -> argparse.ArgumentParser:
         "storage in the background while reads are already served, and reads a chunk\n"
         "from local NVMe, else from the peer that owns it, else from the store.\n"
         "Every daemon of a job gets the same --nodes list and secret.")
-    g.add_argument("--cache-dir", help="node-local directory (NVMe) for staged chunks; "
+    g.add_argument("--cache-dir", type=_path, help="node-local directory (NVMe) for staged chunks; "
                                        "turns the chunk pool on")
     g.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
                    help="every daemon of the job (repeatable or comma-separated)")
-    g.add_argument("--nodes-file", help="file with one NAME=HOST:PORT per line")
+    g.add_argument("--nodes-file", type=_path, help="file with one NAME=HOST:PORT per line")
     g.add_argument("--node", help="this daemon's NAME in the list (default: this host's "
                                   "short name)")
     g.add_argument("--replicas", type=_positive, default=1,
                    help="nodes that stage each chunk (default 1; 2 survives a lost node "
                         "without going to the store)")
-    g.add_argument("--secret-file", help="per-job secret peers authenticate with; must be "
-                                         "mode 0600 (required with several nodes)")
+    g.add_argument("--secret-file", type=_path,
+                   help="per-job secret peers authenticate with; must be mode 0600 (required "
+                        "with several nodes)")
     g.add_argument("--cache-limit", type=_size, help="stage at most this much, e.g. 500G "
                                                      "(default: no limit)")
     g.add_argument("--stage-jobs", type=_positive, default=2,
@@ -615,17 +635,17 @@ def build_parser() -> argparse.ArgumentParser:
              "n1=10.0.0.1:7100,n2=10.0.0.2:7100\n"
              "  dlfs placement --store /lustre/store imagenet --nodes-file nodes.txt "
              "--replicas 2")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", type=_path, required=True)
     p.add_argument("name")
     p.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...")
-    p.add_argument("--nodes-file")
+    p.add_argument("--nodes-file", type=_path)
     p.add_argument("--replicas", type=_positive, default=1)
 
     p = _sub(subs, "status", cmd_status,
              "show a mount's staging progress and where its reads were served from",
              "examples:\n  dlfs status /mnt/dlfs\n  dlfs status /mnt/dlfs --watch\n"
              "  dlfs status /mnt/dlfs --json")
-    p.add_argument("mountpoint")
+    p.add_argument("mountpoint", type=_path)
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes")
@@ -633,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "umount", cmd_umount,
              "unmount and wait for the daemon to exit (also cleans a dead daemon's mount)",
              "examples:\n  dlfs umount /mnt/dlfs\n  dlfs umount --lazy /mnt/dlfs")
-    p.add_argument("mountpoint")
+    p.add_argument("mountpoint", type=_path)
     p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
     p.add_argument("--mpi", action="store_true",
                    help="unmount on every MPI rank (after `mount --mpi`; %%n as there)")
@@ -646,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
              "examples:\n  dlfs stats /mnt/dlfs\n  dlfs stats /mnt/dlfs --watch\n"
              "  dlfs stats /mnt/dlfs --json | jq .datasets\n"
              "\nReads MOUNTPOINT/.dlfs/stats.json (Prometheus text: MOUNTPOINT/.dlfs/metrics).")
-    p.add_argument("mountpoint")
+    p.add_argument("mountpoint", type=_path)
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     p.add_argument("--interval", type=_seconds, default=1.0,
                    help="seconds between refreshes with --watch (default 1)")
@@ -662,8 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
              "ring\n(dlfs mount --trace-capacity): beyond it the oldest records are dropped "
              "and\ncounted. Format: docs/TRACE.md.")
     p.add_argument("action", choices=("start", "stop", "status"))
-    p.add_argument("mountpoint")
-    p.add_argument("-o", "--output", metavar="FILE",
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("-o", "--output", type=_path, metavar="FILE",
                    help="with stop: the CSV file to write (default dlfs-trace-TIME.csv)")
 
     p = _sub(subs, "report", cmd_report,
@@ -672,8 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
              "example:\n  dlfs report train-trace.csv -o train-report\n"
              "  (then open train-report/index.html)\n\nNeeds matplotlib: "
              "pip install 'dlfs[report]'.")
-    p.add_argument("trace", help="a CSV written by `dlfs trace stop`")
-    p.add_argument("-o", "--output", default="dlfs-report", metavar="DIR",
+    p.add_argument("trace", type=_path, help="a CSV written by `dlfs trace stop`")
+    p.add_argument("-o", "--output", type=_path, default="dlfs-report", metavar="DIR",
                    help="directory for the PNGs, index.html and summary.txt "
                         "(default dlfs-report)")
 
@@ -684,9 +704,11 @@ def build_parser() -> argparse.ArgumentParser:
              "      --out /run/dlfs-slurm/$SLURM_JOB_ID/secret --uid $SLURM_JOB_UID "
              "--gid $SLURM_JOB_GID\n"
              "\nEvery node of a job derives the same secret; no node needs to talk to another.")
-    p.add_argument("--key-file", required=True, help="site key (root-only, mode 0600)")
+    p.add_argument("--key-file", type=_path, required=True,
+                   help="site key (root-only, mode 0600)")
     p.add_argument("--job-id", required=True, type=_id, help="the Slurm job id")
-    p.add_argument("--out", required=True, help="secret file to write (replaced atomically)")
+    p.add_argument("--out", type=_path, required=True,
+                   help="secret file to write (replaced atomically)")
     p.add_argument("--uid", type=_id, help="owner of the secret file (the job's user)")
     p.add_argument("--gid", type=_id, help="group of the secret file")
 
@@ -696,8 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
              "  dlfs doctor --store /lustre/store --cache-dir /local/nvme/dlfs --port 7000\n"
              "\nOne line per check (ok / warn / FAIL with what to do); exit code 1 if any "
              "failed.")
-    p.add_argument("--store", help="also check this store and every dataset's manifest")
-    p.add_argument("--cache-dir", help="also check this cache dir is writable with free space")
+    p.add_argument("--store", type=_path, help="also check this store and every dataset's manifest")
+    p.add_argument("--cache-dir", type=_path,
+                   help="also check this cache dir is writable with free space")
     p.add_argument("--port", type=_port, help="also check this peer port is free")
 
     p = _sub(subs, "demo", cmd_demo,
@@ -707,8 +730,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-size", type=_size, default=110 * 1024,
                    help="mean sample size (110K, like ImageNet JPEGs)")
     p.add_argument("--workers", type=_positive, default=4, help="reader processes (4)")
-    p.add_argument("--workdir", help="make the demo's directory (source, store, mountpoint) "
-                   "in here, and remove it at the end (default: /var/tmp)")
+    p.add_argument("--workdir", type=_path,
+                   help="make the demo's directory (source, store, mountpoint) in here, and "
+                        "remove it at the end (default: /var/tmp)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return parser
 

@@ -495,12 +495,19 @@ def test_demo_runs_and_leaves_the_workdir_as_it_found_it(dlfs_cli, tmp_path, sys
     ["demo", "--mean-size", "0"],
     ["stats", "M", "--watch", "--interval", "1e10"],
     ["mount", "M", "--store", "S", "--peer-timeout", "1e10"],
+    ["mount", "", "--store", "S"],
+    ["populate", "SRC", "--store", "", "--name", "x"],
+    ["ls", "--store", ""],
+    ["mount", "M", "--store", "S", "--read-ahead-kb", "-1"],
+    ["mount", "M", "--store", "S", "--uid", "4294967295"],
 ], ids=["huge_size", "port_out_of_range", "negative_interval", "nan_interval",
         "zero_peer_timeout", "negative_timeout", "zero_mean_size", "huge_interval",
-        "huge_peer_timeout"])
+        "huge_peer_timeout", "empty_mountpoint", "empty_store", "empty_store_ls",
+        "negative_read_ahead", "uid_minus_one"])
 def test_nonsense_numbers_are_one_line_usage_errors(dlfs_cli, tmp_path, argv):
     """Values that used to raise OverflowError, ValueError or 'math domain error', or
-    were taken (a peer timeout of 0 sent every read to the store)."""
+    were taken (a peer timeout of 0 sent every read to the store; an empty path meant
+    the current directory: `dlfs mount "$UNSET"` covered it; uid 2**32-1 is -1)."""
     args = [str(tmp_path / a) if a in ("SRC", "S", "M") else a for a in argv]
     assert_one_line_error(dlfs_cli(*args), 2)
 
