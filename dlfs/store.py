@@ -80,8 +80,13 @@ def manifest_body(name: str, dataset_uuid: bytes, chunk_size: int, chunk_lengths
 
 
 def dataset_from_manifest(path: Path, body: dict) -> Dataset:
+    """The dataset at `path`. Its name is its directory's, the one `ls`, `info` and
+    `--dataset` go by: the name in the manifest is the one it was populated under, and
+    a dataset directory copied or renamed within the store (imagenet -> imagenet-v2)
+    would otherwise appear twice under the old name in a mount, the second one out
+    of reach."""
     return Dataset(
-        name=body["name"],
+        name=path.name,
         path=path,
         uuid=body["uuid"],
         created=body["created"],

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import random
 import resource
+import shutil
 import signal
 import stat
 import subprocess
@@ -79,6 +80,25 @@ def test_a_directory_larger_than_one_listing_reply_lists_whole(mounted, store_wi
     listed = [e.name for e in os.scandir(big)]
     assert len(listed) == len(names) and set(listed) == names
     assert [e.name for e in os.scandir(big)] == listed  # stable order across listings
+
+
+def test_a_dataset_copied_within_the_store_mounts_under_its_directory_name(
+        mounted, store_with, tmp_path, dlfs_cli):
+    """Before, the mount named each dataset by the name in its manifest: a copy made with
+    `cp -a store/ds store/ds-v2` appeared as a second `ds`, and the copy was out of
+    reach, while `dlfs ls` and `--dataset` went by the directory names."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"sample a")
+    store = store_with(src)
+    shutil.copytree(store / "ds", store / "ds-v2", symlinks=True)
+    m = mounted(store)
+    assert sorted(os.listdir(m.path)) == ["ds", "ds-v2"]
+    assert (m / "ds-v2/a.bin").read_bytes() == b"sample a"
+    info = dlfs_cli("info", "--store", store, "ds-v2")
+    assert info.stdout.splitlines()[0].split() == ["name:", "ds-v2"], info.stdout
+    only = mounted(store, "--dataset", "ds-v2")
+    assert os.listdir(only.path) == ["ds-v2"]
 
 
 def test_a_listed_directory_is_listed_again_by_the_kernel_alone(mounted, store_with,
