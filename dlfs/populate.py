@@ -124,12 +124,15 @@ def plan_populate(source: Path, store: Store, name: str, options: PopulateOption
     check_options(options)
     check_dataset_name(name)
     check_source(source)
+    _check_store_outside(store, source)
     _check_store_writable(store)
     store.clean_stale_temps(name)  # first: it may put back a dataset a killed run moved
     store.check_replaceable(name)
     if store.exists(name) and not options.force:
         raise DlfsError(f"dataset {name!r} already exists in {store.path} "
                         "(use --force to replace it)")
+    if store.exists(name):
+        store.check_unmounted(name, "replace")
 
     scan = scan_tree(source)
     if scan.skipped:
@@ -144,6 +147,14 @@ def plan_populate(source: Path, store: Store, name: str, options: PopulateOption
     # The temp dir is named before it exists, so cleanup never misses it.
     return PopulatePlan(source, name, directory, uuid.uuid4().bytes, stats,
                         store.temp_dir_path(name))
+
+
+def _check_store_outside(store: Store, source: Path) -> None:
+    """A store inside its source would be packed into the dataset (the chunk files
+    being written, and every dataset populated there before)."""
+    if store.path.resolve().is_relative_to(source.resolve()):
+        raise DlfsError(f"store {store.path} is inside the source {source}: the dataset "
+                        "would pack the store itself; put the store outside the source")
 
 
 def _some_paths(paths: list[bytes], shown: int = 10) -> str:

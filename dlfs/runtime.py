@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -149,6 +150,14 @@ def serving_daemon(mountpoint: str) -> int | None:
     """The pid of a live `dlfsd` whose mountpoint is `mountpoint` (canonical), found from
     the process table, not from a record (one kept in another runtime directory, or one
     logind removed at logout, is not ours to see)."""
+    for pid, config in _daemon_configs():
+        if config.get("mountpoint") == mountpoint:
+            return pid
+    return None
+
+
+def _daemon_configs() -> Iterator[tuple[int, dict]]:
+    """(pid, MountConfig as a dict) of every live `dlfsd` process (workers too)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -163,10 +172,60 @@ def serving_daemon(mountpoint: str) -> int | None:
             config = json.loads(argv[argv.index(b"--config") + 1])
         except (IndexError, ValueError):
             continue
-        if isinstance(config, dict) and config.get("mountpoint") == mountpoint \
-                and pid_alive(int(entry.name)):
-            return int(entry.name)
-    return None
+        if isinstance(config, dict) and pid_alive(int(entry.name)):
+            yield int(entry.name), config
+
+
+def mounts_using(store: Path, name: str) -> list[tuple[str, int]]:
+    """(mountpoint, daemon pid) of this node's live mounts serving dataset `name` of
+    `store`: every background daemon's (any user's, from the process table), and the
+    foreground ones of our runtime directory (from their status files). Other nodes'
+    mounts of a shared store are out of sight."""
+    found: dict[str, int] = {}
+    for pid, config in _daemon_configs():
+        mountpoint = str(config.get("mountpoint"))
+        if _same_dir(config.get("store"), store) and name in (
+                config.get("datasets") or _served(mountpoint, pid) or [name]):
+            found.setdefault(mountpoint, pid)
+    for path in runtime_dir().glob("*.status.json"):
+        try:
+            status = json.loads(path.read_text())
+            pid, names = int(status["pid"]), [d["name"] for d in status["datasets"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if name in names and _same_dir(status.get("store"), store) and _is_dlfs(pid):
+            found.setdefault(str(status.get("mountpoint")), pid)
+    return sorted(found.items())
+
+
+def _served(mountpoint: str, pid: int) -> list[str]:
+    """The datasets a daemon mounted "all datasets" of its store serves (those there at
+    mount time), from its status file; [] if that is not ours to read."""
+    try:
+        status = json.loads(status_path(mountpoint).read_text())
+        fields = _stat_fields(pid)
+        parent = int(fields[1]) if len(fields) > 1 else 0
+        if int(status["pid"]) in (pid, parent):  # `pid` may be one of its workers
+            return [d["name"] for d in status["datasets"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return []
+
+
+def _same_dir(a: object, b: Path) -> bool:
+    try:
+        return isinstance(a, str) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _is_dlfs(pid: int) -> bool:
+    """A live process running dlfs (not another one that got a dead daemon's pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dlfs" in f.read() and pid_alive(pid)
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -144,6 +144,19 @@ class Store:
             raise DlfsError(f"cannot read manifest {manifest}: {err.strerror}") from None
         return dataset_from_manifest(path, decode_manifest(raw, manifest))
 
+    def check_unmounted(self, name: str, doing: str) -> None:
+        """Refuse to `doing` (remove, replace) dataset `name` while a mount on this node
+        serves it: its readers would get EIO midway through an epoch, from whichever
+        worker no longer has the deleted chunk files open."""
+        from dlfs.runtime import mounts_using
+
+        mounts = mounts_using(self.path, name)
+        if mounts:
+            mountpoint, pid = mounts[0]
+            more = f" (and {len(mounts) - 1} more mounts)" if len(mounts) > 1 else ""
+            raise DlfsError(f"cannot {doing} dataset {name!r}: it is mounted at {mountpoint} "
+                            f"(daemon {pid}){more}; run `dlfs umount {mountpoint}` first")
+
     def remove(self, name: str) -> None:
         """Unpublish first (rename away), then delete, so no reader sees half a dataset.
 
@@ -155,6 +168,7 @@ class Store:
         self.check_replaceable(name)
         if not (path / MANIFEST_NAME).is_file():
             self.open(name)  # raises the not-found error with the hint
+        self.check_unmounted(name, "remove")
         if path.is_symlink():
             path.unlink()
             return

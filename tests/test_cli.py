@@ -13,6 +13,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from trees import describe_tree, file_bytes, make_small_tree, regular_files
 
 from dlfs import runtime
 from dlfs.errors import DlfsError
+from dlfs.runtime import status_path
 from dlfs.sizes import format_size
 from dlfs.store import Store
 
@@ -524,3 +526,74 @@ def test_verify_of_a_manifest_from_another_version_is_no_corruption(dlfs_cli,
     manifest.write_bytes(raw)
     assert_one_line_error(dlfs_cli("verify", "--store", store, "alpha"), 1,
                           ("version", "upgrade dlfs"))
+
+
+# -- datasets in use by a mount ---------------------------------------------------------
+@pytest.fixture
+def mounted_pair(tmp_path, store_with, make_mounter):
+    """A store with datasets 'used' and 'spare', and a way to mount some of them."""
+    src = tmp_path / "src"
+    make_small_tree(src, files=5)
+    store = store_with(src, "used", "256K", tmp_path / "store")
+    store_with(src, "spare", "256K", store)
+    mounter = make_mounter()
+    try:
+        yield src, store, mounter
+    finally:
+        mounter.cleanup()
+
+
+@pytest.mark.parametrize("argv", [
+    ["rm", "--store", "STORE", "used"],
+    ["populate", "SRC", "--store", "STORE", "--name", "used", "--force"],
+], ids=["rm", "populate_force"])
+def test_a_mounted_dataset_is_neither_removed_nor_replaced(dlfs_cli, mounted_pair, argv):
+    """Before, both went ahead: the mount's readers then got EIO from the workers that
+    had not opened the deleted chunk files yet, and the others read the old data."""
+    src, store, mounter = mounted_pair
+    m = mounter(store)
+    before = sorted(os.listdir(m / "used"))
+    args = [str({"SRC": src, "STORE": store}.get(a, a)) for a in argv]
+    line = assert_one_line_error(dlfs_cli(*args), 1, ("'used'", str(m.path), "dlfs umount"))
+    assert "mounted" in line
+    assert sorted(os.listdir(m / "used")) == before
+    assert Store(store).open("used").chunk_count > 0
+    assert dlfs_cli("umount", m.path).returncode == 0
+    result = dlfs_cli(*args)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_dataset_the_mount_does_not_serve_can_be_removed(dlfs_cli, mounted_pair):
+    _, store, mounter = mounted_pair
+    mounter(store, "--dataset", "used")
+    result = dlfs_cli("rm", "--store", store, "spare")
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_foreground_mount_counts_too(dlfs_cli, mounted_pair, sysproc, tmp_path):
+    """A foreground mount's process is `dlfs mount`, not dlfsd: found by its status file."""
+    _, store, _ = mounted_pair
+    mp = tmp_path / "fg"
+    mp.mkdir()
+    proc = subprocess.Popen([*sysproc.dlfs_argv, "mount", str(mp), "--store", str(store),
+                             "--foreground"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not status_path(str(mp)).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        assert_one_line_error(dlfs_cli("rm", "--store", store, "used"), 1, (str(mp),))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+
+
+def test_a_store_inside_its_source_is_refused(dlfs_cli, tmp_path):
+    """Before, the second populate packed the first one's chunk files and manifest."""
+    src = tmp_path / "src"
+    make_small_tree(src, files=3)
+    line = assert_one_line_error(
+        dlfs_cli("populate", src, "--store", src / "store", "--name", "x"), 1, (str(src),))
+    assert "inside" in line
+    assert not (src / "store").exists()
