@@ -46,6 +46,7 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
         "mountpoint": config.mountpoint,
         "store": config.store,
         "pid": os.getpid(),
+        "log": config.log_file or "stderr",  # where checksum errors and the like go
         "updated": time.time(),
         "pooled": config.pooled,
         "datasets": [],

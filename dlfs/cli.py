@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import select
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from dlfs.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_PIPE_CLOSED,
     EXIT_USAGE,
     DlfsError,
     FormatError,
@@ -45,6 +47,7 @@ EXIT_CODES = """exit codes:
   2    usage error (bad flag or value)
   3    verify found corrupt data
   130  interrupted
+  141  stopped: its output pipe was closed (e.g. `| head`)
 """
 
 MAIN_EPILOG = """examples:
@@ -307,13 +310,18 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from dlfs.mountctl import mount
+    from dlfs.mountctl import daemon_log_path, mount
 
     if args.mpi:
         return _mount_mpi(args)
     if args.slurm:
         apply_slurm(args, dict(os.environ))
-    return mount(_mount_config(args), foreground=args.foreground, timeout=args.timeout)
+    config = _mount_config(args)
+    code = mount(config, foreground=args.foreground, timeout=args.timeout)
+    if not args.foreground:
+        print(f"mounted {config.store} at {config.mountpoint}; daemon log: "
+              f"{daemon_log_path(config)}")
+    return code
 
 
 def _mount_mpi(args: argparse.Namespace) -> int:
@@ -322,7 +330,7 @@ def _mount_mpi(args: argparse.Namespace) -> int:
     Each daemon keeps its mount only once every rank is up (mount_uncommitted): a rank
     interrupted or killed meanwhile (Ctrl-C on mpirun, which then kills the ranks
     waiting for it) leaves no daemon running and nothing mounted."""
-    from dlfs.mountctl import commit_mount, mount_uncommitted, umount
+    from dlfs.mountctl import commit_mount, daemon_log_path, mount_uncommitted, umount
     from dlfs.mpi_launch import (
         all_or_nothing,
         apply_mpi,
@@ -352,6 +360,8 @@ def _mount_mpi(args: argparse.Namespace) -> int:
         while pending:
             config, fd = pending.pop()
             commit_mount(fd, config)
+            print(f"mounted {config.store} at {config.mountpoint} on {world.name}; "
+                  f"daemon log: {daemon_log_path(config)}")
         committed = True
         return EXIT_OK
     except ReportedElsewhere:
@@ -759,11 +769,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # a populate says what it left (see populate)
         print(f"dlfs: interrupted{f'; {err}' if str(err) else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError as err:
+        if not _stdout_closed():
+            return _os_error(err)
+        # `dlfs verify ... | head`: whoever read our output is gone, which is no error
+        # of ours to report; stop quietly, as a tool killed by SIGPIPE would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
     except OSError as err:
-        name = err.filename
-        where = f": {display_path(name) if isinstance(name, bytes) else name}" if name else ""
-        print(f"dlfs: error: {err.strerror or err}{where}", file=sys.stderr)
-        return 1
+        return _os_error(err)
+
+
+def _os_error(err: OSError) -> int:
+    name = err.filename
+    where = f": {display_path(name) if isinstance(name, bytes) else name}" if name else ""
+    print(f"dlfs: error: {err.strerror or err}{where}", file=sys.stderr)
+    return 1
+
+
+def _stdout_closed() -> bool:
+    """Our stdout is a pipe whose reader has gone (poll says POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
 EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell shows for a tool its pipe ended
 
 
 class DlfsError(Exception):

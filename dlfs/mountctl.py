@@ -90,11 +90,16 @@ def mount(config: MountConfig, foreground: bool, timeout: float = 120.0,
     with _mount_lock(mountpoint_path(config.mountpoint)):
         config = replace(config, mountpoint=prepare_mountpoint(config.mountpoint))
         if not foreground:
-            log_file = config.log_file or str(default_log_path(config.mountpoint))
+            log_file = daemon_log_path(config)
             return _spawn_and_wait(replace(config, log_file=log_file), timeout, commit_fd)
     from dlfsd.main import run  # the daemon's deps load only when we become it
 
     return run(config)
+
+
+def daemon_log_path(config: MountConfig) -> str:
+    """Where a background daemon of `config` logs (checksum errors, peers, staging)."""
+    return config.log_file or str(default_log_path(mountpoint_path(config.mountpoint)))
 
 
 def mount_uncommitted(config: MountConfig, timeout: float = 120.0) -> int:
@@ -120,7 +125,7 @@ def commit_mount(fd: int, config: MountConfig) -> None:
     try:
         os.write(fd, COMMIT)
     except BrokenPipeError:
-        log_file = config.log_file or default_log_path(config.mountpoint)
+        log_file = daemon_log_path(config)
         raise DlfsError(f"the daemon of {config.mountpoint} exited before its mount was "
                         f"committed; see {log_file}") from None
     finally:

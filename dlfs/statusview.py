@@ -18,6 +18,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from dlfs.errors import EXIT_OK, NotFoundError
+from dlfs.mountinfo import find_mount
 from dlfs.runtime import mountpoint_path, pid_alive, read_record, status_path
 from dlfs.sizes import format_size
 
@@ -27,6 +28,11 @@ def read_status(mountpoint: str) -> dict:
     path = mountpoint_path(mountpoint)
     record = read_record(path)
     if record is None or not pid_alive(record.pid):
+        entry = find_mount(path)
+        if entry is not None and entry.fstype == "fuse.dlfs":
+            raise NotFoundError(f"the daemon of {path} is gone, its mount is left (its "
+                                f"worker processes may still serve it); run `dlfs umount "
+                                f"{path}`, then mount again")
         raise NotFoundError(f"no DLFS daemon serves {path} (mount it with `dlfs mount`)")
     try:
         return json.loads(status_path(path).read_text())
@@ -44,7 +50,8 @@ def _eta(seconds: float | None) -> str:
 
 
 def plain_lines(status: dict) -> list[str]:
-    lines = [f"mount {status['mountpoint']} (store {status['store']}, pid {status['pid']})"]
+    lines = [f"mount {status['mountpoint']} (store {status['store']}, pid {status['pid']}, "
+             f"log {status.get('log', '?')})"]
     if status.get("pooled"):
         lines.append(f"node {status['node']} of {len(status['nodes'])}, "
                      f"{status['replicas']} replica(s), cache {status['cache_dir']}")
@@ -81,7 +88,8 @@ def peer_server_line(c: dict) -> str:
 
 
 def rich_view(status: dict) -> Group:
-    head = f"[bold]{status['mountpoint']}[/] store {status['store']} pid {status['pid']}"
+    head = (f"[bold]{status['mountpoint']}[/] store {status['store']} pid {status['pid']}"
+            f"\nlog {status.get('log', '?')}")
     if status.get("pooled"):
         head += (f"\nnode [bold]{status['node']}[/] of {len(status['nodes'])}, "
                  f"{status['replicas']} replica(s), cache {status['cache_dir']}")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tmpfs_at
+from conftest import DLFS, tmpfs_at
 from trees import describe_tree, file_bytes, make_small_tree, regular_files
 
 from dlfs import runtime
@@ -29,7 +29,8 @@ from dlfs.store import Store
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 
 SUBCOMMANDS = ["populate", "ls", "info", "verify", "rm", "mount", "umount"]
-EXIT_TABLE = {"0": "success", "1": "error", "2": "usage", "3": "corrupt", "130": "interrupted"}
+EXIT_TABLE = {"0": "success", "1": "error", "2": "usage", "3": "corrupt", "130": "interrupted",
+              "141": "pipe was closed"}
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, code: int | None = None,
@@ -597,3 +598,32 @@ def test_a_store_inside_its_source_is_refused(dlfs_cli, tmp_path):
         dlfs_cli("populate", src, "--store", src / "store", "--name", "x"), 1, (str(src),))
     assert "inside" in line
     assert not (src / "store").exists()
+
+
+def test_mount_says_where_the_daemon_logs_and_status_shows_it(dlfs_cli, env, tmp_path):
+    """A reader who gets EIO needs the log line naming the corrupt file: a successful mount
+    names the log, and so does `dlfs status`."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    log = tmp_path / "daemon.log"
+    result = dlfs_cli("mount", mp, "--store", env["store"], "--log-file", log)
+    assert result.returncode == 0, result.stderr
+    try:
+        assert result.stdout.strip() == (f"mounted {env['store']} at {mp}; daemon log: {log}")
+        status = dlfs_cli("status", mp)
+        assert f"log {log}" in status.stdout.splitlines()[0], status.stdout
+    finally:
+        assert dlfs_cli("umount", mp).returncode == 0
+
+
+def test_a_closed_output_pipe_stops_quietly(env):
+    """`dlfs ls ... | head`: the reader went away. Before: "dlfs: error: Broken pipe",
+    exit 1 (and for verify, exit 1 instead of its result)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before dlfs writes a byte
+    try:
+        proc = subprocess.run([*DLFS, "ls", "--store", str(env["store"])], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -717,6 +717,10 @@ def test_umount_after_main_daemon_killed_leaves_no_workers(dlfs_cli, mounted, sm
     workers = [pid for pid in m.pids if pid != m.pid]
     assert len(workers) == 3 + 1  # --workers FUSE processes + the one answering `dlfs trace`
     kill_daemon([m.pid])
+    # The workers serve on; `dlfs status` says what to do (it used to say "mount it").
+    status = dlfs_cli("status", m.path)
+    assert status.returncode == 1
+    assert "is gone, its mount is left" in status.stderr and "dlfs umount" in status.stderr
     result = dlfs_cli("umount", m.path)
     assert result.returncode == 0, result.stderr
     assert sysproc.fstype_at(m.path) is None
