@@ -107,6 +107,9 @@ class WireWorker:
         # pipe_size: for spliced read replies (dlfsd.splicer.usable_pipe_size); 0: copy.
         self.splicer = ReplySplicer(fd, pipe_size) if pipe_size else None
         self._splice_warned = False
+        # `dlfs mount --debug`: one line per request and its answer (never otherwise:
+        # one attribute test per request is all this costs the hot path).
+        self._debug = log.isEnabledFor(logging.DEBUG)
         self._use_spans(True)
         self._handlers = {
             fw.LOOKUP: self.lookup, fw.GETATTR: self.getattr, fw.READLINK: self.readlink,
@@ -163,6 +166,8 @@ class WireWorker:
 
     def _dispatch(self, n: int) -> None:
         _, opcode, unique, nodeid, uid, gid, pid, _, _ = fw.IN_HEADER.unpack_from(self._buf)
+        if self._debug:
+            self._log_request(opcode, unique, nodeid, pid, n)
         if opcode in fw.NO_REPLY:
             return
         caller = self.caller
@@ -173,17 +178,30 @@ class WireWorker:
                 raise _Errno(errno.EROFS if opcode in fw.MUTATING else errno.ENOSYS)
             payload = handler(nodeid, n)
         except _Errno as err:
-            self._send(fw.error_reply(unique, err.errno))
+            self._send_error(unique, err.errno)
             return
         except Exception as err:
-            self._send(fw.error_reply(unique, errno_for(err, _name(opcode))))
+            self._send_error(unique, errno_for(err, _name(opcode)))
             return
+        if self._debug:
+            log.debug("worker %d: request %d -> %d bytes", os.getpid(), unique,
+                      len(payload) if payload is not None else 0)
         if payload is None:
             self._send(fw.error_reply(unique, 0))
         elif type(payload) is FileSpan:
             self._send_span(unique, payload, nodeid, n)
         else:
             self._send(fw.reply_header(unique, len(payload)), payload)
+
+    def _log_request(self, opcode: int, unique: int, nodeid: int, pid: int, n: int) -> None:
+        detail = ""
+        if opcode == fw.LOOKUP:
+            detail = f" name {self._name_arg(n)!r}"
+        elif opcode in (fw.READ, fw.READDIR, fw.READDIRPLUS):
+            fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+            detail = f" fh {fh} offset {offset} size {size}"
+        log.debug("worker %d: request %d %s inode %d from pid %d%s", os.getpid(), unique,
+                  _name(opcode), nodeid, pid, detail)
 
     def _use_spans(self, on: bool) -> None:
         """Let large reads of verified bytes come back as spans we splice (dlfsd.splicer)."""
@@ -212,6 +230,12 @@ class WireWorker:
         finally:
             self._use_spans(True)
         self._send(fw.reply_header(unique, len(payload)), payload)
+
+    def _send_error(self, unique: int, code: int) -> None:
+        if self._debug:
+            log.debug("worker %d: request %d -> %s", os.getpid(), unique,
+                      errno.errorcode.get(code, code))
+        self._send(fw.error_reply(unique, code))
 
     def _send(self, head: bytes, payload=None) -> None:
         try:

@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -99,6 +100,23 @@ def test_a_dataset_copied_within_the_store_mounts_under_its_directory_name(
     assert info.stdout.splitlines()[0].split() == ["name:", "ds-v2"], info.stdout
     only = mounted(store, "--dataset", "ds-v2")
     assert os.listdir(only.path) == ["ds-v2"]
+
+
+def test_debug_logs_every_request_the_workers_serve(mounted, store_with, tmp_path):
+    """`--debug` ("log every FUSE request") logged none with the default worker
+    processes: only the single-process mode, served by pyfuse3, logged them."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "sample.bin").write_bytes(b"x" * 5000)
+    m = mounted(store_with(src), "--debug", "--workers", "2")
+    assert (m / "ds/d/sample.bin").read_bytes() == b"x" * 5000
+    with pytest.raises(FileNotFoundError):
+        os.stat(m / "ds/d/missing")
+    log = m.log_text()
+    assert "lookup inode" in log and "name b'sample.bin'" in log, log
+    assert re.search(r"request \d+ read inode \d+ from pid \d+ fh 0 offset 0", log), log
+    assert re.search(r"request \d+ -> 5000 bytes", log), log
+    assert "name b'missing'" in log and "-> ENOENT" in log, log
 
 
 def test_a_listed_directory_is_listed_again_by_the_kernel_alone(mounted, store_with,
