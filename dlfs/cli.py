@@ -35,10 +35,10 @@ from dlfs.errors import (
     ReportedElsewhere,
     UsageError,
 )
-from dlfs.format import DEFAULT_CHUNK_SIZE
+from dlfs.format import DEFAULT_CHUNK_SIZE, MANIFEST_NAME
 from dlfs.populate import PopulateOptions
 from dlfs.sizes import format_size, parse_size
-from dlfs.store import Store
+from dlfs.store import Store, check_dataset_name
 
 MAX_CACHE_TIMEOUT = 10 * 365 * 86400  # --cache-timeout: ten years is "forever" enough
 EXIT_CODES = """exit codes:
@@ -142,6 +142,25 @@ def _path(text: str) -> str:
     return text
 
 
+def _dataset_name(text: str) -> str:
+    try:
+        return check_dataset_name(text)
+    except DlfsError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+MAX_TRACE_CAPACITY = 1 << 26  # records: ~3.3 GB of shared memory, allocated at mount
+
+
+def _trace_capacity(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if not 1 <= value <= MAX_TRACE_CAPACITY:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {MAX_TRACE_CAPACITY} records (~50 bytes of memory each), "
+            f"got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -191,7 +210,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append((name, str(d.stats["files"]), format_size(d.stats["bytes"]),
                      str(d.chunk_count), created))
     if len(rows) == 1 and not unreadable:
-        print(f"no datasets in {store.path}", file=sys.stderr)
+        hint = ""
+        if (store.path / MANIFEST_NAME).is_file():
+            hint = (f" ({store.path} is a dataset; its store is the directory above: "
+                    f"dlfs ls --store {store.path.parent})")
+        print(f"no datasets in {store.path}{hint}", file=sys.stderr)
         return EXIT_OK
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -295,6 +318,8 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:
+    for flag, path in (("--log-file", args.log_file), ("--summary-file", args.summary_file)):
+        _check_file_target(flag, path)
     return MountConfig(
         **_cluster_settings(args),
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
@@ -307,6 +332,22 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         splice=not args.no_splice, store_bandwidth=args.store_bandwidth or 0,
         trace_capacity=args.trace_capacity,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
+
+
+def _check_file_target(flag: str, path: str | None) -> None:
+    """A file the daemon will write (its log now, a summary at unmount): fail the mount
+    now, in one line, rather than lose what the daemon cannot write later."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise DlfsError(f"{flag} {path}: directory {parent} does not exist (create it, or "
+                        f"give another path)")
+    if os.path.isdir(path):
+        raise DlfsError(f"{flag} {path} is a directory; give a file path")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise DlfsError(f"{flag} {path}: not writable (check permissions, or give another "
+                        "path)")
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -543,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
              "/run/dlfs/<id>.log for root).")
     p.add_argument("mountpoint", type=_path)
     p.add_argument("--store", type=_path, required=True)
-    p.add_argument("--dataset", action="append", metavar="NAME",
+    p.add_argument("--dataset", action="append", metavar="NAME", type=_dataset_name,
                    help="mount only this dataset (repeatable; default: all)")
     p.add_argument("--foreground", action="store_true", help="run the daemon in this process")
     p.add_argument("--debug", action="store_true", help="log every FUSE request")
@@ -591,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the kernel opens files itself: a file already in the page cache is "
                         "read without asking the daemon, and only reads are counted "
                         "(always on with --workers 1)")
-    p.add_argument("--trace-capacity", type=_positive, default=MountConfig.trace_capacity,
+    p.add_argument("--trace-capacity", type=_trace_capacity,
+                   default=MountConfig.trace_capacity,
                    help="trace records kept while tracing (default 1048576, ~52 MB of "
                         "shared memory; beyond it the oldest are dropped)")
     p.add_argument("--summary-file", type=_path, metavar="PATH",

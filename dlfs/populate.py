@@ -183,6 +183,8 @@ def publish_dataset(store: Store, plan: PopulatePlan, checksums: np.ndarray,
 def _check_store_writable(store: Store) -> None:
     try:
         store.path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DlfsError(f"store {store.path} is not a directory (check --store)") from None
     except OSError as err:
         raise DlfsError(f"cannot create store {store.path}: {err.strerror}") from None
     if not os.access(store.path, os.W_OK | os.X_OK):

@@ -120,17 +120,23 @@ def show_status(mountpoint: str, watch: bool = False, as_json: bool = False,
         print(json.dumps(status, indent=2))
         return EXIT_OK
     if not sys.stdout.isatty():
-        while True:
-            print("\n".join(plain_lines(status)), flush=True)
-            if not watch:
-                return EXIT_OK
-            time.sleep(interval)
-            status = read_status(mountpoint)
+        try:
+            while True:
+                print("\n".join(plain_lines(status)), flush=True)
+                if not watch:
+                    return EXIT_OK
+                time.sleep(interval)
+                status = read_status(mountpoint)
+        except KeyboardInterrupt:  # how --watch ends
+            return EXIT_OK
     console = Console()
     if not watch:
         console.print(rich_view(status))
         return EXIT_OK
     with Live(rich_view(status), console=console, refresh_per_second=4) as live:
-        while True:
-            time.sleep(interval)
-            live.update(rich_view(read_status(mountpoint)))
+        try:
+            while True:
+                time.sleep(interval)
+                live.update(rich_view(read_status(mountpoint)))
+        except KeyboardInterrupt:  # how --watch ends ("refresh until Ctrl-C"), as in stats
+            return EXIT_OK

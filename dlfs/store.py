@@ -105,6 +105,8 @@ class Store:
 
     def require(self) -> Store:
         if not self.path.is_dir():
+            if self.path.exists():
+                raise DlfsError(f"store {self.path} is not a directory (check --store)")
             raise NotFoundError(f"store not found: {self.path} (create it, or check --store)")
         return self
 

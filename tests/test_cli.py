@@ -78,7 +78,21 @@ ERROR_CASES = {
         1, ("afile/store",)),
     "populate_store_is_a_file": (
         lambda e: ["populate", e["src"], "--store", e["file"], "--name", "x"],
-        1, ("afile",)),
+        1, ("afile", "not a directory")),
+    "ls_store_is_a_file": (
+        lambda e: ["ls", "--store", e["file"]], 1, ("afile", "not a directory")),
+    "mount_log_file_in_a_missing_dir": (
+        lambda e: ["mount", e["dir"], "--store", e["store"], "--log-file",
+                   e["tmp"] / "nodir" / "x.log"], 1, ("--log-file", "nodir", "does not exist")),
+    "mount_summary_file_in_a_missing_dir": (
+        lambda e: ["mount", e["dir"], "--store", e["store"], "--summary-file",
+                   e["tmp"] / "nodir" / "s.json"], 1, ("--summary-file", "nodir")),
+    "mount_empty_dataset_name": (
+        lambda e: ["mount", e["dir"], "--store", e["store"], "--dataset", ""], 2,
+        ("--dataset",)),
+    "mount_huge_trace_capacity": (
+        lambda e: ["mount", e["dir"], "--store", e["store"], "--trace-capacity",
+                   "99999999999"], 2, ("--trace-capacity",)),
     "populate_existing_name": (
         lambda e: ["populate", e["src"], "--store", e["store"], "--name", "ds"],
         1, ("ds", "--force")),
@@ -627,3 +641,9 @@ def test_a_closed_output_pipe_stops_quietly(env):
     finally:
         os.close(write_end)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_ls_of_a_dataset_directory_points_at_its_store(dlfs_cli, env):
+    result = dlfs_cli("ls", "--store", env["store"] / "ds")
+    assert result.returncode == 0
+    assert f"dlfs ls --store {env['store']}" in result.stderr, result.stderr
