@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import select
 import signal
@@ -35,6 +36,8 @@ from dlfs.runtime import (
     serving_daemon,
 )
 from dlfs.signals import signals_deferred
+
+log = logging.getLogger(__name__)
 
 FSTYPE = "fuse.dlfs"
 COMMIT_FD_ENV = "DLFS_COMMIT_FD"  # the daemon's end of a mount_uncommitted pipe
@@ -77,7 +80,21 @@ def prepare_mountpoint(mountpoint: str) -> str:
         # The daemon is gone (the kernel may still answer stat from its cache).
         _fusermount(path, lazy=True)
         remove_record(path)
+    _warn_if_not_empty(path)
     return path
+
+
+def _warn_if_not_empty(path: str) -> None:
+    """FUSE mounts over a non-empty directory without a word (fuse3 dropped `nonempty`):
+    its files vanish from sight until the unmount, which looks like data loss."""
+    try:
+        with os.scandir(path) as entries:
+            if next(entries, None) is None:
+                return
+    except OSError:  # a live mount of something else: mounting fails later, in one line
+        return
+    log.warning("mountpoint %s is not empty: its files are hidden while DLFS is mounted "
+                "there", path)
 
 
 def mount(config: MountConfig, foreground: bool, timeout: float = 120.0,

@@ -647,3 +647,16 @@ def test_ls_of_a_dataset_directory_points_at_its_store(dlfs_cli, env):
     result = dlfs_cli("ls", "--store", env["store"] / "ds")
     assert result.returncode == 0
     assert f"dlfs ls --store {env['store']}" in result.stderr, result.stderr
+
+
+def test_mounting_over_files_warns_that_they_are_hidden(dlfs_cli, env, tmp_path):
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    (mp / "notes.txt").write_text("mine")
+    result = dlfs_cli("mount", mp, "--store", env["store"])
+    try:
+        assert result.returncode == 0, result.stderr
+        assert f"mountpoint {mp} is not empty" in result.stderr
+    finally:
+        assert dlfs_cli("umount", mp).returncode == 0
+    assert (mp / "notes.txt").read_text() == "mine"
