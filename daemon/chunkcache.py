@@ -103,7 +103,10 @@ class ChunkCache:
 
         Returns the number of chunks adopted. Runs before the workers fork.
         """
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # Private: a staged copy is a dataset's bytes, whatever modes its store has (the
+        # mount itself may be for one user only, --uid); the daemon alone reads them.
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
         adopted = 0
         for entry in os.scandir(self.dir):
             if entry.name.startswith(TEMP_PREFIX):

@@ -93,6 +93,15 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
         return None
     from dlfsd.pool import ChunkPool  # cluster mode only
 
+    seen: dict[bytes, str] = {}
+    for d in datasets:  # the pool keys staged copies and peer requests by dataset uuid
+        if d.uuid in seen:
+            raise DlfsError(f"datasets {seen[d.uuid]} and {d.name} are copies of one dataset "
+                            "(same uuid, a directory copied within the store): a chunk pool "
+                            "can serve one of them; mount it alone with --dataset, or "
+                            "populate the copy afresh")
+        seen[d.uuid] = d.name
+
     view = resolve_cluster(config.nodes, config.node, config.replicas, config.secret_file)
     if len(view.nodes) > 1:
         check_port_free(view.me.host, view.me.port)

@@ -315,7 +315,8 @@ class Stager:
         source = dataset.chunk_path(chunk)
         temp = cache.temp_path(chunk)
         try:
-            with open(source, "rb", buffering=0) as src, open(temp, "wb", buffering=0) as dst:
+            with open(source, "rb", buffering=0) as src, \
+                    open(temp, "wb", buffering=0, opener=_private) as dst:
                 if os.fstat(src.fileno()).st_size < total:
                     raise CorruptDataError(f"chunk file is truncated: {source}")
                 copied = self._copy_range(src.fileno(), dst.fileno(), total)
@@ -407,3 +408,8 @@ def _discard(temp: Path) -> None:
     """Remove an unfinished or rejected copy: only verified copies are ever renamed in."""
     with contextlib.suppress(OSError):
         temp.unlink()
+
+
+def _private(path, flags: int) -> int:
+    """Open a staged copy 0600 (see ChunkCache.scan)."""
+    return os.open(path, flags, 0o600)

@@ -289,6 +289,10 @@ def test_reads_during_staging_are_correct_and_remount_reuses_staged_chunks(
     wait_staged(dlfs_cli, mount, timeout=120)
     read_and_compare(mount, pool_source, files[150:])
     inodes = {p.name: p.stat().st_ino for p in cache.glob("*/*.chunk")}
+    # Staged copies are the daemon's alone (they used to be 0755 dirs, 0644 files:
+    # readable by anyone on the node, whatever the store's or the mount's modes).
+    assert {oct(d.stat().st_mode & 0o777) for d in cache.iterdir()} == {"0o700"}
+    assert {oct(p.stat().st_mode & 0o777) for p in cache.glob("*/*.chunk")} == {"0o600"}
     result = dlfs_cli("umount", mount.path)
     assert result.returncode == 0, describe_result(result)
 
