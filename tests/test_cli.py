@@ -660,3 +660,16 @@ def test_mounting_over_files_warns_that_they_are_hidden(dlfs_cli, env, tmp_path)
     finally:
         assert dlfs_cli("umount", mp).returncode == 0
     assert (mp / "notes.txt").read_text() == "mine"
+
+
+def test_a_pool_refuses_two_copies_of_one_dataset(dlfs_cli, env, tmp_path):
+    """Copies share a uuid, by which a chunk pool keys its staged copies."""
+    store = tmp_path / "store"
+    shutil.copytree(env["store"], store, symlinks=True)
+    shutil.copytree(store / "ds", store / "ds-copy", symlinks=True)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    assert_one_line_error(
+        dlfs_cli("mount", mp, "--store", store, "--cache-dir", tmp_path / "cache"), 1,
+        ("ds-copy", "same uuid", "--dataset"))
+    assert dlfs_cli("umount", mp).returncode != 0  # nothing was mounted
