@@ -73,6 +73,7 @@ def discard_launch_secret(config: MountConfig) -> None:
     """Remove the secret file `dlfs mount --mpi` wrote for this node, if this mount used
     it (its default place): the launch failed, so no `dlfs umount --mpi` will, and the
     rank that wrote it may have been killed. The daemon read it at start-up already."""
-    if config.node and config.secret_file == launch_secret_file(config.node):
+    if config.node and config.secret_file == launch_secret_file(config.node,
+                                                                config.mountpoint):
         with contextlib.suppress(OSError):
             os.unlink(config.secret_file)

@@ -32,11 +32,13 @@ from dlfs.errors import (
     DlfsError,
     FormatError,
     FormatVersionError,
+    NotMountedError,
     ReportedElsewhere,
     UsageError,
 )
 from dlfs.format import DEFAULT_CHUNK_SIZE, MANIFEST_NAME
 from dlfs.populate import PopulateOptions
+from dlfs.runtime import mountpoint_path
 from dlfs.sizes import format_size, parse_size
 from dlfs.store import Store, check_dataset_name
 
@@ -360,7 +362,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     config = _mount_config(args)
     code = mount(config, foreground=args.foreground, timeout=args.timeout)
     if not args.foreground:
-        print(f"mounted {config.store} at {config.mountpoint}; daemon log: "
+        print(f"mounted {config.store} at {mountpoint_path(config.mountpoint)}; daemon log: "
               f"{daemon_log_path(config)}")
     return code
 
@@ -400,17 +402,17 @@ def _mount_mpi(args: argparse.Namespace) -> int:
         all_or_nothing(world, step, undo)
         while pending:
             config, fd = pending.pop()
+            committed = True  # from here on its daemon keeps the mount, and the secret
             commit_mount(fd, config)
-            print(f"mounted {config.store} at {config.mountpoint} on {world.name}; "
-                  f"daemon log: {daemon_log_path(config)}")
-        committed = True
+            print(f"mounted {config.store} at {mountpoint_path(config.mountpoint)} on "
+                  f"{world.name}; daemon log: {daemon_log_path(config)}", flush=True)
         return EXIT_OK
     except ReportedElsewhere:
         return EXIT_ERROR  # rank 0 prints the one line
     finally:
         for _, fd in pending:  # not committed: each daemon unmounts itself
             os.close(fd)
-        if not committed and args.secret_file == default_secret_file(world):
+        if not committed and args.secret_file == default_secret_file(world, args.mountpoint):
             with contextlib.suppress(OSError):
                 os.unlink(args.secret_file)
 
@@ -472,9 +474,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
     world = join_world()
 
     def step() -> None:
-        umount(expand_node(world, args.mountpoint), lazy=args.lazy, timeout=args.timeout)
+        mountpoint = expand_node(world, args.mountpoint)
+        # Not mounted: a half-up launch, or a rank whose daemon went; nothing to do here.
+        with contextlib.suppress(NotMountedError):
+            umount(mountpoint, lazy=args.lazy, timeout=args.timeout)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(default_secret_file(world))
+            os.unlink(default_secret_file(world, mountpoint))
 
     try:
         return all_or_nothing(world, step, lambda: None)
@@ -804,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up temp files like on Ctrl-C
         signal.signal(sig, _terminate)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must meet the handler below
+        return code
     except DlfsError as err:
         print(f"dlfs: error: {err}", file=sys.stderr)
         return err.exit_code
@@ -830,11 +837,12 @@ def _os_error(err: OSError) -> int:
 
 
 def _stdout_closed() -> bool:
-    """Our stdout is a pipe whose reader has gone (poll says POLLERR)."""
+    """Our stdout is a pipe or socket whose reader has gone (POLLERR, POLLHUP)."""
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        return any(events & (select.POLLERR | select.POLLHUP)
+                   for _, events in poller.poll(0))
     except (OSError, ValueError):
         return False
 

@@ -75,3 +75,7 @@ class IsADirError(DlfsError):
 
 class ReportedElsewhere(DlfsError):
     """An MPI rank's view of a failure that rank 0 reports, so the user reads it once."""
+
+
+class NotMountedError(DlfsError):
+    """`dlfs umount` of a path where no DLFS (and no other file system) is mounted."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dlfs.config import MountConfig
-from dlfs.errors import DlfsError, NotFoundError
+from dlfs.errors import DlfsError, NotFoundError, NotMountedError
 from dlfs.mountinfo import find_mount
 from dlfs.runtime import (
     default_log_path,
@@ -286,7 +286,7 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     if fstype is None:
         remove_record(path)
         remove_stale_files(path)
-        raise DlfsError(f"not mounted: {path}")
+        raise NotMountedError(f"not mounted: {path}")
     if fstype != FSTYPE:
         raise DlfsError(f"not a DLFS mount: {path} is {fstype}")
     result = _fusermount(path, lazy)

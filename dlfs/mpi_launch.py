@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlfs.errors import DlfsError, ReportedElsewhere, UsageError
-from dlfs.runtime import runtime_dir
+from dlfs.runtime import mountpoint_key, mountpoint_path, runtime_dir
 from dlfs.slurm import expand_pattern, write_secret_file
 
 
@@ -84,14 +84,16 @@ def check_mpi_flags(args: argparse.Namespace) -> None:
                          "per-node directory)")
 
 
-def default_secret_file(world: Rank) -> str:
-    return launch_secret_file(world.name)
+def default_secret_file(world: Rank, mountpoint: str) -> str:
+    return launch_secret_file(world.name, mountpoint_path(mountpoint))
 
 
-def launch_secret_file(node: str) -> str:
+def launch_secret_file(node: str, mountpoint: str) -> str:
     """Where `dlfs mount --mpi` writes node `node`'s copy of the job secret by default
-    (`dlfs umount --mpi` removes it; so does a daemon whose launch failed)."""
-    return str(runtime_dir() / f"mpi-{node}.secret")
+    (`dlfs umount --mpi` removes it; so does a daemon whose launch failed), for canonical
+    `mountpoint`. One per mountpoint: two launches on one node (two jobs) must not
+    share, or remove, one another's."""
+    return str(runtime_dir() / f"mpi-{node}-{mountpoint_key(mountpoint)}.secret")
 
 
 def apply_mpi(args: argparse.Namespace, world: Rank, secret: str) -> None:
@@ -101,7 +103,7 @@ def apply_mpi(args: argparse.Namespace, world: Rank, secret: str) -> None:
         value = getattr(args, flag)
         if value:
             setattr(args, flag, expand_node(world, value))
-    args.secret_file = args.secret_file or default_secret_file(world)
+    args.secret_file = args.secret_file or default_secret_file(world, args.mountpoint)
     write_secret_file(args.secret_file, secret, None, None)
     hosts = [expand_pattern(args.node_host, "", host) for host in world.hosts]
     args.nodes = [",".join(f"{name}={host}:{args.port_base + i}"

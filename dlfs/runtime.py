@@ -89,6 +89,12 @@ def _key(mountpoint: str) -> str:
     return hashlib.sha1(os.fsencode(mountpoint)).hexdigest()[:16]  # any bytes a path holds
 
 
+def mountpoint_key(mountpoint: str) -> str:
+    """A short name for canonical mountpoint path `mountpoint` (see mountpoint_path).
+    Touches nothing: a daemon may use it on its own mountpoint."""
+    return _key(mountpoint)
+
+
 def record_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.json"
 

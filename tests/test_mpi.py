@@ -26,9 +26,8 @@ from conftest import DLFS, daemon_pids_for, describe_result, force_unmount, fsty
 from trees import describe_tree, make_small_tree
 
 from dlfs.format import CHUNK_HEADER_SIZE, chunk_path
-from dlfs.mpi_launch import node_names
+from dlfs.mpi_launch import launch_secret_file, node_names
 from dlfs.mpi_populate import chunk_owners, launched_by_mpi
-from dlfs.runtime import runtime_dir
 from dlfs.store import Store
 
 RANKS = 3
@@ -298,14 +297,16 @@ def test_mpi_launch_brings_up_one_pool_and_tears_it_down(tmp_path, launch_site):
         assert describe_tree(mp / "ds") == expected, name
         log = (tmp_path / f"log-{name}").read_text()
         assert f"chunk pool: node {name} of {RANKS}" in log, log
-    secrets_ = {(runtime_dir() / f"mpi-{name}.secret").read_text() for name in names}
+    secret_files = [Path(launch_secret_file(name, os.path.realpath(mp)))
+                    for name, mp in zip(names, mounts, strict=True)]
+    secrets_ = {path.read_text() for path in secret_files}
     assert len(secrets_) == 1, "every rank must hold the same secret"
 
     result = mpirun_dlfs("umount", "--mpi", tmp_path / "mnt-%n")
     assert result.returncode == 0, describe_result(result)
     for mp in mounts:
         assert fstype_at(mp) is None and daemon_pids_for(mp) == []
-    assert not any((runtime_dir() / f"mpi-{name}.secret").exists() for name in names)
+    assert not any(path.exists() for path in secret_files)
 
 
 @pytest.mark.usefixtures("daemon_guard")
@@ -366,7 +367,8 @@ def test_mpi_launch_interrupted_leaves_nothing_running(tmp_path, launch_site):
             # (or, were mpirun's SIGTERM to reach a rank still waiting for its mount,
             # `dlfs mount` would stop that daemon itself)
             assert "before committing this mount" in log or "got SIGTERM" in log, log
-        left = [name for name in names if (runtime_dir() / f"mpi-{name}.secret").exists()]
+        left = [name for name, mp in zip(names, mounts, strict=True)
+                if Path(launch_secret_file(name, os.path.realpath(mp))).exists()]
         assert left == [], "the secret files of a failed launch must go"
     finally:
         if mpirun.poll() is None:
