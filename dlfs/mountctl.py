@@ -284,8 +284,8 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     fstype = mounted_fstype(path)
     record = read_record(path)
     if fstype is None:
-        remove_record(path)
         remove_stale_files(path)
+        remove_record(path)
         raise NotMountedError(f"not mounted: {path}")
     if fstype != FSTYPE:
         raise DlfsError(f"not a DLFS mount: {path} is {fstype}")
@@ -302,9 +302,17 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
         raise DlfsError(f"cannot unmount {path}: {message}")
     if record is not None and record.alive():  # not a reused pid of a SIGKILLed one
         _wait_for_exit(record.pid, timeout)
-    remove_record(path)
+    else:  # its main process was killed: orphaned workers exit once they see the unmount
+        _wait_until_unserved(path, 5.0)
     remove_stale_files(path)  # a killed daemon's (a live one removes its own)
+    remove_record(path)
     return 0
+
+
+def _wait_until_unserved(mountpoint: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while serving_daemon(mountpoint) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _wait_for_exit(pid: int, timeout: float) -> None:

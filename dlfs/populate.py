@@ -170,6 +170,8 @@ def start_temp_dir(plan: PopulatePlan) -> None:
 def publish_dataset(store: Store, plan: PopulatePlan, checksums: np.ndarray,
                     options: PopulateOptions) -> None:
     """Write the manifest next to the finished chunks and publish by one rename."""
+    if options.force and store.exists(plan.name):  # again: the copy may have taken hours
+        store.check_unmounted(plan.name, "replace")
     directory = plan.directory.with_checksums(checksums)
     body = manifest_body(plan.name, plan.dataset_uuid, options.chunk_size,
                          chunk_lengths(directory), directory, plan.stats)

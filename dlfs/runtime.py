@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dlfs.errors import DlfsError
+from dlfs.format import MANIFEST_NAME
 
 
 def runtime_dir() -> Path:
@@ -145,8 +148,9 @@ def remove_stale_files(mountpoint: str) -> None:
     """Remove the control socket and status file a daemon killed without its cleanup
     (SIGKILL, the OOM killer) left for `mountpoint`, once no daemon serves it: a lazily
     detached one still answers `dlfs status` and `dlfs trace` through them."""
-    if serving_daemon(mountpoint) is not None:
-        return
+    record = read_record(mountpoint)
+    if serving_daemon(mountpoint) is not None or (record is not None and record.alive()):
+        return  # (a foreground daemon has no --config to be found by: its record)
     for path in (control_socket_path(mountpoint), status_path(mountpoint)):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -182,24 +186,35 @@ def _daemon_configs() -> Iterator[tuple[int, dict]]:
             yield int(entry.name), config
 
 
+STATUS_FRESH = 30.0  # seconds: a live daemon rewrites its status file every second
+
+
 def mounts_using(store: Path, name: str) -> list[tuple[str, int]]:
     """(mountpoint, daemon pid) of this node's live mounts serving dataset `name` of
-    `store`: every background daemon's (any user's, from the process table), and the
-    foreground ones of our runtime directory (from their status files). Other nodes'
-    mounts of a shared store are out of sight."""
+    `store` (compared as directories: a dataset linked into another store counts):
+    every background daemon's (from the process table: any user's, unless /proc is
+    mounted hidepid), and the foreground ones of our runtime directory (from their
+    status files). Other nodes' mounts of a shared store are out of sight."""
+    target = store / name
     found: dict[str, int] = {}
     for pid, config in _daemon_configs():
-        mountpoint = str(config.get("mountpoint"))
-        if _same_dir(config.get("store"), store) and name in (
-                config.get("datasets") or _served(mountpoint, pid) or [name]):
+        mountpoint, served_store = str(config.get("mountpoint")), config.get("store")
+        if not isinstance(served_store, str):
+            continue
+        names = config.get("datasets") or _served(mountpoint, pid) \
+            or _published_before(Path(served_store), pid)
+        if any(_same_dir(os.path.join(served_store, n), target) for n in names):
             found.setdefault(mountpoint, pid)
     for path in runtime_dir().glob("*.status.json"):
         try:
             status = json.loads(path.read_text())
             pid, names = int(status["pid"]), [d["name"] for d in status["datasets"]]
+            fresh = time.time() - float(status["updated"]) < STATUS_FRESH
+            served_store = str(status["store"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if name in names and _same_dir(status.get("store"), store) and _is_dlfs(pid):
+        if fresh and _is_dlfs(pid) and any(
+                _same_dir(os.path.join(served_store, n), target) for n in names):
             found.setdefault(str(status.get("mountpoint")), pid)
     return sorted(found.items())
 
@@ -218,9 +233,38 @@ def _served(mountpoint: str, pid: int) -> list[str]:
     return []
 
 
-def _same_dir(a: object, b: Path) -> bool:
+def _published_before(store: Path, pid: int) -> list[str]:
+    """For another user's "all datasets" mount (its status file is not ours to read):
+    the store's datasets published before its daemon started, the ones it loaded."""
+    started = _started_at(pid)
     try:
-        return isinstance(a, str) and os.path.samefile(a, b)
+        entries = list(os.scandir(store))
+    except OSError:
+        return []
+    names = []
+    for entry in entries:
+        try:
+            if os.stat(os.path.join(entry.path, MANIFEST_NAME)).st_mtime <= started:
+                names.append(entry.name)
+        except OSError:
+            continue
+    return names
+
+
+def _started_at(pid: int) -> float:
+    """Wall-clock time process `pid` started (+inf if unknown: then every dataset counts)."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return math.inf
+    ticks = start_time(pid)
+    return boot + ticks / os.sysconf("SC_CLK_TCK") + 1.0 if ticks else math.inf
+
+
+def _same_dir(a: str, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
     except OSError:
         return False
 

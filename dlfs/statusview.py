@@ -9,6 +9,7 @@ script can parse, or JSON with --json.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -19,7 +20,13 @@ from rich.table import Table
 
 from dlfs.errors import EXIT_OK, NotFoundError
 from dlfs.mountinfo import find_mount
-from dlfs.runtime import mountpoint_path, pid_alive, read_record, status_path
+from dlfs.runtime import (
+    mountpoint_path,
+    pid_alive,
+    read_record,
+    serving_daemon,
+    status_path,
+)
 from dlfs.sizes import format_size
 
 
@@ -29,6 +36,11 @@ def read_status(mountpoint: str) -> dict:
     record = read_record(path)
     if record is None or not pid_alive(record.pid):
         entry = find_mount(path)
+        serving = serving_daemon(path) if record is None else None
+        if serving is not None:  # no record of ours, yet a daemon serves it: not ours
+            raise NotFoundError(f"{path} is served by daemon {serving} of uid {_owner(serving)}, "
+                                "whose status is not yours to read (e.g. root's Slurm prolog "
+                                "mounted it); its owner can run `dlfs status`")
         if entry is not None and entry.fstype == "fuse.dlfs":
             raise NotFoundError(f"the daemon of {path} is gone, its mount is left (its "
                                 f"worker processes may still serve it); run `dlfs umount "
@@ -39,6 +51,13 @@ def read_status(mountpoint: str) -> dict:
     except (OSError, ValueError):
         raise NotFoundError(f"the daemon of {path} (pid {record.pid}) has not reported its "
                             "status yet; retry in a second") from None
+
+
+def _owner(pid: int) -> str:
+    try:
+        return str(os.stat(f"/proc/{pid}").st_uid)
+    except OSError:
+        return "?"
 
 
 def _eta(seconds: float | None) -> str:

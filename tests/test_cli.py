@@ -585,6 +585,30 @@ def test_a_dataset_the_mount_does_not_serve_can_be_removed(dlfs_cli, mounted_pai
     assert result.returncode == 0, result.stderr
 
 
+def test_a_dataset_published_after_an_all_datasets_mount_can_be_removed(
+        dlfs_cli, mounted_pair, store_with):
+    src, store, mounter = mounted_pair
+    m = mounter(store)  # all datasets there now: used, spare
+    store_with(src, "late", "256K", store)
+    assert sorted(os.listdir(m.path)) == ["spare", "used"]
+    result = dlfs_cli("rm", "--store", store, "late")
+    assert result.returncode == 0, result.stderr
+    assert_one_line_error(dlfs_cli("rm", "--store", store, "spare"), 1, (str(m.path),))
+
+
+def test_a_dataset_mounted_through_a_link_in_another_store_counts(dlfs_cli, mounted_pair,
+                                                                  tmp_path):
+    """A store may link a dataset published in another one; removing the original
+    pulled the files from under that mount."""
+    _, store, mounter = mounted_pair
+    other = tmp_path / "other-store"
+    other.mkdir()
+    (other / "shared").symlink_to(store / "used")
+    m = mounter(other)
+    assert_one_line_error(dlfs_cli("rm", "--store", store, "used"), 1, (str(m.path),))
+    assert os.listdir(m / "shared")
+
+
 def test_a_foreground_mount_counts_too(dlfs_cli, mounted_pair, sysproc, tmp_path):
     """A foreground mount's process is `dlfs mount`, not dlfsd: found by its status file."""
     _, store, _ = mounted_pair

@@ -725,6 +725,8 @@ def test_umount_after_main_daemon_killed_leaves_no_workers(dlfs_cli, mounted, sm
     assert result.returncode == 0, result.stderr
     assert sysproc.fstype_at(m.path) is None
     assert [pid for pid in workers if not sysproc.wait_dead(pid, 10)] == []
+    key = str(m.path)
+    assert not control_socket_path(key).exists() and not status_path(key).exists()
 
 
 def test_dead_worker_is_logged_and_the_others_keep_serving(mounted, small_store, small_source,
