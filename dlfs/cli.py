@@ -652,8 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
         "storage in the background while reads are already served, and reads a chunk\n"
         "from local NVMe, else from the peer that owns it, else from the store.\n"
         "Every daemon of a job gets the same --nodes list and secret.")
-    g.add_argument("--cache-dir", type=_path, help="node-local directory (NVMe) for staged chunks; "
-                                       "turns the chunk pool on")
+    g.add_argument("--cache-dir", type=_path,
+                   help="node-local directory (NVMe) for staged chunks; turns the chunk "
+                        "pool on")
     g.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
                    help="every daemon of the job (repeatable or comma-separated)")
     g.add_argument("--nodes-file", type=_path, help="file with one NAME=HOST:PORT per line")
