@@ -149,6 +149,18 @@ def kill_daemon(sysproc):
     return kill
 
 
+def leave_nothing_at(sysproc, mountpoint: Path,
+                     proc: subprocess.Popen | None = None) -> None:
+    """Teardown of a test that starts processes itself: kill `proc` and any daemon of
+    `mountpoint` still running, lazily unmount it."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    for pid in sysproc.daemon_pids_for(mountpoint):
+        sysproc.kill_and_reap(pid)
+    subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+
+
 # -- populate ------------------------------------------------------------------------
 def test_sigkilled_populate_publishes_nothing(dlfs_cli, sparse_source, tmp_path,
                                              start_populate):
@@ -436,12 +448,7 @@ def test_interrupted_mount_leaves_no_daemon_and_no_mount(sysproc, small_store, t
         assert sysproc.daemon_pids_for(mp) == []
         assert sysproc.fstype_at(mp) is None
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in sysproc.daemon_pids_for(mp):
-            sysproc.kill_and_reap(pid)
-        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+        leave_nothing_at(sysproc, mp, proc)
 
 
 def test_interrupt_as_the_daemon_starts_still_stops_it(monkeypatch, sysproc, small_store,
@@ -472,9 +479,15 @@ def test_interrupt_as_the_daemon_starts_still_stops_it(monkeypatch, sysproc, sma
         assert sysproc.daemon_pids_for(mp) == []
         assert sysproc.fstype_at(mp) is None
     finally:
-        for pid in sysproc.daemon_pids_for(mp):
-            sysproc.kill_and_reap(pid)
-        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+        leave_nothing_at(sysproc, mp)
+
+
+def run_mount_script(script: str, mountpoint: Path, store: Path,
+                     log: Path) -> subprocess.CompletedProcess:
+    """`python -c SCRIPT MOUNTPOINT STORE LOG` (the mountpoint made first)."""
+    mountpoint.mkdir()
+    return subprocess.run([sys.executable, "-c", script, str(mountpoint), str(store),
+                           str(log)], capture_output=True, text=True, timeout=60)
 
 
 # `dlfs mount --foreground` with a Ctrl-C that lands right after pyfuse3.init mounted.
@@ -496,13 +509,9 @@ def test_ctrl_c_right_after_a_foreground_mount_is_made_unmounts_it(sysproc, smal
                                                                      tmp_path):
     """Before, the KeyboardInterrupt left run() before the try that unmounts: the
     process exited and left a dead mount (ENOTCONN) behind."""
-    mp = tmp_path / "mnt"
-    mp.mkdir()
-    log = tmp_path / "dlfsd.log"
+    mp, log = tmp_path / "mnt", tmp_path / "dlfsd.log"
     try:
-        done = subprocess.run([sys.executable, "-c", CTRL_C_AFTER_INIT, str(mp),
-                               str(small_store), str(log)],
-                              capture_output=True, text=True, timeout=60)
+        done = run_mount_script(CTRL_C_AFTER_INIT, mp, small_store, log)
         assert done.returncode == 0, done.stderr
         assert sysproc.fstype_at(mp) is None, "a dead mount was left behind"
         assert "got SIGINT; unmounting" in log.read_text()
@@ -537,13 +546,9 @@ def test_workers_stopped_as_they_start_do_not_wait_for_sigkill(sysproc, small_st
     """A stop signal sent to a worker before it has its own handlers used to meet the
     handler inherited from the main process, which only records signals for the main
     process: the worker served on until stop_workers gave up and SIGKILLed it, 10 s."""
-    mp = tmp_path / "mnt"
-    mp.mkdir()
-    log = tmp_path / "dlfsd.log"
+    mp, log = tmp_path / "mnt", tmp_path / "dlfsd.log"
     try:
-        done = subprocess.run([sys.executable, "-c", FAIL_AFTER_FORK, str(mp),
-                               str(small_store), str(log)],
-                              capture_output=True, text=True, timeout=60)
+        done = run_mount_script(FAIL_AFTER_FORK, mp, small_store, log)
         code, seconds = done.stdout.split()
         assert code != "0", done.stdout + done.stderr
         assert float(seconds) < 5, f"stopping the workers took {seconds} s: {log.read_text()}"
@@ -584,12 +589,7 @@ def test_an_uncommitted_mount_goes_when_its_launcher_dies(sysproc, small_store, 
         assert sysproc.fstype_at(mp) is None
         assert "before committing this mount; unmounting" in log.read_text()
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        for pid in sysproc.daemon_pids_for(mp):
-            sysproc.kill_and_reap(pid)
-        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+        leave_nothing_at(sysproc, mp, launcher)
 
 
 def test_a_committed_mount_stays_once_the_pipe_is_closed(dlfs_cli, sysproc, small_store,
@@ -610,9 +610,7 @@ def test_a_committed_mount_stays_once_the_pipe_is_closed(dlfs_cli, sysproc, smal
         assert "before committing this mount" not in log.read_text()
         assert dlfs_cli("umount", mp).returncode == 0
     finally:
-        for pid in sysproc.daemon_pids_for(mp):
-            sysproc.kill_and_reap(pid)
-        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+        leave_nothing_at(sysproc, mp)
 
 
 def test_two_mounts_of_one_path_at_once_make_one_mount(dlfs_cli, sysproc, small_store,
@@ -637,9 +635,7 @@ def test_two_mounts_of_one_path_at_once_make_one_mount(dlfs_cli, sysproc, small_
                 p.kill()
             p.communicate()
         dlfs_cli("umount", mp)
-        for pid in sysproc.daemon_pids_for(mp):
-            sysproc.kill_and_reap(pid)
-        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+        leave_nothing_at(sysproc, mp)
 
 
 def test_killed_daemon_gives_enotconn(mounted, small_store, kill_daemon):
