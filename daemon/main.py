@@ -53,6 +53,7 @@ from dlfsd.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 log = logging.getLogger("dlfsd")
 
 READY_FD_ENV = "DLFS_READY_FD"
+PICK_ANOTHER_PORT = "pick another port (in --nodes; with --slurm or --mpi, --port-base)"
 INIT_TIMEOUT = 60.0  # seconds the kernel may take to send FUSE INIT after mounting
 
 
@@ -131,7 +132,7 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as err:
             raise DlfsError(f"cannot listen for peers on {host}:{port}: {err.strerror}; "
-                            "pick another port in --nodes") from None
+                            f"{PICK_ANOTHER_PORT}") from None
 
 
 def set_read_ahead(mountpoint: str, kb: int) -> None:
@@ -366,7 +367,7 @@ class Services:
             self.server.start(me.host, me.port)
         except OSError as err:
             raise DlfsError(f"cannot listen for peers on {me.host}:{me.port}: "
-                            f"{err.strerror}; pick another port in --nodes") from None
+                            f"{err.strerror}; {PICK_ANOTHER_PORT}") from None
 
     def stop_listening(self) -> None:
         if self.server is not None:

@@ -59,10 +59,15 @@ def parse_nodes(items: list[str] | tuple[str, ...]) -> list[Node]:
     """Parse a node list (each item may itself be comma-separated); names must be unique."""
     nodes = [parse_node(part) for item in items for part in item.split(",") if part.strip()]
     seen: set[str] = set()
+    addresses: dict[tuple[str, int], str] = {}
     for node in nodes:
         if node.name in seen:
             raise UsageError(f"node {node.name!r} is listed twice")
         seen.add(node.name)
+        other = addresses.setdefault((node.host, node.port), node.name)
+        if other != node.name:  # one of them could never listen: it would ask itself
+            raise UsageError(f"nodes {other!r} and {node.name!r} have the same address "
+                             f"{node.host}:{node.port}; give each its own port")
     return nodes
 
 

@@ -323,6 +323,7 @@ def test_mpi_launch_is_all_or_nothing(tmp_path, launch_site):
     lines = error_lines(result)
     assert len(lines) == 1, result.stderr
     assert f"rank {RANKS - 1} ({names[-1]})" in lines[0] and "cannot listen" in lines[0]
+    assert "--port-base" in lines[0], lines[0]  # what --mpi users set, not --nodes
     for mp in mounts:
         assert fstype_at(mp) is None, f"{mp} stayed mounted after another rank failed"
         assert daemon_pids_for(mp) == []
