@@ -299,11 +299,9 @@ def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
 
 def _cluster_settings(args: argparse.Namespace) -> dict:
     """The chunk-pool flags of `mount`, validated here so mistakes fail before any daemon starts."""
-    from dlfs.cluster import read_nodes_file, resolve_cluster
+    from dlfs.cluster import resolve_cluster
 
-    nodes = list(args.nodes or ())
-    if args.nodes_file:
-        nodes += read_nodes_file(args.nodes_file)
+    nodes = _node_items(args)
     wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit)
     if wants_pool and not args.cache_dir:
         raise UsageError("--nodes, --node, --secret-file and --cache-limit need --cache-dir "
@@ -425,11 +423,18 @@ def cmd_slurm_secret(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _node_items(args: argparse.Namespace) -> list[str]:
+    """The node list of --nodes and --nodes-file together."""
+    from dlfs.cluster import read_nodes_file
+
+    return list(args.nodes or ()) + (read_nodes_file(args.nodes_file) if args.nodes_file else [])
+
+
 def cmd_placement(args: argparse.Namespace) -> int:
-    from dlfs.cluster import parse_nodes, read_nodes_file
+    from dlfs.cluster import parse_nodes
     from dlfs.placement import owners, summary
 
-    items = list(args.nodes or ()) + (read_nodes_file(args.nodes_file) if args.nodes_file else [])
+    items = _node_items(args)
     nodes = parse_nodes(items) if items else []
     if not nodes:
         raise UsageError("give the job's nodes with --nodes or --nodes-file")
@@ -461,7 +466,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from dlfs.doctor import doctor
 
-    return doctor(args.store, args.cache_dir, args.port)
+    return doctor(args.store, args.cache_dir, args.port, nodes=_node_items(args),
+                  node=args.node, secret_file=args.secret_file)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -774,12 +780,20 @@ def build_parser() -> argparse.ArgumentParser:
              "check that this node can mount DLFS: FUSE, dependencies, store, cache dir, port",
              "examples:\n  dlfs doctor\n"
              "  dlfs doctor --store /lustre/store --cache-dir /local/nvme/dlfs --port 7000\n"
+             "  dlfs doctor --nodes-file nodes.txt --secret-file job.secret\n"
              "\nOne line per check (ok / warn / FAIL with what to do); exit code 1 if any "
              "failed.")
     p.add_argument("--store", type=_path, help="also check this store and every dataset's manifest")
     p.add_argument("--cache-dir", type=_path,
                    help="also check this cache dir is writable with free space")
     p.add_argument("--port", type=_port, help="also check this peer port is free")
+    p.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
+                   help="also check a pool's node list (as for mount): this node is in it, "
+                        "its port is free")
+    p.add_argument("--nodes-file", type=_path, help="the node list from a file, as for mount")
+    p.add_argument("--node", help="this node's NAME in the list (default: the host name)")
+    p.add_argument("--secret-file", type=_path,
+                   help="also check a pool's secret file (mode 0600, long enough)")
 
     p = _sub(subs, "demo", cmd_demo,
              "generate a dataset, pack it, mount it, read it like a training epoch, unmount",

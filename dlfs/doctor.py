@@ -141,6 +141,30 @@ def check_port(port: int, host: str = "0.0.0.0") -> Check:
     return Check(OK, f"port {port}", "free")
 
 
+def check_nodes(items: list[str], node: str | None) -> Iterator[Check]:
+    """The node list parses, names this node, and this node's peer port is free."""
+    from dlfs.cluster import parse_nodes, select_self
+
+    try:
+        nodes = parse_nodes(items)
+        me = nodes[select_self(nodes, node)]
+    except DlfsError as err:
+        yield Check(FAIL, "nodes", str(err))
+        return
+    yield Check(OK, "nodes", f"{len(nodes)} nodes; this one is {me.name} ({me.host}:{me.port})")
+    yield check_port(me.port, me.host)
+
+
+def check_secret(path: str) -> Check:
+    from dlfs.cluster import load_secret
+
+    try:
+        secret = load_secret(path)
+    except DlfsError as err:
+        return Check(FAIL, "secret file", str(err))
+    return Check(OK, "secret file", f"{path}: mode 0600 or stricter, {len(secret)} bytes")
+
+
 def check_spliced_reads() -> Check:
     """Whether the daemon can splice 1 MiB read replies (dlfsd.splicer); not fatal."""
     from dlfsd.splicer import PIPE_BYTES, describe_pipe_size, usable_pipe_size
@@ -149,7 +173,9 @@ def check_spliced_reads() -> Check:
     return Check(OK if size >= PIPE_BYTES else WARN, "spliced reads", describe_pipe_size(size))
 
 
-def run_checks(store: str | None, cache_dir: str | None, port: int | None) -> list[Check]:
+def run_checks(store: str | None, cache_dir: str | None, port: int | None,
+               nodes: list[str] | None = None, node: str | None = None,
+               secret_file: str | None = None) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_fuse_device, check_fusermount, check_allow_other, check_spliced_reads,
         lambda: check_module("pyfuse3", True, "mounting"),
@@ -163,12 +189,18 @@ def run_checks(store: str | None, cache_dir: str | None, port: int | None) -> li
         results.append(check_cache_dir(cache_dir))
     if port:
         results.append(check_port(port))
+    if nodes:
+        results += list(check_nodes(nodes, node))
+    if secret_file:
+        results.append(check_secret(secret_file))
     return results
 
 
-def doctor(store: str | None, cache_dir: str | None, port: int | None) -> int:
+def doctor(store: str | None, cache_dir: str | None, port: int | None,
+           nodes: list[str] | None = None, node: str | None = None,
+           secret_file: str | None = None) -> int:
     """Print one line per check; exit code 1 if any failed."""
-    results = run_checks(store, cache_dir, port)
+    results = run_checks(store, cache_dir, port, nodes, node, secret_file)
     for check in results:
         print(check.line())
     failed = sum(check.status == FAIL for check in results)

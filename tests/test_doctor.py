@@ -116,3 +116,24 @@ def test_spliced_reads_check_says_what_this_node_allows(dlfs_cli):
     else:
         assert line.startswith("warn") and "fs.pipe-max-size=2097152" in line, line
     assert result.returncode == 0, "a copying node still works: a warning, not a failure"
+
+
+def test_a_pools_node_list_and_secret_are_checked(dlfs_cli, tmp_path):
+    port = free_port()
+    nodes = f"a=127.0.0.1:{port},b=127.0.0.1:{free_port()}"
+    secret = tmp_path / "job.secret"
+    secret.write_text("x" * 64)
+    secret.chmod(0o600)
+    result = dlfs_cli("doctor", "--nodes", nodes, "--node", "a", "--secret-file", secret)
+    assert result.returncode == 0, describe_result(result)
+    checks = lines_of(result)
+    assert checks["nodes"].startswith("ok") and "this one is a (127.0.0.1:" in checks["nodes"]
+    assert checks[f"port {port}"].startswith("ok")
+    assert checks["secret file"].startswith("ok")
+
+    secret.chmod(0o644)
+    result = dlfs_cli("doctor", "--nodes", nodes, "--node", "c", "--secret-file", secret)
+    assert result.returncode == 1
+    checks = lines_of(result)
+    assert checks["nodes"].startswith("FAIL") and "'c'" in checks["nodes"], checks["nodes"]
+    assert checks["secret file"].startswith("FAIL") and "chmod 600" in checks["secret file"]
