@@ -151,7 +151,8 @@ def check_nodes(items: list[str], node: str | None) -> Iterator[Check]:
     except DlfsError as err:
         yield Check(FAIL, "nodes", str(err))
         return
-    yield Check(OK, "nodes", f"{len(nodes)} nodes; this one is {me.name} ({me.host}:{me.port})")
+    count = f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+    yield Check(OK, "nodes", f"{count}; this one is {me.name} ({me.host}:{me.port})")
     yield check_port(me.port, me.host)
 
 
