@@ -131,7 +131,8 @@ def check_cache_dir(path: str) -> Check:
 
 
 def check_port(port: int, host: str = "0.0.0.0") -> Check:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
