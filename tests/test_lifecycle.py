@@ -613,6 +613,45 @@ def test_a_committed_mount_stays_once_the_pipe_is_closed(dlfs_cli, sysproc, smal
         leave_nothing_at(sysproc, mp)
 
 
+def test_a_second_ctrl_c_does_not_cut_short_stopping_a_hung_daemon(monkeypatch, sysproc,
+                                                                   small_store, tmp_path):
+    """`dlfs mount` gives up on a daemon (Ctrl-C) that does not answer SIGTERM (stopped
+    here, as a hung one would be), and an impatient user presses Ctrl-C again while it
+    waits to send SIGKILL: before, that second one ended the wait, and the daemon was
+    left behind for good."""
+    import threading
+
+    import dlfs.mountctl as mountctl
+    from dlfs.config import MountConfig
+
+    real_spawn = mountctl._spawn_daemon
+    spawned: list[int] = []
+
+    def spawn_hang_then_ctrl_c(*args):
+        proc = real_spawn(*args)
+        spawned.append(proc.pid)
+        os.killpg(proc.pid, signal.SIGSTOP)  # hung: SIGTERM stays pending
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C (held until Popen is done)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the second
+        return proc
+
+    monkeypatch.setattr(mountctl, "_spawn_daemon", spawn_hang_then_ctrl_c)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    config = MountConfig(mountpoint=str(mp), store=str(small_store),
+                         log_file=str(tmp_path / "dlfsd.log"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mountctl.mount(config, foreground=False)
+        assert spawned and not sysproc.pid_alive(spawned[0]), "the hung daemon was left"
+        assert sysproc.fstype_at(mp) is None
+    finally:
+        for pid in spawned:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        leave_nothing_at(sysproc, mp)
+
+
 def test_two_mounts_of_one_path_at_once_make_one_mount(dlfs_cli, sysproc, small_store,
                                                         tmp_path):
     """`srun` with two tasks per node runs the prologue's mount twice at once."""
