@@ -457,29 +457,39 @@ def test_interrupt_as_the_daemon_starts_still_stops_it(monkeypatch, sysproc, sma
     mount` holds its pid (the window the test above hits 1 run in 50): the daemon is
     stopped all the same. Before, the interrupt left the try that cleans up, and the
     daemon went on to mount with nobody to stop it."""
-    import dlfs.mountctl as mountctl
-    from dlfs.config import MountConfig
-
-    real_spawn = mountctl._spawn_daemon
-
-    def spawn_then_ctrl_c(*args):
-        proc = real_spawn(*args)
+    def ctrl_c(proc: subprocess.Popen) -> None:
         os.kill(os.getpid(), signal.SIGINT)  # as if it came during Popen's last steps
-        return proc
 
-    monkeypatch.setattr(mountctl, "_spawn_daemon", spawn_then_ctrl_c)
     mp = tmp_path / "mnt"
-    mp.mkdir()
-    config = MountConfig(mountpoint=str(mp), store=str(small_store),
-                         log_file=str(tmp_path / "dlfsd.log"))
     try:
-        with pytest.raises(KeyboardInterrupt):
-            mountctl.mount(config, foreground=False)
+        mount_interrupted(monkeypatch, small_store, mp, ctrl_c)
         time.sleep(2)  # a daemon left running would have mounted by now
         assert sysproc.daemon_pids_for(mp) == []
         assert sysproc.fstype_at(mp) is None
     finally:
         leave_nothing_at(sysproc, mp)
+
+
+def mount_interrupted(monkeypatch, store: Path, mountpoint: Path, after_spawn) -> None:
+    """mountctl.mount in the background, with `after_spawn(proc)` run right after the
+    daemon is spawned (inside Popen, as far as `dlfs mount` can tell); it must end in
+    KeyboardInterrupt."""
+    import dlfs.mountctl as mountctl
+    from dlfs.config import MountConfig
+
+    real_spawn = mountctl._spawn_daemon
+
+    def spawn(*args):
+        proc = real_spawn(*args)
+        after_spawn(proc)
+        return proc
+
+    monkeypatch.setattr(mountctl, "_spawn_daemon", spawn)
+    mountpoint.mkdir()
+    config = MountConfig(mountpoint=str(mountpoint), store=str(store),
+                         log_file=str(mountpoint.with_name("dlfsd.log")))
+    with pytest.raises(KeyboardInterrupt):
+        mountctl.mount(config, foreground=False)
 
 
 def run_mount_script(script: str, mountpoint: Path, store: Path,
@@ -621,28 +631,17 @@ def test_a_second_ctrl_c_does_not_cut_short_stopping_a_hung_daemon(monkeypatch, 
     left behind for good."""
     import threading
 
-    import dlfs.mountctl as mountctl
-    from dlfs.config import MountConfig
-
-    real_spawn = mountctl._spawn_daemon
     spawned: list[int] = []
 
-    def spawn_hang_then_ctrl_c(*args):
-        proc = real_spawn(*args)
+    def hang_then_ctrl_c_twice(proc: subprocess.Popen) -> None:
         spawned.append(proc.pid)
         os.killpg(proc.pid, signal.SIGSTOP)  # hung: SIGTERM stays pending
         os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C (held until Popen is done)
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the second
-        return proc
 
-    monkeypatch.setattr(mountctl, "_spawn_daemon", spawn_hang_then_ctrl_c)
     mp = tmp_path / "mnt"
-    mp.mkdir()
-    config = MountConfig(mountpoint=str(mp), store=str(small_store),
-                         log_file=str(tmp_path / "dlfsd.log"))
     try:
-        with pytest.raises(KeyboardInterrupt):
-            mountctl.mount(config, foreground=False)
+        mount_interrupted(monkeypatch, small_store, mp, hang_then_ctrl_c_twice)
         assert spawned and not sysproc.pid_alive(spawned[0]), "the hung daemon was left"
         assert sysproc.fstype_at(mp) is None
     finally:
