@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DLFS, tmpfs_at
+from conftest import DLFS, force_unmount, tmpfs_at
 from trees import describe_tree, file_bytes, make_small_tree, regular_files
 
-from dlfs import runtime
+from dlfs import demo, runtime
 from dlfs.errors import DlfsError
 from dlfs.runtime import status_path
 from dlfs.sizes import format_size
@@ -500,6 +500,33 @@ def test_demo_runs_and_leaves_the_workdir_as_it_found_it(dlfs_cli, tmp_path, sys
     assert sorted(os.listdir(workdir)) == ["mine.txt"]
     assert (workdir / "mine.txt").read_text() == "not the demo's"
     assert str(workdir) not in Path("/proc/mounts").read_text()
+
+
+def test_a_ctrl_c_just_as_the_demo_mount_returns_still_unmounts(monkeypatch, tmp_path,
+                                                                sysproc):
+    """Ctrl-C can land between `mount()` returning and the demo noting that it did: the
+    demo must still unmount (it asks the kernel what is mounted) and remove its work."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    mounted_at: list[Path] = []
+    real_mount = demo.mount
+
+    def mount_then_interrupt(config, foreground):
+        real_mount(config, foreground=foreground)
+        mounted_at.append(Path(config.mountpoint))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "mount", mount_then_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            demo.run_demo(files=50, mean_size=2000, workers=1, workdir=workdir, keep=False)
+        assert len(mounted_at) == 1, "the demo never got to mount"
+        assert sysproc.fstype_at(mounted_at[0]) is None
+        assert sysproc.daemon_pids_for(mounted_at[0]) == []
+        assert os.listdir(workdir) == []
+    finally:
+        for mountpoint in mounted_at:
+            force_unmount(mountpoint)
 
 
 @pytest.mark.parametrize("argv", [

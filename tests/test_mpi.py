@@ -215,6 +215,32 @@ def test_rank0_failure_publishes_nothing(tmp_path):
     assert_nothing_published(store, "x")
 
 
+# The real `dlfs` CLI, with Ctrl-C arriving on rank 0 after it made the temporary
+# directory and before the other ranks have the plan (while it packs the plan to send).
+INTERRUPT_BEFORE_THE_PLAN_IS_SHARED = """
+import sys
+import dlfs.mpi_populate
+def interrupted(plan):
+    raise KeyboardInterrupt
+dlfs.mpi_populate._pack_plan = interrupted
+from dlfs.cli import main
+sys.exit(main())
+"""
+
+
+def test_interrupt_before_the_plan_is_shared_leaves_no_temporary_directory(tmp_path):
+    src = tmp_path / "src"
+    make_small_tree(src)
+    store = tmp_path / "store"
+    store.mkdir()
+    result = mpirun_dlfs("populate", src, "--store", store, "--name", "x",
+                         dlfs=[sys.executable, "-c", INTERRUPT_BEFORE_THE_PLAN_IS_SHARED])
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert error_lines(result) == [] and "interrupted" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert_nothing_published(store, "x")
+
+
 def _flip_first_byte(store: Path, name: str, rel: bytes) -> None:
     dataset = Store(store).open(name)
     d = dataset.directory
