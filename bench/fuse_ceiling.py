@@ -94,29 +94,50 @@ def build_mirror(work: Path) -> Path:
 
 @contextlib.contextmanager
 def foreign_mount(argv: list[str], mountpoint: Path) -> Iterator[None]:
-    """Run a reference mirror in the foreground until it has mounted; unmount and reap
-    it afterwards, also when the read failed."""
+    """Run a reference mirror in the foreground until it answers at `mountpoint`; unmount
+    and reap it afterwards, also when the read failed. Unavailable if it cannot mount or
+    a read through it fails (e.g. the kernel refused a passthrough open)."""
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
+    failed: OSError | None = None
     try:
-        deadline = time.monotonic() + MOUNT_WAIT
-        while not os.path.ismount(mountpoint):
-            if proc.poll() is not None:
-                raise Unavailable(proc.stderr.read().strip() or f"exited {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise Unavailable(f"not mounted after {MOUNT_WAIT:.0f} s")
-            time.sleep(0.01)
-        yield
-    finally:
-        if os.path.ismount(mountpoint) and subprocess.run(
-                ["fusermount3", "-u", str(mountpoint)], capture_output=True).returncode != 0:
-            subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+        _wait_answering(proc, mountpoint)
         try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+            yield
+        except OSError as err:
+            failed = err
+    finally:
+        said = _stop(proc, mountpoint)
+    if failed is not None:
+        raise Unavailable(f"{failed}; {said}" if said else str(failed))
+
+
+def _wait_answering(proc: subprocess.Popen, mountpoint: Path) -> None:
+    """Until the mountpoint is a mount that answers (ismount stats it: a mount whose
+    daemon refused INIT says ENOTCONN, so it is no mount to ismount)."""
+    deadline = time.monotonic() + MOUNT_WAIT
+    while not os.path.ismount(mountpoint):
+        if proc.poll() is not None:
+            raise Unavailable(proc.stderr.read().strip() or f"exited {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise Unavailable(f"not mounted after {MOUNT_WAIT:.0f} s")
+        time.sleep(0.01)
+
+
+def _stop(proc: subprocess.Popen, mountpoint: Path) -> str:
+    """Unmount (lazily if it must: a dead mirror leaves an ENOTCONN mount), reap the
+    mirror, and return what it said on stderr."""
+    if subprocess.run(["fusermount3", "-u", str(mountpoint)],
+                      capture_output=True).returncode != 0:
+        subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    said = proc.stderr.read().strip()
+    proc.stderr.close()
+    return said
 
 
 def systems(args: argparse.Namespace, work: Path, store: Path,
