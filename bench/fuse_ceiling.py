@@ -45,11 +45,10 @@ from _common import (
     populate,
     print_table,
     run_main,
-    size_arg,
     split_args,
     workdir,
 )
-from large_read import read_sequential
+from large_read import add_file_args, read_sequential
 
 from dlfs.sampledata import generate_large_files
 
@@ -64,11 +63,7 @@ class Unavailable(Exception):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
     add_common_args(p)
-    p.add_argument("--files", type=int, default=4, help="number of large files (default 4)")
-    p.add_argument("--file-size", type=size_arg, default=146 << 20,
-                   help="size of each file, e.g. 146M (default; --quick: 1/20 of it)")
-    p.add_argument("--mount-args", default="",
-                   help="extra arguments for `dlfs mount`, e.g. --mount-args='--no-verify'")
+    add_file_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.file_size = max(1, args.file_size // 20)

@@ -52,16 +52,21 @@ from _common import (
 from dlfs.sampledata import generate_large_files
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
-    add_common_args(p)
+def add_file_args(p: argparse.ArgumentParser) -> None:
+    """--files, --file-size and --mount-args (shared with bench/fuse_ceiling.py)."""
     p.add_argument("--files", type=int, default=4, help="number of large files (default 4)")
     p.add_argument("--file-size", type=size_arg, default=146 << 20,
                    help="size of each file, e.g. 146M (default; --quick: 1/20 of it)")
-    p.add_argument("--block-size", type=size_arg, default=1 << 20,
-                   help="read size (default 1M)")
     p.add_argument("--mount-args", default="",
                    help="extra arguments for `dlfs mount`, e.g. --mount-args='--no-verify'")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
+    add_common_args(p)
+    add_file_args(p)
+    p.add_argument("--block-size", type=size_arg, default=1 << 20,
+                   help="read size (default 1M)")
     p.add_argument("--read-ahead-kb", type=int, default=None,
                    help="set the mount's kernel read-ahead (/sys/class/bdi/DEV/read_ahead_kb) "
                         "after mounting; default: leave what `dlfs mount` set (its "
