@@ -25,7 +25,7 @@ from pathlib import Path
 
 _BIN = Path(sys.executable).parent
 # The venv's `dlfs` if there is one, else the module (same code either way).
-DLFS = [str(_BIN / "dlfs")] if (_BIN / "dlfs").exists() else [sys.executable, "-m", "dlfs.cli"]
+DLFS = [str(_BIN / "dlfs")] if (_BIN / "dlfs").exists() else [sys.executable, "-m", "dlfs.cli.main"]
 
 _warned_cold = False
 _main_pid = os.getpid()
@@ -310,7 +310,7 @@ def pipe_max_size(at_least: int | None) -> Iterator[None]:
     """Raise fs.pipe-max-size to `at_least` for the block (None: leave it), then restore.
 
     What a daemon without CAP_SYS_RESOURCE needs to splice 1 MiB read replies
-    (see dlfsd.splicer); root on a real node has that capability.
+    (see dlfsd.fuse.splicer); root on a real node has that capability.
     """
     if at_least is None:
         yield
@@ -328,7 +328,7 @@ def pipe_max_size(at_least: int | None) -> Iterator[None]:
 
 def splice_state() -> str:
     """What the daemon's spliced read replies can carry on this machine (one line)."""
-    from dlfsd.splicer import describe_pipe_size, usable_pipe_size
+    from dlfsd.fuse.splicer import describe_pipe_size, usable_pipe_size
 
     return describe_pipe_size(usable_pipe_size())
 

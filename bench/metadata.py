@@ -3,8 +3,8 @@
 Part 1 (in-process, no mount): a synthetic ImageNet-shaped manifest of
 1,000,000 files (1000 class directories "n01440764"-style under train/, each
 with 1000 files named like "n01440764_10026.JPEG", lognormal sizes of ~110 KiB
-mean, 64 MiB chunks) is built with dlfs.directory.build_directory and written
-as a real dataset manifest (dlfs.store.manifest_body + dlfs.format.encode_manifest),
+mean, 64 MiB chunks) is built with dlfs.store.directory.build_directory and written
+as a real dataset manifest (dlfs.store.store.manifest_body + dlfs.store.format.encode_manifest),
 so loading goes through Store.open exactly like the daemon's. No chunk files
 are written (nothing reads data here). Reported:
 
@@ -59,10 +59,10 @@ from _common import (
     workdir,
 )
 
-from dlfs.directory import SampleDirectory, SourceEntry, build_directory, chunk_lengths
-from dlfs.format import MANIFEST_NAME, encode_manifest
 from dlfs.sampledata import generate_tree, lognormal_sizes
-from dlfs.store import Store, manifest_body
+from dlfs.store.directory import SampleDirectory, SourceEntry, build_directory, chunk_lengths
+from dlfs.store.format import MANIFEST_NAME, encode_manifest
+from dlfs.store.store import Store, manifest_body
 
 DATASET = "imagenet1m"
 CHUNK_SIZE = 64 << 20
@@ -137,7 +137,7 @@ import json, sys
 def rss():
     with open('/proc/self/statm') as f:
         return int(f.read().split()[1]) * 4096
-from dlfs.store import Store
+from dlfs.store.store import Store
 before = rss()
 d = Store(sys.argv[1]).open(sys.argv[2])
 print(json.dumps({'before': before, 'after': rss(), 'nbytes': d.directory.nbytes()}))

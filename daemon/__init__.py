@@ -1,5 +1,5 @@
 """dlfsd: the per-node DLFS daemon (FUSE ops, sample reader, lifecycle).
 
-Only `dlfsd.ops` and `dlfsd.main` import pyfuse3; the namespace and the reader
+Only `dlfsd.fuse.ops` and `dlfsd.main` import pyfuse3; the namespace and the reader
 are plain trio code that tests drive directly.
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from dlfs.cluster import resolve_cluster
+from dlfs.cluster.nodes import resolve_cluster
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.mountinfo import find_mount
@@ -38,17 +38,17 @@ from dlfs.runtime import (
 )
 from dlfs.signals import STOP_SIGNALS, stop_signals_blocked
 from dlfs.sizes import format_size
-from dlfs.store import Dataset, Store
-from dlfsd import fusewire as fw
+from dlfs.store.store import Dataset, Store
 from dlfsd.commit import LaunchCommit, discard_launch_secret
-from dlfsd.controlsock import ControlServer
+from dlfsd.fuse import fusewire as fw
+from dlfsd.fuse.ops import DlfsOperations
+from dlfsd.fuse.splicer import describe_pipe_size, usable_pipe_size
+from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
-from dlfsd.observe import ObserveConfig
-from dlfsd.ops import DlfsOperations
+from dlfsd.obs.controlsock import ControlServer
+from dlfsd.obs.observe import ObserveConfig
+from dlfsd.obs.status import build_status, keep_status, write_status
 from dlfsd.prefetch import available_memory, prefetch_decision
-from dlfsd.splicer import describe_pipe_size, usable_pipe_size
-from dlfsd.status import build_status, keep_status, write_status
-from dlfsd.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 
 log = logging.getLogger("dlfsd")
 
@@ -92,7 +92,7 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
     """The chunk pool of a cluster-mode mount (None without --cache-dir)."""
     if not config.pooled:
         return None
-    from dlfsd.pool import ChunkPool  # cluster mode only
+    from dlfsd.pool.pool import ChunkPool  # cluster mode only
 
     seen: dict[bytes, str] = {}
     for d in datasets:  # the pool keys staged copies and peer requests by dataset uuid
@@ -337,13 +337,13 @@ class Services:
         self.stager = None
         self.server = None
         if pool is not None:
-            from dlfsd.stager import Stager
+            from dlfsd.pool.stager import Stager
 
             self.stager = Stager(datasets, pool.caches, pool.owned, pool.demand,
                                  jobs=config.stage_jobs, cache_limit=config.cache_limit,
                                  store_rate=config.store_bandwidth)
             if len(pool.view.nodes) > 1:
-                from dlfsd.peerserver import PeerLoopServer
+                from dlfsd.pool.peerserver import PeerLoopServer
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name)
 
@@ -535,7 +535,7 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
     every process then handles one request at a time with blocking I/O (the
     libfuse multi-thread model); data is immutable and handles are
     stateless, so no state needs sharing. Workers speak the kernel protocol
-    themselves (dlfsd.wireworker: pyfuse3's per-request cost is most of a
+    themselves (dlfsd.fuse.wireworker: pyfuse3's per-request cost is most of a
     small file's). The main process then only supervises and runs the
     services (see supervise).
     """

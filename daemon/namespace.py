@@ -1,14 +1,14 @@
 """Namespace: the mount's tree over one or more datasets, addressed by inode.
 
 Inode 1 is the mount root, whose children are the datasets. Inodes 2..1023
-are reserved for control files (`.dlfs/`, see dlfsd.control; hidden from
+are reserved for control files (`.dlfs/`, see dlfsd.obs.control; hidden from
 readdir of the root); dataset k owns the block [base_k, base_k + rows_k),
 with inode = base_k + row. Everything here is plain Python over the
 SampleDirectory arrays: no pyfuse3, so tests drive it directly.
 
 File handles: a dataset file's handle is its inode (stateless), except while
-tracing, when it also names the opener (dlfsd.trace); `.dlfs/` files get
-per-open handles (dlfsd.control). Counters and the trace are recorded here,
+tracing, when it also names the opener (dlfsd.obs.trace); `.dlfs/` files get
+per-open handles (dlfsd.obs.control). Counters and the trace are recorded here,
 the one place that sees (dataset, row) and the caller (`caller`: anything
 with .pid and .uid, pyfuse3's RequestContext in the daemon).
 """
@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from dlfs.directory import SampleDirectory
 from dlfs.errors import IsADirError, NotADirError, NotFoundError
-from dlfs.store import Dataset
-from dlfsd.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
-from dlfsd.observe import Observability, ObserveConfig
-from dlfsd.reader import SampleReader
-from dlfsd.trace import (
+from dlfs.store.directory import SampleDirectory
+from dlfs.store.store import Dataset
+from dlfsd.obs.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
+from dlfsd.obs.observe import Observability, ObserveConfig
+from dlfsd.obs.trace import (
     OP_GETATTR,
     OP_LOOKUP,
     OP_OPEN,
@@ -38,9 +37,10 @@ from dlfsd.trace import (
     TRACED_FH,
     handle_inode,
 )
+from dlfsd.reader import SampleReader
 
 if TYPE_CHECKING:
-    from dlfsd.pool import ChunkPool
+    from dlfsd.pool.pool import ChunkPool
 
 ROOT_INODE = 1
 FIRST_DATASET_INODE = 1024
@@ -216,7 +216,7 @@ class Namespace:
 
     def dataset_directory(self, ino: int) -> tuple[SampleDirectory, int, int] | None:
         """(directory, inode of its row 0, row) for a dataset inode; None for the root
-        and `.dlfs/` (for packing whole listings at once, see dlfsd.listing)."""
+        and `.dlfs/` (for packing whole listings at once, see dlfsd.fuse.listing)."""
         if ino < FIRST_DATASET_INODE:
             return None
         k, row = self._locate(ino)

@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dlfs.format import CHUNK_HEADER_SIZE
+from dlfs.store.format import CHUNK_HEADER_SIZE
 
 MEMORY_SHARE = 4  # prefetch only if datasets <= available memory / MEMORY_SHARE
 LARGE_SHARE = 4  # a file of >= chunk size / LARGE_SHARE is prefetched as itself

@@ -27,12 +27,12 @@ from collections import OrderedDict
 
 import trio
 
-from dlfs.directory import display_path
 from dlfs.errors import CorruptDataError, FormatError
-from dlfs.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
-from dlfs.store import Dataset
+from dlfs.store.directory import display_path
+from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
+from dlfs.store.store import Dataset
+from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.prefetch import ChunkPrefetch
-from dlfsd.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)

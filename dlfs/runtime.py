@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dlfs.errors import DlfsError
-from dlfs.format import MANIFEST_NAME
+from dlfs.store.format import MANIFEST_NAME
 
 
 def runtime_dir() -> Path:
@@ -103,7 +103,7 @@ def record_path(mountpoint: str) -> Path:
 
 
 def lock_path(mountpoint: str) -> Path:
-    """Held by a `dlfs mount` of the mountpoint until it answers (see dlfs.mountctl)."""
+    """Held by a `dlfs mount` of the mountpoint until it answers (see dlfs.cli.mountctl)."""
     return runtime_dir() / f"{_key(mountpoint)}.lock"
 
 
@@ -117,7 +117,7 @@ def default_log_path(mountpoint: str) -> Path:
 
 
 def control_socket_path(mountpoint: str) -> Path:
-    """The daemon's control socket (`dlfs trace`), next to its record; see dlfsd.controlsock."""
+    """The daemon's control socket (`dlfs trace`), next to its record; see dlfsd.obs.controlsock."""
     return runtime_dir() / f"{_key(mountpoint)}.sock"
 
 

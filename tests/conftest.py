@@ -44,7 +44,7 @@ import pytest
 from trees import TEST_CHUNK_SIZE, EdgeTree, describe_tree, make_edge_tree
 
 _VENV_DLFS = Path(sys.executable).with_name("dlfs")
-DLFS = [str(_VENV_DLFS)] if _VENV_DLFS.exists() else [sys.executable, "-m", "dlfs.cli"]
+DLFS = [str(_VENV_DLFS)] if _VENV_DLFS.exists() else [sys.executable, "-m", "dlfs.cli.main"]
 
 # Mountpoints a live Mounter is responsible for; daemons of others are leftovers.
 _ACTIVE_MOUNTPOINTS: set[str] = set()
@@ -213,8 +213,8 @@ def chunked_dataset(tmp_path: Path, files: int, seed: int):
     per chunk), populated in-process: for stager and chunk-cache tests."""
     import numpy as np
 
-    from dlfs.populate import PopulateOptions, populate
-    from dlfs.store import Store
+    from dlfs.store.populate import PopulateOptions, populate
+    from dlfs.store.store import Store
 
     src = tmp_path / "src"
     src.mkdir()

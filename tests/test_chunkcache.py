@@ -15,9 +15,9 @@ import shutil
 import numpy as np
 import pytest
 
-from dlfs.populate import PopulateOptions, populate
-from dlfs.store import Store
-from dlfsd.chunkcache import ChunkCache
+from dlfs.store.populate import PopulateOptions, populate
+from dlfs.store.store import Store
+from dlfsd.pool.chunkcache import ChunkCache
 
 
 @pytest.fixture

@@ -20,11 +20,12 @@ import pytest
 from conftest import DLFS, force_unmount, tmpfs_at
 from trees import describe_tree, file_bytes, make_small_tree, regular_files
 
-from dlfs import demo, runtime
+from dlfs import runtime
+from dlfs.cli import demo
 from dlfs.errors import DlfsError
 from dlfs.runtime import status_path
 from dlfs.sizes import format_size
-from dlfs.store import Store
+from dlfs.store.store import Store
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 
@@ -329,8 +330,7 @@ def test_rm_interrupted_midway_names_what_is_left(monkeypatch, capsys, two_datas
     """Ctrl-C while `dlfs rm` deletes (minutes for many chunks on a PFS): the dataset is
     already unpublished, so the one line says so and names the half-deleted directory
     (which is hidden from `ls`); before, it said only "interrupted"."""
-    from dlfs import cli
-
+    from dlfs.cli import main as cli
     store, _ = two_dataset_store
     real_rmtree = shutil.rmtree
 
@@ -426,7 +426,7 @@ def test_subcommand_help_has_examples_and_exit_codes(dlfs_cli, sub):
 
 def test_help_examples_parse(dlfs_cli):
     """Every `dlfs ...` example line in the help texts uses flags the parser accepts."""
-    from dlfs.cli import build_parser
+    from dlfs.cli.main import build_parser
 
     parser = build_parser()
     examples = set()

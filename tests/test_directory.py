@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlfs.directory import SampleDirectory, SourceEntry, build_directory, chunk_lengths
+from dlfs.store.directory import SampleDirectory, SourceEntry, build_directory, chunk_lengths
 
 DIR = stat.S_IFDIR | 0o755
 names = st.binary(min_size=1, max_size=12).filter(

@@ -12,7 +12,7 @@ import pytest
 from conftest import describe_result
 from trees import make_small_tree
 
-from dlfs.format import MANIFEST_NAME
+from dlfs.store.format import MANIFEST_NAME
 
 
 def free_port() -> int:

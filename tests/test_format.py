@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dlfs.errors import FormatError
-from dlfs.format import (
+from dlfs.store.format import (
     CHUNK_HEADER_SIZE,
     MANIFEST_FORMAT_VERSION,
     check_chunk_header,
@@ -16,7 +16,7 @@ from dlfs.format import (
     encode_manifest,
     pack_chunk_header,
 )
-from dlfs.layout import plan_extents
+from dlfs.store.layout import plan_extents
 
 UUID = bytes(range(16))
 

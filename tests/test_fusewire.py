@@ -14,7 +14,7 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dlfsd import fusewire as fw
+from dlfsd.fuse import fusewire as fw
 from dlfsd.namespace import Attr
 
 

@@ -25,7 +25,6 @@ import pytest
 from trees import describe_tree, make_small_tree, regular_files, sha256_file
 
 from dlfs.errors import DlfsError
-from dlfs.populate import PopulateOptions, populate
 from dlfs.runtime import (
     control_socket_path,
     lock_path,
@@ -34,7 +33,8 @@ from dlfs.runtime import (
     status_path,
     write_record,
 )
-from dlfs.store import Store
+from dlfs.store.populate import PopulateOptions, populate
+from dlfs.store.store import Store
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 
@@ -474,7 +474,7 @@ def mount_interrupted(monkeypatch, store: Path, mountpoint: Path, after_spawn) -
     """mountctl.mount in the background, with `after_spawn(proc)` run right after the
     daemon is spawned (inside Popen, as far as `dlfs mount` can tell); it must end in
     KeyboardInterrupt."""
-    import dlfs.mountctl as mountctl
+    import dlfs.cli.mountctl as mountctl
     from dlfs.config import MountConfig
 
     real_spawn = mountctl._spawn_daemon
@@ -504,7 +504,7 @@ def run_mount_script(script: str, mountpoint: Path, store: Path,
 CTRL_C_AFTER_INIT = """
 import os, signal, sys
 import pyfuse3
-from dlfs.cli import main
+from dlfs.cli.main import main
 real_init = pyfuse3.init
 def init_then_ctrl_c(*args, **kwargs):
     real_init(*args, **kwargs)
@@ -534,7 +534,7 @@ def test_ctrl_c_right_after_a_foreground_mount_is_made_unmounts_it(sysproc, smal
 FAIL_AFTER_FORK = """
 import sys, time
 import dlfsd.main as daemon
-import dlfsd.wireworker as wireworker
+import dlfsd.fuse.wireworker as wireworker
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 real_init = wireworker.WireWorker.__init__
@@ -572,7 +572,7 @@ def test_workers_stopped_as_they_start_do_not_wait_for_sigkill(sysproc, small_st
 LAUNCHER = """
 import sys, time
 from dlfs.config import MountConfig
-from dlfs.mountctl import mount_uncommitted
+from dlfs.cli.mountctl import mount_uncommitted
 mount_uncommitted(MountConfig(mountpoint=sys.argv[1], store=sys.argv[2], log_file=sys.argv[3],
                               workers=int(sys.argv[4])))
 print("mounted", flush=True)
@@ -604,8 +604,8 @@ def test_an_uncommitted_mount_goes_when_its_launcher_dies(sysproc, small_store, 
 
 def test_a_committed_mount_stays_once_the_pipe_is_closed(dlfs_cli, sysproc, small_store,
                                                          small_source, tmp_path):
+    from dlfs.cli.mountctl import commit_mount, mount_uncommitted
     from dlfs.config import MountConfig
-    from dlfs.mountctl import commit_mount, mount_uncommitted
 
     mp = tmp_path / "mnt"
     mp.mkdir()

@@ -1,6 +1,6 @@
-"""Bulk-packed listings (dlfsd.listing) equal the one-entry-at-a-time packing, byte for byte.
+"""Bulk-packed listings (dlfsd.fuse.listing) equal the one-entry-at-a-time packing, byte for byte.
 
-The reference is dlfsd.fusewire's per-entry struct packing of the Namespace's
+The reference is dlfsd.fuse.fusewire's per-entry struct packing of the Namespace's
 attributes, which the real-mount tests check against `os.stat` of the source.
 Trees are random (names of any bytes and lengths, files, directories with
 subdirectories, symlinks, mtimes before 1970), and so are the start offset
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlfs.directory import SourceEntry, build_directory
-from dlfsd import fusewire as fw
-from dlfsd.listing import PLAIN_RECORD, PLUS_RECORD, ListingPacker
+from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.fuse import fusewire as fw
+from dlfsd.fuse.listing import PLAIN_RECORD, PLUS_RECORD, ListingPacker
 from dlfsd.namespace import _attr
 
 BASE = 1024

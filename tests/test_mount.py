@@ -29,9 +29,9 @@ from trees import (
     sha256_file,
 )
 
-from dlfs.format import CHUNK_HEADER_SIZE, chunk_path
-from dlfs.store import Store
-from dlfsd.fusewire import BLKSIZE, DIR_BLKSIZE
+from dlfs.store.format import CHUNK_HEADER_SIZE, chunk_path
+from dlfs.store.store import Store
+from dlfsd.fuse.fusewire import BLKSIZE, DIR_BLKSIZE
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 

@@ -25,10 +25,10 @@ import pytest
 from conftest import DLFS, daemon_pids_for, describe_result, force_unmount, fstype_at, in_ci
 from trees import describe_tree, make_small_tree
 
-from dlfs.format import CHUNK_HEADER_SIZE, chunk_path
-from dlfs.mpi_launch import launch_secret_file, node_names
-from dlfs.mpi_populate import chunk_owners, launched_by_mpi
-from dlfs.store import Store
+from dlfs.cluster.mpi_launch import launch_secret_file, node_names
+from dlfs.cluster.mpi_populate import chunk_owners, launched_by_mpi
+from dlfs.store.format import CHUNK_HEADER_SIZE, chunk_path
+from dlfs.store.store import Store
 
 RANKS = 3
 
@@ -85,7 +85,7 @@ def record(event, args):
             busy = False
 
 sys.addaudithook(record)
-from dlfs.cli import main
+from dlfs.cli.main import main
 sys.exit(main())
 """
 
@@ -219,11 +219,11 @@ def test_rank0_failure_publishes_nothing(tmp_path):
 # directory and before the other ranks have the plan (while it packs the plan to send).
 INTERRUPT_BEFORE_THE_PLAN_IS_SHARED = """
 import sys
-import dlfs.mpi_populate
+import dlfs.cluster.mpi_populate
 def interrupted(plan):
     raise KeyboardInterrupt
-dlfs.mpi_populate._pack_plan = interrupted
-from dlfs.cli import main
+dlfs.cluster.mpi_populate._pack_plan = interrupted
+from dlfs.cli.main import main
 sys.exit(main())
 """
 

@@ -11,11 +11,11 @@ import pytest
 import trio
 
 import dlfsd.reader as reader_module
-from dlfs.format import CHUNK_HEADER_SIZE, checksum
-from dlfs.populate import PopulateOptions, populate
-from dlfs.store import Store
+from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+from dlfs.store.populate import PopulateOptions, populate
+from dlfs.store.store import Store
+from dlfsd.fuse.ops import DlfsOperations
 from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
-from dlfsd.ops import DlfsOperations
 
 FILES = {
     b"a.bin": os.urandom(5000),

@@ -21,10 +21,10 @@ import pytest
 import trio
 from peerfakes import DATASET, SECRET, FileProvider
 
-from dlfs import protocol
-from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
-from dlfsd.peerserver import PeerLoopServer
-from dlfsd.peersync import BlockingPeerClient
+from dlfsd.pool import protocol
+from dlfsd.pool.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
+from dlfsd.pool.peerserver import PeerLoopServer
+from dlfsd.pool.peersync import BlockingPeerClient
 
 WRONG_SECRET = b"another-jobs-secret-0123456789"
 UNKNOWN_DATASET = os.urandom(16)
@@ -228,12 +228,12 @@ async def test_chunk_not_staged_raises_peer_miss(peer):
 
 async def test_provider_errors_fail_the_reads_and_log_one_line_per_chunk(peer, caplog):
     client = peer.client(connections=1)
-    with caplog.at_level(logging.WARNING, logger="dlfsd.peer"):
+    with caplog.at_level(logging.WARNING, logger="dlfsd.pool.peer"):
         for offset in (0, 100, 200):  # a broken copy, read by peers again and again
             with pytest.raises(PeerMiss) as failed:
                 await client.read(DATASET, FAILING, offset, 100)
             assert failed.value.code == protocol.FAIL_IO
-    records = [r for r in caplog.records if r.name == "dlfsd.peer"]
+    records = [r for r in caplog.records if r.name == "dlfsd.pool.peer"]
     assert len(records) == 1
     assert "Input/output error" in records[0].getMessage()
     assert "127.0.0.1:" in records[0].getMessage()
@@ -263,7 +263,7 @@ async def test_wrong_client_proof_gets_err_and_close(peer, caplog):
     await stream.send_all(protocol.encode(protocol.hello("intruder", protocol.new_nonce())))
     (challenge,) = decoder.feed(await stream.receive_some())
     assert challenge["t"] == protocol.CHALLENGE
-    with caplog.at_level(logging.WARNING, logger="dlfsd.peer"):
+    with caplog.at_level(logging.WARNING, logger="dlfsd.pool.peer"):
         await stream.send_all(protocol.encode(protocol.auth(b"\0" * protocol.PROOF_SIZE)))
         replies = await receive_until_closed(stream)
     assert [(m["t"], m["code"]) for m in replies] == [(protocol.ERR, protocol.ERR_AUTH)]
@@ -322,7 +322,7 @@ async def test_silent_connection_is_dropped_after_the_handshake_timeout(start_pe
     peer = start_peer(handshake_timeout=0.2)
     stream = await raw_connect(peer)
     start = trio.current_time()
-    with caplog.at_level(logging.WARNING, logger="dlfsd.peer"):
+    with caplog.at_level(logging.WARNING, logger="dlfsd.pool.peer"):
         assert await receive_until_closed(stream) == []
     assert 0.15 < trio.current_time() - start < 2.0
     assert peer.count("protocol_errors") == 1
@@ -368,7 +368,7 @@ async def test_malformed_frames_close_the_connection(peer, caplog, garbage, auth
     stream = await raw_connect(peer)
     if authenticated:
         await raw_handshake(stream)
-    with caplog.at_level(logging.WARNING, logger="dlfsd.peer"):
+    with caplog.at_level(logging.WARNING, logger="dlfsd.pool.peer"):
         await stream.send_all(garbage)
         if garbage.startswith(struct.pack(">I", 3)):
             await stream.send_eof()  # the server sees a frame cut short
@@ -376,7 +376,7 @@ async def test_malformed_frames_close_the_connection(peer, caplog, garbage, auth
     assert all(m["t"] == protocol.ERR for m in replies)
     assert peer.count("protocol_errors") == 1
     assert peer.count("bytes_served") == 0
-    warnings = [r for r in caplog.records if r.name == "dlfsd.peer"]
+    warnings = [r for r in caplog.records if r.name == "dlfsd.pool.peer"]
     assert len(warnings) == 1 and "127.0.0.1:" in warnings[0].getMessage()
     await assert_serves_a_good_client(peer)
 
@@ -551,7 +551,7 @@ def test_a_client_used_from_a_new_trio_run_opens_its_own_connections(peer):
     assert peer.count("connections_accepted") == 2
 
 
-# -- the workers' blocking client (dlfsd.peersync) against the same server -----------
+# -- the workers' blocking client (dlfsd.pool.peersync) against the same server -----------
 
 def blocking_client(peer: Peer, secret: bytes = SECRET,
                     timeout: float = 2.0) -> BlockingPeerClient:

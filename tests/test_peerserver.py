@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dlfs import protocol
-from dlfsd.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
-from dlfsd.peerserver import PeerLoopServer
-from dlfsd.peersync import BlockingPeerClient
+from dlfsd.pool import protocol
+from dlfsd.pool.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
+from dlfsd.pool.peerserver import PeerLoopServer
+from dlfsd.pool.peersync import BlockingPeerClient
 
 SECRET = b"job-secret-0123456789abcdef"
 DATASET = os.urandom(16)

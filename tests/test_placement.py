@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlfs.cluster import Node, load_secret, parse_node, parse_nodes, resolve_cluster
+from dlfs.cluster.nodes import Node, load_secret, parse_node, parse_nodes, resolve_cluster
+from dlfs.cluster.placement import owners, summary
 from dlfs.errors import NotFoundError, UsageError
-from dlfs.placement import owners, summary
 
 names_st = st.lists(st.from_regex(r"[a-z][a-z0-9]{0,6}", fullmatch=True), min_size=2,
                     max_size=9, unique=True)

@@ -1,7 +1,7 @@
 """The chunk pool with real daemons: several mounts on one machine, real TCP on loopback.
 
 Each simulated node is a `dlfs mount` with its own mountpoint, cache dir and
-port. Expected placements come from dlfs.placement (tested on its own in
+port. Expected placements come from dlfs.cluster.placement (tested on its own in
 test_placement.py); expected bytes always come from the source tree.
 """
 
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from conftest import daemon_pids_for, describe_result, kill_and_reap
 
-from dlfs.format import CHUNK_HEADER_SIZE
-from dlfs.placement import owners
+from dlfs.cluster.placement import owners
 from dlfs.sampledata import generate_large_files, generate_tree
-from dlfs.store import Store
+from dlfs.store.format import CHUNK_HEADER_SIZE
+from dlfs.store.store import Store
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 

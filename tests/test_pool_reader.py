@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import trio
 
-from dlfs.cluster import ClusterView, Node
-from dlfs.format import CHUNK_HEADER_SIZE
-from dlfs.populate import PopulateOptions, populate
-from dlfs.store import Store
-from dlfsd.peerserver import PeerLoopServer
-from dlfsd.pool import ChunkPool
+from dlfs.cluster.nodes import ClusterView, Node
+from dlfs.store.format import CHUNK_HEADER_SIZE
+from dlfs.store.populate import PopulateOptions, populate
+from dlfs.store.store import Store
+from dlfsd.obs.stats import Stats
+from dlfsd.pool.peerserver import PeerLoopServer
+from dlfsd.pool.pool import ChunkPool
+from dlfsd.pool.stager import DemandChannel, Stager
 from dlfsd.reader import SampleReader
 from dlfsd.slots import ProcessSlot
-from dlfsd.stager import DemandChannel, Stager
-from dlfsd.stats import Stats
 
 
 @pytest.fixture

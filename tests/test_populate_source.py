@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from dlfs.errors import DlfsError
-from dlfs.populate import (
+from dlfs.progress import byte_progress
+from dlfs.store.populate import (
     PopulateOptions,
     plan_populate,
     populate,
     start_temp_dir,
     write_chunks,
 )
-from dlfs.progress import byte_progress
-from dlfs.store import Store
+from dlfs.store.store import Store
 
 OPTIONS = PopulateOptions(chunk_size=64 << 10, jobs=2, progress=False)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from pagecache import missing_pages, resident
 
-from dlfs.format import CHUNK_HEADER_SIZE
-from dlfs.store import Store
+from dlfs.store.format import CHUNK_HEADER_SIZE
+from dlfs.store.store import Store
 from dlfsd.prefetch import MEMORY_SHARE, ChunkPrefetch, prefetch_decision
 
 FILE_SIZE = 100_000

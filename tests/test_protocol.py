@@ -1,4 +1,4 @@
-"""dlfs.protocol: frames and messages, including whatever a hostile peer might send."""
+"""dlfsd.pool.protocol: frames and messages, including whatever a hostile peer might send."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlfs import protocol
 from dlfs.errors import DlfsError
-from dlfs.protocol import FrameDecoder, ProtocolError
+from dlfsd.pool import protocol
+from dlfsd.pool.protocol import FrameDecoder, ProtocolError
 
 NONCE = bytes(range(32))
 DATASET = bytes(range(16))

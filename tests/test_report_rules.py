@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlfs.directory import SourceEntry, build_directory
-from dlfs.report import random_read_count
-from dlfs.tracefile import Trace
+from dlfs.obs.report import random_read_count
+from dlfs.obs.traceclient import Trace
+from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.obs.stats import Stats
 from dlfsd.slots import ProcessSlot
-from dlfsd.stats import Stats
 
 # (file, offset, size): three whole reads of a, a skip in b, then b read on from there.
 READS = [(1, 0, 100), (1, 0, 100), (1, 0, 100), (2, 0, 50), (2, 500, 50), (2, 550, 50)]

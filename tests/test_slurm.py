@@ -36,7 +36,7 @@ from slurmcluster import SIM_NODES, SlurmCluster, SlurmUnavailable
 from sysusers import temp_user
 from trees import make_small_tree
 
-from dlfs.slurm import derive_job_secret, expand_hostlist
+from dlfs.cluster.slurm import derive_job_secret, expand_hostlist
 
 pytestmark = pytest.mark.timeout(240)
 

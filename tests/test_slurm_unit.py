@@ -1,4 +1,4 @@
-"""dlfs.slurm and deploy/slurm/common.sh: hostlists, job env, ports, patterns, opt-in, secrets.
+"""dlfs.cluster.slurm and deploy/slurm/common.sh: hostlists, job env, ports, patterns, secrets.
 
 Pure functions; the real Slurm cross-checks (scontrol show hostnames, a real
 prolog's environment) live in test_slurm.py.
@@ -15,8 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dlfs.errors import DlfsError, UsageError
-from dlfs.slurm import (
+from dlfs.cluster.slurm import (
     PeerNode,
     SlurmJob,
     derive_job_secret,
@@ -27,6 +26,7 @@ from dlfs.slurm import (
     read_site_key,
     write_secret_file,
 )
+from dlfs.errors import DlfsError, UsageError
 
 COMMON_SH = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "common.sh"
 
@@ -240,7 +240,7 @@ def test_write_secret_file_mode_and_owner(tmp_path):
 def test_mount_slurm_expands_every_path_flag_its_help_names():
     """`dlfs mount --slurm`: %j/%n expand in each path flag the help lists, the summary
     file (written at unmount, e.g. for the epilogue to keep) included."""
-    from dlfs.cli import apply_slurm, build_parser
+    from dlfs.cli.main import apply_slurm, build_parser
 
     args = build_parser().parse_args([
         "mount", "/mnt/dlfs/%j", "--store", "/store", "--slurm",

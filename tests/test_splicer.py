@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlfs.errors import CorruptDataError
-from dlfs.format import checksum
+from dlfs.store.format import checksum
+from dlfsd.fuse.splicer import PIPE_BYTES, ReplySplicer, SpliceFailed
 from dlfsd.reader import _map_and_hash
-from dlfsd.splicer import PIPE_BYTES, ReplySplicer, SpliceFailed
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TEST_PIPE = 1 << 20  # any process may make a pipe this large; the logic is size-independent

@@ -22,13 +22,13 @@ import trio.testing
 from conftest import chunked_dataset, until
 from peerfakes import DATASET, SECRET, FileProvider
 
-from dlfs import protocol
-from dlfsd import stager as stager_module
-from dlfsd.chunkcache import ChunkCache
-from dlfsd.peer import PeerUnavailable
-from dlfsd.peerserver import PeerLoopServer
-from dlfsd.peersync import BlockingPeerClient
-from dlfsd.stager import DemandChannel, Stager
+from dlfsd.pool import protocol
+from dlfsd.pool import stager as stager_module
+from dlfsd.pool.chunkcache import ChunkCache
+from dlfsd.pool.peer import PeerUnavailable
+from dlfsd.pool.peerserver import PeerLoopServer
+from dlfsd.pool.peersync import BlockingPeerClient
+from dlfsd.pool.stager import DemandChannel, Stager
 
 STEP = 16 << 10  # the stager's copy step in these tests
 RATE = 32 << 10  # store pacing: a step takes 0.5 s, a 256 KiB chunk about 8 s

@@ -30,9 +30,9 @@ import pytest
 import trio
 from conftest import chunked_dataset, tmpfs_at, until
 
-from dlfsd import stager as stager_module
-from dlfsd.chunkcache import ChunkCache
-from dlfsd.stager import DemandChannel, Stager
+from dlfsd.pool import stager as stager_module
+from dlfsd.pool.chunkcache import ChunkCache
+from dlfsd.pool.stager import DemandChannel, Stager
 
 FIRST, CAP = 0.05, 0.2  # the stager's retry delays in these tests (seconds)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from pagecache import missing_pages_fd, pinned
 
-from dlfs.statsview import text_summary
-from dlfs.tracefile import COLUMNS
-from dlfsd.control import SNAPSHOT_FRESH
+from dlfs.obs.statsview import text_summary
+from dlfs.obs.traceclient import COLUMNS
+from dlfsd.obs.control import SNAPSHOT_FRESH
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 
@@ -452,9 +452,9 @@ def test_stats_cli_table_and_json(mounted, stats_store, dlfs_cli):
 
 def test_process_slabs_add_up_across_forks(stats_store):
     """Unit level: forked processes write their own slabs; one snapshot sees all of it."""
-    from dlfs.store import Store
+    from dlfs.store.store import Store
+    from dlfsd.obs.stats import SOURCE_PEER, Stats
     from dlfsd.slots import ProcessSlot
-    from dlfsd.stats import SOURCE_PEER, Stats
 
     dataset = Store(stats_store).open("ds")
     row = dataset.directory.resolve(b"big.bin")

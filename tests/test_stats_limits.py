@@ -11,9 +11,9 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dlfs.directory import SourceEntry, build_directory
+from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.obs.stats import COUNT_MAX, Stats, top_rows
 from dlfsd.slots import ProcessSlot
-from dlfsd.stats import COUNT_MAX, Stats, top_rows
 
 
 def test_a_files_counters_stop_at_their_limit_instead_of_failing_the_read():

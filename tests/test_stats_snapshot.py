@@ -7,9 +7,9 @@ import os
 import signal
 import time
 
-from dlfs.directory import SourceEntry, build_directory
+from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.obs.stats import SOURCE_PEER, Stats
 from dlfsd.slots import ProcessSlot
-from dlfsd.stats import SOURCE_PEER, Stats
 
 
 def _directory(files: int):

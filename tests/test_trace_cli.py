@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dlfs.tracefile import COLUMNS, read_trace_csv
+from dlfs.obs.traceclient import COLUMNS, read_trace_csv
 
 
 def test_the_trace_capacity_goes_to_the_processes_that_serve(mounted, store_with, tmp_path,

@@ -20,7 +20,7 @@ fi
 # shellcheck source=dlfs.conf
 . "$DLFS_CONF"
 
-# %j -> job id, %n -> node name, %% -> % (same rule as dlfs.slurm.expand_pattern).
+# %j -> job id, %n -> node name, %% -> % (same rule as dlfs.cluster.slurm.expand_pattern).
 expand() {
     local s=${1//%%/$'\x01'}
     s=${s//%j/$JOB}

@@ -1,0 +1,187 @@
+"""The FUSE kernel wire format: request headers in, replies out (no libfuse, no pyfuse3).
+
+Worker processes (dlfsd.fuse.wireworker) speak this directly on the mount's
+/dev/fuse descriptor once libfuse (through pyfuse3) has mounted and answered
+INIT in the main process. Only what a read-only file system needs is here:
+the layouts of `include/uapi/linux/fuse.h` for the requests we read and the
+replies we write, x86-64/aarch64 little-endian, protocol 7.x (the layouts used
+below have been stable since 7.9).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+
+# Opcodes (enum fuse_opcode).
+LOOKUP = 1
+FORGET = 2
+GETATTR = 3
+SETATTR = 4
+READLINK = 5
+SYMLINK = 6
+MKNOD = 8
+MKDIR = 9
+UNLINK = 10
+RMDIR = 11
+RENAME = 12
+LINK = 13
+OPEN = 14
+READ = 15
+WRITE = 16
+STATFS = 17
+RELEASE = 18
+FSYNC = 20
+SETXATTR = 21
+GETXATTR = 22
+LISTXATTR = 23
+REMOVEXATTR = 24
+FLUSH = 25
+INIT = 26
+OPENDIR = 27
+READDIR = 28
+RELEASEDIR = 29
+FSYNCDIR = 30
+ACCESS = 34
+CREATE = 35
+INTERRUPT = 36
+DESTROY = 38
+BATCH_FORGET = 42
+FALLOCATE = 43
+READDIRPLUS = 44
+RENAME2 = 45
+COPY_FILE_RANGE = 47
+TMPFILE = 51
+
+#: Requests that change the file system: always EROFS.
+MUTATING = frozenset({SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE,
+                      SETXATTR, REMOVEXATTR, CREATE, FALLOCATE, RENAME2, COPY_FILE_RANGE,
+                      TMPFILE})
+#: Requests the kernel sends without expecting a reply.
+NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})
+
+#: Notification (written to /dev/fuse with unique 0, the code in the error field): the
+#: kernel queues again every request read but not answered yet (Linux >= 6.9).
+NOTIFY_RESEND = 7
+
+FOPEN_DIRECT_IO = 1 << 0
+FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_CACHE_DIR = 1 << 3  # the kernel may cache this directory's entries (readdir)
+
+# Kernels from which an ENOSYS answer to OPEN / OPENDIR means "never ask again"
+# (no_open / no_opendir); before them the application would get the ENOSYS.
+# FUSE protocol 7.23 (Linux 3.15) added FUSE_NO_OPEN_SUPPORT, 7.29 (5.1) no_opendir.
+NO_OPEN_SINCE = (3, 15)
+NO_OPENDIR_SINCE = (5, 1)
+KERNEL_RELEASE_VAR = "DLFSD_KERNEL_RELEASE"  # stands in for uname's release (tests)
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """(major, minor) of a kernel release string such as '4.18.0-553.el8_10.x86_64';
+    (0, 0) if it does not start with numbers, which makes every feature check fail safe."""
+    numbers = []
+    for part in release.split(".")[:2]:
+        digits = len(part) - len(part.lstrip("0123456789"))
+        if not digits:
+            break
+        numbers.append(int(part[:digits]))
+    return (numbers[0], numbers[1]) if len(numbers) == 2 else (0, 0)
+
+
+def kernel_release() -> str:
+    return os.environ.get(KERNEL_RELEASE_VAR) or os.uname().release
+
+
+def kernel_skips_opens(release: str | None = None) -> tuple[bool, bool]:
+    """(no_open, no_opendir): whether this kernel stops sending OPEN / OPENDIR once
+    answered ENOSYS. Distribution kernels may have them backported; then we answer
+    opens we need not, which costs a round trip per open, never a failed open."""
+    version = kernel_version(kernel_release() if release is None else release)
+    return version >= NO_OPEN_SINCE, version >= NO_OPENDIR_SINCE
+
+
+def workers_answer_opens(count_opens: bool) -> bool:
+    """Whether worker processes answer OPEN (and so see, and count, every open): when
+    asked to count them, or when this kernel would hand our ENOSYS to the application."""
+    return count_opens or not kernel_skips_opens()[0]
+
+IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
+OUT_HEADER = struct.Struct("<IiQ")  # len error unique
+READ_IN = struct.Struct("<QQII")  # fh offset size read_flags (lock_owner, flags follow)
+RELEASE_IN = struct.Struct("<QII")  # fh flags release_flags
+OPEN_IN = struct.Struct("<II")  # flags open_flags
+SIZE_IN = struct.Struct("<II")  # getxattr_in / listxattr_in: size, padding
+ACCESS_IN = struct.Struct("<II")  # mask, padding
+OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
+XATTR_SIZE_OUT = struct.Struct("<II")  # size padding
+# fuse_entry_out = nodeid generation entry_valid attr_valid entry_nsec attr_nsec + fuse_attr;
+# fuse_attr = ino size blocks atime mtime ctime atimensec mtimensec ctimensec mode nlink
+#             uid gid rdev blksize flags (times before 1970 as two's complement: "q")
+ENTRY_OUT = struct.Struct("<QQQQII" "QQQqqqIIIIIIIIII")
+ATTR_OUT = struct.Struct("<QII" "QQQqqqIIIIIIIIII")  # attr_valid attr_nsec dummy + fuse_attr
+STATFS_OUT = struct.Struct("<QQQQQIIII24x")  # blocks bfree bavail files ffree bsize namelen frsize
+DIRENT = struct.Struct("<QQII")  # ino off namelen type, then the name, padded to 8 bytes
+
+BLKSIZE = 128 * 1024
+#: st_blksize of a directory. glibc sizes its getdents buffer by it (up to 1 MiB), and the
+#: kernel asks for READDIRPLUS replies that large: a directory of a few thousand samples is
+#: listed in one round trip to the daemon instead of one per ~750 entries (128 KiB).
+DIR_BLKSIZE = 1 << 20
+#: A read of /dev/fuse must offer room for the largest request (a max_write WRITE), or
+#: the kernel refuses it (EINVAL): libfuse negotiates 256 pages, 1 MiB with 4 KiB pages
+#: but 16 MiB with the 64 KiB pages of some aarch64 kernels; plus headers, with a margin.
+REQUEST_BUFFER = 256 * os.sysconf("SC_PAGE_SIZE") + (64 << 10)
+
+
+def error_reply(unique: int, errno_value: int) -> bytes:
+    """A reply that carries only an error (errno_value > 0) or success with no data (0)."""
+    return OUT_HEADER.pack(OUT_HEADER.size, -errno_value, unique)
+
+
+def resend_notification() -> bytes:
+    """NOTIFY_RESEND: the requests a dead worker had read go back to the queue."""
+    return OUT_HEADER.pack(OUT_HEADER.size, NOTIFY_RESEND, 0)
+
+
+def reply_header(unique: int, payload_len: int) -> bytes:
+    return OUT_HEADER.pack(OUT_HEADER.size + payload_len, 0, unique)
+
+
+def _seconds(timeout: float) -> tuple[int, int]:
+    whole = int(timeout)
+    return whole, int((timeout - whole) * 1e9)
+
+
+class AttrPacker:
+    """Packs entry/attr replies for one mount (owner and cache timeouts fixed)."""
+
+    def __init__(self, uid: int, gid: int, timeout: float) -> None:
+        self.uid, self.gid = uid, gid
+        self.valid, self.valid_ns = _seconds(timeout)
+
+    def _attr(self, ino: int, mode: int, size: int, mtime_ns: int, nlink: int) -> tuple:
+        sec, nsec = divmod(mtime_ns, 1_000_000_000)
+        return (ino, size, (size + 511) // 512, sec, sec, sec, nsec, nsec, nsec, mode, nlink,
+                self.uid, self.gid, 0, DIR_BLKSIZE if stat.S_ISDIR(mode) else BLKSIZE, 0)
+
+    def entry(self, attr) -> bytes:
+        """fuse_entry_out for a dlfsd.namespace.Attr."""
+        v, vn = self.valid, self.valid_ns
+        return ENTRY_OUT.pack(attr.ino, 0, v, v, vn, vn, *self._attr(*attr))
+
+    def attr(self, attr) -> bytes:
+        """fuse_attr_out for a dlfsd.namespace.Attr."""
+        return ATTR_OUT.pack(self.valid, self.valid_ns, 0, *self._attr(*attr))
+
+
+def dirent(name: bytes, ino: int, mode: int, next_offset: int) -> bytes:
+    """One fuse_dirent (READDIR), padded to a multiple of 8 bytes."""
+    head = DIRENT.pack(ino, next_offset, len(name), stat.S_IFMT(mode) >> 12)
+    return head + name + b"\0" * (-(DIRENT.size + len(name)) % 8)
+
+
+def statfs(nbytes: int, entries: int) -> bytes:
+    """fuse_statfs_out: the mount's size, full (nothing free), 4 KiB blocks."""
+    blocks = (nbytes + 4095) // 4096
+    return STATFS_OUT.pack(blocks, 0, 0, entries, 0, 4096, 255, 4096, 0)

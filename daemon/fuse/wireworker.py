@@ -1,0 +1,369 @@
+"""WireWorker: a forked worker process serving FUSE requests straight off /dev/fuse.
+
+Why not pyfuse3 here: a request through pyfuse3's trio loop costs about 40 µs
+of CPU (epoll registration, a trio task switch, a lock, coroutine wrappers);
+the same request read and answered here with one blocking read() and one
+write() costs about 25 µs, most of it the kernel's own round trip. A blocking
+read() of /dev/fuse also wakes exactly one waiting worker per request, where
+epoll wakes them all. And only here can the kernel open files without us
+(FUSE no_open, the default; see `open`): READ then carries no handle, and
+pyfuse3's read() is not given the inode, so it could not serve it. A file
+already in the page cache then costs the daemon no request at all. The same
+goes for directories (FUSE no_opendir, see `opendir`).
+
+The main process still mounts through pyfuse3/libfuse and answers INIT (which
+negotiates the protocol); workers are forked after that and only translate:
+each request becomes one Namespace call, exactly as in dlfsd.fuse.ops, and each
+failure an errno through the same table (dlfsd.fuse.errnomap). One request at a time per
+process, blocking I/O inline (the readers are in inline mode).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+
+from dlfs.signals import STOP_SIGNALS, unblock_stop_signals
+from dlfsd.fuse import fusewire as fw
+from dlfsd.fuse.errnomap import errno_for
+from dlfsd.fuse.listing import ListingPacker
+from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
+from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
+from dlfsd.reader import FileSpan
+
+log = logging.getLogger(__name__)
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+_HEADER = fw.IN_HEADER.size
+
+
+class Caller:
+    """Who sent the current request (what the Namespace's trace wants: pid, uid)."""
+
+    __slots__ = ("gid", "pid", "uid")
+
+    def __init__(self) -> None:
+        self.pid = self.uid = self.gid = 0
+
+
+class _Stop(Exception):
+    """Raised by the signal handler to leave a blocking read of /dev/fuse."""
+
+
+def fuse_fds() -> set[int]:
+    """This process's descriptors open on /dev/fuse."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                found.add(int(name))
+        except OSError:  # the listing's own descriptor, gone already
+            continue
+    return found
+
+
+def find_fuse_fd(before: set[int]) -> int:
+    """The /dev/fuse descriptor of our mount: the one not open before mounting."""
+    new = fuse_fds() - before
+    if len(new) != 1:
+        raise RuntimeError(f"cannot tell the mount's /dev/fuse descriptor (candidates {new})")
+    return new.pop()
+
+
+def run_inline(coro):
+    """Run a coroutine that never suspends (inline I/O) to its result."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a request tried to wait for another task in a worker process")
+
+
+WORKER_ABORTED = 3  # exit code: /dev/fuse said ECONNABORTED
+
+
+class WireWorker:
+    """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
+
+    def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
+                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
+        self.ns = namespace
+        self.fd = fd
+        self.answer_opens = fw.workers_answer_opens(count_opens)
+        self.no_opendir = fw.kernel_skips_opens()[1]
+        self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
+        # `.dlfs/` files change all the time: the kernel must ask again on each read.
+        self.control_attrs = fw.AttrPacker(uid, gid, 0.0)
+        self.caller = Caller()
+        self._listers: dict[int, ListingPacker] = {}  # by the inode of the dataset's row 0
+        self._buf = bytearray(fw.REQUEST_BUFFER)
+        self._view = memoryview(self._buf)
+        self._reading = False
+        self._stopping = False
+        self._aborted = False
+        # pipe_size: for spliced read replies (dlfsd.fuse.splicer.usable_pipe_size); 0: copy.
+        self.splicer = ReplySplicer(fd, pipe_size) if pipe_size else None
+        self._splice_warned = False
+        # `dlfs mount --debug`: one line per request and its answer (never otherwise:
+        # one attribute test per request is all this costs the hot path).
+        self._debug = log.isEnabledFor(logging.DEBUG)
+        self._use_spans(True)
+        self._handlers = {
+            fw.LOOKUP: self.lookup, fw.GETATTR: self.getattr, fw.READLINK: self.readlink,
+            fw.OPEN: self.open, fw.READ: self.read, fw.RELEASE: self.release,
+            fw.STATFS: self.statfs, fw.GETXATTR: self.getxattr, fw.LISTXATTR: self.listxattr,
+            fw.OPENDIR: self.opendir, fw.READDIR: self.readdir,
+            fw.READDIRPLUS: self.readdirplus, fw.RELEASEDIR: self.empty,
+            fw.ACCESS: self.access, fw.DESTROY: self.empty,
+        }
+
+    # -- the loop ---------------------------------------------------------------------
+    def serve(self) -> int:
+        """Serve until unmounted or stopped; returns the worker's exit code: 0, or
+        WORKER_ABORTED when the connection was aborted (the mount is still there,
+        dead: the main process must take it down)."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+        unblock_stop_signals()  # forked with them blocked (see start_workers)
+        try:
+            while not self._stopping:
+                n = self._receive()
+                if n <= 0:
+                    break
+                self._dispatch(n)
+        except _Stop:  # the signal came just as a read returned: we are stopping anyway
+            pass
+        return WORKER_ABORTED if self._aborted else 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stopping = True
+        if self._reading:  # blocked waiting for a request: nothing is left unanswered
+            raise _Stop
+
+    def _receive(self) -> int:
+        """Read one request; 0 once the file system is unmounted or we must stop."""
+        while True:
+            self._reading = True
+            try:
+                if self._stopping:  # the signal came before _reading was set: it did not
+                    return 0  # raise, and readv would wait for the next request
+                return os.readv(self.fd, [self._buf])
+            except _Stop:
+                return 0
+            except OSError as err:
+                if err.errno == errno.ENODEV:  # unmounted
+                    return 0
+                if err.errno == errno.ECONNABORTED:  # umount -f, fusectl abort: no crash,
+                    self._aborted = True  # but the dead mount must go (see serve)
+                    return 0
+                if err.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
+                    raise  # ENOENT: the request was interrupted before we got it
+            finally:
+                self._reading = False
+
+    def _dispatch(self, n: int) -> None:
+        _, opcode, unique, nodeid, uid, gid, pid, _, _ = fw.IN_HEADER.unpack_from(self._buf)
+        if self._debug:
+            self._log_request(opcode, unique, nodeid, pid, n)
+        if opcode in fw.NO_REPLY:
+            return
+        caller = self.caller
+        caller.pid, caller.uid, caller.gid = pid, uid, gid
+        handler = self._handlers.get(opcode)
+        try:
+            if handler is None:
+                raise _Errno(errno.EROFS if opcode in fw.MUTATING else errno.ENOSYS)
+            payload = handler(nodeid, n)
+        except _Errno as err:
+            self._send_error(unique, err.errno)
+            return
+        except Exception as err:
+            self._send_error(unique, errno_for(err, _name(opcode)))
+            return
+        if self._debug:
+            log.debug("worker %d: request %d -> %d bytes", os.getpid(), unique,
+                      len(payload) if payload is not None else 0)
+        if payload is None:
+            self._send(fw.error_reply(unique, 0))
+        elif type(payload) is FileSpan:
+            self._send_span(unique, payload, nodeid, n)
+        else:
+            self._send(fw.reply_header(unique, len(payload)), payload)
+
+    def _log_request(self, opcode: int, unique: int, nodeid: int, pid: int, n: int) -> None:
+        detail = ""
+        if opcode == fw.LOOKUP:
+            detail = f" name {self._name_arg(n)!r}"
+        elif opcode in (fw.READ, fw.READDIR, fw.READDIRPLUS):
+            fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+            detail = f" fh {fh} offset {offset} size {size}"
+        log.debug("worker %d: request %d %s inode %d from pid %d%s", os.getpid(), unique,
+                  _name(opcode), nodeid, pid, detail)
+
+    def _use_spans(self, on: bool) -> None:
+        """Let large reads of verified bytes come back as spans we splice (dlfsd.fuse.splicer)."""
+        capacity = self.splicer.capacity if self.splicer is not None and on else 0
+        self.ns.use_spans(capacity)
+
+    def _send_span(self, unique: int, span: FileSpan, nodeid: int, n: int) -> None:
+        try:
+            self.splicer.send(fw.reply_header(unique, span.length), span.fd, span.pos,
+                              span.length)
+            return
+        except (SpliceFailed, OSError) as err:  # OSError: no new pipe (out of descriptors)
+            if not self._splice_warned:
+                self._splice_warned = True
+                log.warning("worker %d: cannot splice a read reply (%s); reading it again "
+                            "the copying way", os.getpid(), err)
+        # Read again without spans: a staged copy that fails now is evicted and the
+        # read served from elsewhere, a corrupt store copy answers EIO. (The read's
+        # counters then count it twice: a rare failure path.)
+        self._use_spans(False)
+        try:
+            payload = self.read(nodeid, n)
+        except Exception as err:
+            self._send(fw.error_reply(unique, errno_for(err, "read")))
+            return
+        finally:
+            self._use_spans(True)
+        self._send(fw.reply_header(unique, len(payload)), payload)
+
+    def _send_error(self, unique: int, code: int) -> None:
+        if self._debug:
+            log.debug("worker %d: request %d -> %s", os.getpid(), unique,
+                      errno.errorcode.get(code, code))
+        self._send(fw.error_reply(unique, code))
+
+    def _send(self, head: bytes, payload=None) -> None:
+        try:
+            if payload is None:
+                os.write(self.fd, head)
+            else:
+                os.writev(self.fd, (head, payload))
+        except OSError as err:  # ENOENT: the request was interrupted meanwhile
+            if err.errno not in (errno.ENOENT, errno.ENODEV):
+                log.error("cannot answer a FUSE request: %s", err)
+
+    # -- requests: each returns the reply payload (None: empty success) ---------------
+    def _name_arg(self, n: int, start: int = _HEADER) -> bytes:
+        end = self._buf.index(0, start, n)
+        return bytes(self._view[start:end])
+
+    def _packer(self, ino: int) -> fw.AttrPacker:
+        return self.control_attrs if ROOT_INODE < ino < FIRST_DATASET_INODE else self.attrs
+
+    def _attr(self, ino: int, caller: Caller | None):
+        """Attributes of `ino`; `caller` is traced (None: part of another request)."""
+        if self.answer_opens or not ROOT_INODE < ino < FIRST_DATASET_INODE:
+            return self.ns.getattr(ino, caller)
+        # A `.dlfs/` file the kernel will open without us: its size is that of the
+        # snapshot this process will read (see ControlFiles.latest_attr).
+        return self.ns.control_attr(ino, self.caller.pid)
+
+    def lookup(self, nodeid: int, n: int) -> bytes:
+        ino = self.ns.lookup(nodeid, self._name_arg(n), self.caller)
+        return self._packer(ino).entry(self._attr(ino, None))
+
+    def getattr(self, nodeid: int, n: int) -> bytes:
+        return self._packer(nodeid).attr(self._attr(nodeid, self.caller))
+
+    def readlink(self, nodeid: int, n: int) -> bytes:
+        return self.ns.readlink(nodeid)
+
+    def open(self, nodeid: int, n: int) -> bytes:
+        flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
+        if flags & _WRITE_FLAGS:
+            raise _Errno(errno.EROFS)
+        if not self.answer_opens:
+            # FUSE no_open: from this reply on the kernel opens and closes files
+            # itself (keeping their page cache) and reads arrive with handle 0.
+            raise _Errno(errno.ENOSYS)
+        fh, direct_io = self.ns.open(nodeid, self.caller)
+        return fw.OPEN_OUT.pack(fh, fw.FOPEN_DIRECT_IO if direct_io else fw.FOPEN_KEEP_CACHE, 0)
+
+    def read(self, nodeid: int, n: int):
+        fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        if fh == 0:  # opened by the kernel alone (no_open)
+            return run_inline(self.ns.read_inode(nodeid, offset, size, self.caller))
+        return run_inline(self.ns.read(fh, offset, size))
+
+    def release(self, nodeid: int, n: int) -> None:
+        fh, _, _ = fw.RELEASE_IN.unpack_from(self._buf, _HEADER)
+        self.ns.release(fh)
+
+    def statfs(self, nodeid: int, n: int) -> bytes:
+        return fw.statfs(*self.ns.totals())
+
+    def getxattr(self, nodeid: int, n: int) -> bytes:
+        self.ns.getattr(nodeid)
+        raise _Errno(errno.ENODATA)
+
+    def listxattr(self, nodeid: int, n: int) -> bytes:
+        self.ns.getattr(nodeid)
+        size, _ = fw.SIZE_IN.unpack_from(self._buf, _HEADER)
+        return fw.XATTR_SIZE_OUT.pack(0, 0) if size == 0 else b""
+
+    def opendir(self, nodeid: int, n: int) -> bytes:
+        # FUSE no_opendir: from this reply on the kernel opens and closes directories
+        # itself, one round trip less per directory listed (and no RELEASEDIR), and
+        # treats them as opened with FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE: listings never
+        # change, so it keeps them, and a second walk of the tree costs no request.
+        # Listing requests then name the directory by its inode only (handle 0).
+        if self.no_opendir:
+            raise _Errno(errno.ENOSYS)
+        self.ns.getattr(nodeid)  # ENOENT for an inode we never gave out
+        return fw.OPEN_OUT.pack(0, fw.FOPEN_KEEP_CACHE | fw.FOPEN_CACHE_DIR, 0)
+
+    def readdir(self, nodeid: int, n: int) -> bytes:
+        return self._listing(nodeid, False)
+
+    def readdirplus(self, nodeid: int, n: int) -> bytes:
+        return self._listing(nodeid, True)
+
+    def _listing(self, nodeid: int, plus: bool) -> bytes:
+        """Directory entries from the request's offset while they fit its size; with
+        `plus` (READDIRPLUS) each carries the entry's attributes too."""
+        _, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        found = self.ns.dataset_directory(nodeid)
+        if found is not None:  # a dataset directory: packed in bulk
+            directory, base, row = found
+            lister = self._listers.get(base)
+            if lister is None:
+                lister = self._listers[base] = ListingPacker(directory, base, self.attrs)
+            return lister.pack(row, offset, size, plus)
+        out, used = [], 0  # the root and `.dlfs/`: a few entries
+        for name, attr, next_offset in self.ns.readdir(nodeid, offset):
+            entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
+            if plus:
+                entry = self._packer(attr.ino).entry(attr) + entry
+            if used + len(entry) > size:
+                break
+            out.append(entry)
+            used += len(entry)
+        return b"".join(out)
+
+    def access(self, nodeid: int, n: int) -> None:
+        mask, _ = fw.ACCESS_IN.unpack_from(self._buf, _HEADER)
+        if mask & os.W_OK:
+            raise _Errno(errno.EROFS)
+        self.ns.getattr(nodeid)
+
+    def empty(self, nodeid: int, n: int) -> None:
+        return None
+
+
+class _Errno(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.errno = value
+
+
+_OPNAMES = {v: k.lower() for k, v in vars(fw).items() if k.isupper() and isinstance(v, int)
+            and not k.startswith(("FOPEN", "BLK", "REQUEST"))}
+
+
+def _name(opcode: int) -> str:
+    return _OPNAMES.get(opcode, f"opcode {opcode}")

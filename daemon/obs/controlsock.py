@@ -1,0 +1,206 @@
+"""The control socket: how `dlfs trace start|stop|status` reaches a running daemon.
+
+A unix stream socket at `dlfs.runtime.control_socket_path(mountpoint)` (in the
+per-user runtime directory, mode 0600), served by a small process of its own
+that the daemon forks after its workers (ControlServer). Not a task in the
+main process's trio loop: in multi-process mode that process sits in
+pyfuse3's read of /dev/fuse, holding the GIL, whenever another process took
+the request, so nothing else in it runs until FUSE traffic reaches it. The
+control process shares the trace's memory (forked after it was made) and
+never serves FUSE. The mount itself stays `ro` for the kernel (a writable
+control file would need a read-write mount, and then permission checks, not
+EROFS, would answer some writes to datasets). Only root and the daemon's own
+user get an answer (SO_PEERCRED, on top of the directory's 0700).
+
+Protocol (version 1): the client sends one line, `start`, `stop`, `status`
+or `dump`; the daemon answers one JSON line (`{"ok": true, ...}` or
+`{"ok": false, "error": "..."}`). After the JSON line of `dump` follow
+exactly `record_count` records as raw bytes in the numpy dtype `dtype` the
+header gives (see docs/TRACE.md); the header's `paths` maps [dataset, row]
+of every file in the records to its path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+
+import numpy as np
+
+from dlfs.signals import stop_signals_blocked, unblock_stop_signals
+from dlfsd.obs.observe import Observability
+from dlfsd.obs.stats import SOURCE_NAMES
+from dlfsd.obs.trace import OP_NAMES, TRACE_FORMAT_VERSION
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+REQUEST_TIMEOUT = 10.0
+_MAX_REQUEST = 256
+
+
+class ControlServer:
+    """The control socket and the process answering it (main daemon process side)."""
+
+    def __init__(self, path: str, observe: Observability) -> None:
+        self.path = path
+        self.observe = observe
+        self.pid = 0
+        self._inode = 0  # of the socket we bound: a later daemon's socket is not ours
+
+    def start(self) -> ControlServer:
+        """Bind now (ready before `dlfs mount` returns), answer in a forked process."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, 0o600)
+            self._inode = os.stat(self.path).st_ino
+            sock.listen(8)
+        except OSError as err:
+            sock.close()
+            log.error("no trace control (cannot listen on %s: %s)", self.path,
+                      err.strerror or err)
+            return self
+        with stop_signals_blocked():  # a SIGTERM before SIG_DFL is in must still end it
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, self.observe)
+        sock.close()
+        self.pid = pid
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the control process and remove the socket."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while not os.waitpid(self.pid, os.WNOHANG)[0]:
+                if time.monotonic() > deadline:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    break
+                time.sleep(0.01)
+            self.pid = 0
+        with contextlib.suppress(OSError):
+            if self._inode and os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+
+
+def _child(sock: socket.socket, observe: Observability) -> None:
+    """The control process: answer until SIGTERM from the main process. Ctrl-C and a
+    terminal's hangup reach the whole process group; the main process acts on them
+    and stops this one."""
+    code = 0
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        unblock_stop_signals()  # forked with them blocked (see ControlServer.start)
+        _serve(sock, observe)
+    except BaseException:
+        log.exception("trace control process failed")
+        code = 1
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
+def _serve(sock: socket.socket, observe: Observability) -> None:
+    """Answer one connection at a time until SIGTERM, or until the main process is gone.
+
+    A killed main process sends no SIGTERM; the workers then end with the
+    session, and this process notices its new parent within a second.
+    """
+    parent = os.getppid()
+    sock.settimeout(1.0)
+    while os.getppid() == parent:
+        try:
+            conn, _ = sock.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.settimeout(REQUEST_TIMEOUT)
+            try:
+                _handle(conn, observe)
+            except OSError:
+                pass  # the client went away or timed out; nothing to clean up
+            except Exception:
+                log.exception("control request failed")
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _handle(conn: socket.socket, observe: Observability) -> None:
+    if _peer_uid(conn) not in (0, os.getuid()):
+        _reply(conn, {"ok": False, "error": "permission denied: only root and the mount's "
+                                            "owner control the trace"})
+        return
+    command = _read_line(conn)
+    if command == "start":
+        try:
+            observe.start_trace()
+        except ValueError as err:
+            _reply(conn, {"ok": False, "error": str(err)})
+            return
+        log.info("trace started (capacity %d records)", observe.trace.capacity)
+    elif command == "stop":
+        observe.trace.stop()
+        log.info("trace stopped")
+    elif command == "dump":
+        header, body = _dump(observe)
+        conn.settimeout(None)  # a slow reader of a big dump is not an error
+        _reply(conn, header)
+        conn.sendall(body)
+        return
+    elif command != "status":
+        _reply(conn, {"ok": False, "error": f"unknown command {command!r} "
+                                            "(start, stop, status, dump)"})
+        return
+    _reply(conn, {"ok": True, **observe.trace_status()})
+
+
+def _read_line(conn: socket.socket) -> str:
+    data = b""
+    while b"\n" not in data and len(data) < _MAX_REQUEST:
+        chunk = conn.recv(_MAX_REQUEST)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0].decode("ascii", "replace").strip()
+
+
+def _reply(conn: socket.socket, message: dict) -> None:
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
+def _dump(observe: Observability) -> tuple[dict, bytes]:
+    """Header and record bytes of the current trace."""
+    dump = observe.trace.dump()
+    records = dump.records
+    files = records[records["dataset"] >= 0]
+    keys = np.unique(files["dataset"].astype(np.int64) << 40 | files["row"])
+    paths = [[int(k >> 40), int(k & ((1 << 40) - 1)),
+              observe.path_of(int(k >> 40), int(k & ((1 << 40) - 1)))] for k in keys]
+    header = {
+        "ok": True, "format": "dlfs-trace-dump", "version": TRACE_FORMAT_VERSION,
+        "protocol": PROTOCOL_VERSION, "tracing": dump.running,
+        "record_count": int(records.size), "dropped": dump.dropped,
+        "capacity": dump.capacity, "started_ns": dump.started_ns,
+        "stopped_ns": dump.stopped_ns, "ops": list(OP_NAMES),
+        "sources": list(SOURCE_NAMES),
+        "datasets": [d.name for d in observe.datasets],
+        "dtype": [list(field) for field in records.dtype.descr], "paths": paths,
+    }
+    return header, records.tobytes()

@@ -1,0 +1,119 @@
+"""Observability: the counters, the trace and the `.dlfs/` files of one mount, together.
+
+Made once, before the workers fork (everything that must be shared lives in
+shared memory by then). The Namespace owns it and calls the hot-path pieces;
+the daemon's lifecycle calls `serve_control` (main process), `write_summary`
+at unmount and `close`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from dlfs.config import MountConfig
+from dlfs.obs.statsview import text_summary
+from dlfs.store.store import Dataset
+from dlfsd.fuse.fusewire import workers_answer_opens
+from dlfsd.obs.control import ControlFiles
+from dlfsd.obs.prometheus import prometheus_text
+from dlfsd.obs.stats import NullStats, Stats
+from dlfsd.obs.trace import DEFAULT_CAPACITY, Trace
+from dlfsd.slots import ProcessSlot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    enabled: bool = True  # counters (and the trace); False is `--no-stats`
+    processes: int = 1  # daemon processes that will record (main + workers)
+    trace_capacity: int = DEFAULT_CAPACITY
+    opens_counted: bool = True  # the daemon answers opens (False: FUSE no_open)
+
+    @classmethod
+    def from_mount(cls, config: MountConfig) -> ObserveConfig:
+        # The main process, plus N forked FUSE workers when --workers N > 1.
+        processes = 1 + config.workers if config.workers > 1 else 1
+        # pyfuse3 (--workers 1) cannot read without an open: it always answers them.
+        return cls(enabled=config.stats, processes=processes,
+                   trace_capacity=config.trace_capacity,
+                   opens_counted=config.workers <= 1
+                   or workers_answer_opens(config.count_opens))
+
+
+class Observability:
+    """Counters + trace + `.dlfs/` for the (sorted) datasets of a Namespace."""
+
+    def __init__(self, datasets: list[Dataset], config: ObserveConfig) -> None:
+        self.config = config
+        self.slot = ProcessSlot(config.processes)
+        self.stats: Stats | NullStats = NullStats()
+        if config.enabled:
+            self.stats = Stats([d.name for d in datasets], [d.directory for d in datasets],
+                               self.slot)
+            self.stats.opens_counted = config.opens_counted
+        # Without counters the trace cannot start (see start_trace): one record suffices.
+        capacity = config.trace_capacity if config.enabled else 1
+        # With workers (processes > 1) the main process serves no requests.
+        self.trace = Trace(capacity, self.slot, max(1, config.processes - 1))
+        self.datasets = datasets
+        self.control = ControlFiles({b"stats.json": self.render_stats_json,
+                                     b"metrics": self.render_metrics}, self.slot)
+
+    def close(self) -> None:
+        self.control.close()
+        self.trace.close()
+        self.stats.close()
+
+    # -- renderers of `.dlfs/` ----------------------------------------------------------
+    def render_stats_json(self) -> bytes:
+        return (json.dumps(self.stats.snapshot(), indent=1) + "\n").encode()
+
+    def render_metrics(self) -> bytes:
+        return prometheus_text(self.stats.snapshot(top_files=0)).encode()  # not exported
+
+    # -- trace control (called by dlfsd.obs.controlsock) -------------------------------------
+    def start_trace(self) -> None:
+        if not self.stats.enabled:
+            raise ValueError("counters and tracing are off on this mount (--no-stats)")
+        self.trace.start()
+
+    def trace_status(self) -> dict:
+        dump = self.trace.dump()
+        return {"tracing": dump.running, "records": int(dump.records.size),
+                "dropped": dump.dropped, "capacity": dump.capacity,
+                "started_ns": dump.started_ns, "stopped_ns": dump.stopped_ns}
+
+    def path_of(self, ds: int, row: int) -> str:
+        """Path of a file relative to the mountpoint (the dataset's root is its name)."""
+        from dlfs.store.directory import display_path
+
+        d = self.datasets[ds]
+        path = display_path(d.directory.path(row))
+        return f"{d.name}/{path}" if path else d.name
+
+    # -- the end of the job ---------------------------------------------------------------
+    def write_summary(self, path: str | None) -> None:
+        """Log the text summary; with a path, also write the final snapshot there (JSON).
+
+        The file is what a Slurm epilogue keeps: the stats.json content plus
+        "summary" (the text lines). Written to a temporary name and renamed.
+        """
+        snapshot = self.stats.snapshot()
+        lines = text_summary(snapshot)
+        for line in lines:
+            log.info("summary: %s", line)
+        if not path:
+            return
+        snapshot["summary"] = lines
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snapshot, f, indent=1)
+                f.write("\n")
+            os.replace(tmp, path)
+        except OSError as err:
+            log.error("cannot write the summary file %s: %s", path, err.strerror or err)

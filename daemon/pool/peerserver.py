@@ -1,0 +1,499 @@
+"""PeerLoopServer: the peer protocol served by one thread running a selector loop.
+
+The daemon's server. Why one thread and not one per connection: every
+blocking call releases and re-takes the GIL, and with one thread per peer
+connection (a reader daemon opens one per worker process) the threads fought
+over it: strace showed ~36 futex calls per 110 KiB read served, and the
+server cost more CPU than the reads themselves. Here one thread owns every
+connection with non-blocking sockets; a READ is answered as soon as its frame
+is complete (pread of a staged chunk, then one sendmsg of header + payload).
+
+The wire protocol is docs/PROTOCOL.md (dlfsd.pool.protocol): the secret is proven
+both ways before anything else is answered, frames are capped at
+MAX_CONTROL_FRAME, every READ is bounds-checked, a protocol error closes the
+connection with one log line (after telling the peer why) and never stops the
+server. Pipelined requests
+on one connection are answered in order; while a reply cannot be sent
+(the peer is not reading) that connection is not read either.
+
+A READ whose bytes are all in the page cache is answered at once (read
+without blocking into one reused buffer, then one sendmsg of head and
+payload). One that must wait for the disk goes to a small pool of disk
+threads and the loop serves other peers meanwhile: waiting on each disk
+read in turn would serialize every peer's reads at a queue depth of one.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import errno
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from typing import Protocol
+
+from dlfsd.pool import protocol
+from dlfsd.pool.protocol import FrameDecoder, Message, ProtocolError
+from dlfsd.reader import HAVE_NOWAIT, read_cached_into
+
+log = logging.getLogger("dlfsd.pool.peer")
+
+_RECV = 256 * 1024
+_SWEEP = 0.25  # seconds between timeout checks
+_GOODBYE = 1.0  # seconds a closing connection may take to read our last message
+
+
+class BlockingChunkProvider(Protocol):
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None: ...
+
+    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
+        """(open fd, position of the chunk's data in it) of the staged copy, or None
+        if it is not staged here. May block (it may open the file)."""
+
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
+        """The staged copy could not be read through `fd` (-1: could not be opened):
+        stop using it and stage it again, unless it was replaced meanwhile. True if a
+        copy was evicted."""
+
+
+class _Conn:
+    """One peer connection: where its handshake is, what is received and unsent."""
+
+    __slots__ = ("closing", "deadline", "decoder", "events", "handshake", "inbox", "out",
+                 "peer", "sock", "state", "waiting")
+
+    def __init__(self, sock: socket.socket, peer: str, deadline: float,
+                 handshake: protocol.ServerHandshake) -> None:
+        self.sock, self.peer, self.deadline, self.handshake = sock, peer, deadline, handshake
+        self.decoder = FrameDecoder(protocol.MAX_CONTROL_FRAME)
+        self.state = "hello"  # -> "auth" -> "ready"
+        self.closing = False  # our last message is queued; drain, then close
+        self.waiting = False  # a disk thread is reading the data of our next reply
+        self.inbox: collections.deque[Message] = collections.deque()
+        self.out: collections.deque[memoryview] = collections.deque()
+        self.events = 0
+
+
+class PeerLoopServer:
+    """Serves byte ranges of staged chunks to authenticated peers from one thread."""
+
+    _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
+                 "auth_failures", "protocol_errors", "reads_served", "reads_missed",
+                 "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
+                 "replies_waited")  # replies that had to wait for the peer to read
+
+    def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
+                 handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
+                 max_connections: int = 256, disk_threads: int = 4) -> None:
+        self._secret = protocol.check_secret(secret)
+        self.provider = provider
+        self.node_name = node_name
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
+        self._readbuf = memoryview(bytearray(protocol.MAX_READ))  # and one read buffer
+        self._nowait = HAVE_NOWAIT
+        self._disk = concurrent.futures.ThreadPoolExecutor(
+            disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
+        self._finished: collections.deque = collections.deque()  # disk reads done
+        self._failed_chunks: set[tuple[bytes, int]] = set()  # logged once each
+        self._listener: socket.socket | None = None
+        self._selector: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self, host: str, port: int) -> int:
+        """Bind and listen now (errors raise here), serve in a thread; returns the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(128)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a full pipe means a wake-up is pending anyway
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        bound = listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"dlfsd.pool.peer server {bound}")
+        self._thread.start()
+        log.info("peer server of %s listening on %s:%d", self.node_name, host, bound)
+        return bound
+
+    def stop(self) -> None:
+        """Stop accepting and drop every connection; returns once the loop has ended."""
+        self._stopping = True
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] += n
+
+    # -- the loop ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_sweep = time.monotonic() + _SWEEP
+        try:
+            while not self._stopping:
+                for key, events in self._selector.select(timeout=_SWEEP):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._finish_disk_reads()
+                    elif isinstance(key.data, _Conn):
+                        self._guarded(key.data, events)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self._sweep(now)
+                    next_sweep = now + _SWEEP
+        except Exception:
+            log.exception("peer server of %s stopped by an unexpected error", self.node_name)
+        finally:
+            self._disk.shutdown(wait=False, cancel_futures=True)
+            for conn in list(self._conns.values()):
+                self._close(conn)
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                if sock is not None:
+                    sock.close()
+            self._selector.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as error:  # e.g. EMFILE for a moment; keep serving
+                log.warning("peer server: cannot accept a connection: %s", error)
+                return
+            peer = _address(address)
+            if self._counts["connections_open"] >= self.max_connections:
+                self._count("connections_rejected")
+                log.warning("peer %s: connection refused, %d already open (max_connections)",
+                            peer, self.max_connections)
+                sock.close()
+                continue
+            self._count("connections_accepted")
+            self._count("connections_open")
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, peer, time.monotonic() + self.handshake_timeout,
+                         protocol.ServerHandshake(self._secret, self.node_name))
+            self._conns[sock] = conn
+            self._watch(conn, selectors.EVENT_READ)
+
+    def _sweep(self, now: float) -> None:
+        for conn in [c for c in self._conns.values() if now > c.deadline]:
+            if conn.state != "ready" and not conn.closing:  # never proved the secret
+                self._count("protocol_errors")
+                log.warning("peer %s: no handshake within %.1f s; closing the connection",
+                            conn.peer, self.handshake_timeout)
+            elif not conn.closing:  # (a goodbye not taken in time was logged when sent)
+                log.info("peer %s: idle for %.0f s; closing the connection", conn.peer,
+                         self.idle_timeout)
+            self._close(conn)
+
+    def _guarded(self, conn: _Conn, events: int) -> None:
+        """Handle one connection's events; nothing that happens here may escape."""
+        if conn.sock in self._conns:  # else closed earlier in this round of events
+            self._guarded_call(conn, self._events, conn, events)
+
+    def _events(self, conn: _Conn, events: int) -> None:
+        if events & selectors.EVENT_WRITE:
+            self._flush(conn)
+            if not conn.out and not conn.closing and conn.sock in self._conns:
+                self._pump(conn)  # answer what arrived while the reply was queued
+        if events & selectors.EVENT_READ and conn.sock in self._conns:
+            self._receive(conn)
+
+    def _guarded_call(self, conn: _Conn, handler, *args) -> None:
+        """Run a handler of `conn`; an error closes that connection, never the loop."""
+        try:
+            handler(*args)
+        except ProtocolError as error:
+            self._count("protocol_errors")
+            log.warning("peer %s: protocol error: %s; closing the connection", conn.peer, error)
+            self._goodbye(conn, protocol.err(protocol.ERR_PROTOCOL, str(error)))
+        except OSError as error:
+            if not self._stopping:
+                log.debug("peer %s: connection lost: %r", conn.peer, error)
+            self._close(conn)
+        except Exception:
+            log.exception("peer %s: unexpected error; closing the connection", conn.peer)
+            self._close(conn)
+
+    # -- input --------------------------------------------------------------------------
+    def _receive(self, conn: _Conn) -> None:
+        try:
+            n = conn.sock.recv_into(self._inbuf)
+        except BlockingIOError:
+            return
+        if not n:
+            if conn.decoder.buffered and not conn.closing:
+                raise ProtocolError("connection closed in the middle of a frame")
+            self._close(conn)
+            return
+        if conn.closing:  # draining until the peer has read our last message
+            return
+        if conn.state == "ready":  # a handshake keeps the deadline set at accept: one
+            conn.deadline = time.monotonic() + self.idle_timeout  # byte at a time is no way
+        with memoryview(self._inbuf)[:n] as data:  # the decoder copies what it keeps
+            conn.inbox.extend(conn.decoder.feed(data))
+        self._pump(conn)
+
+    def _pump(self, conn: _Conn) -> None:
+        """Answer received messages in order while replies go out; then wait for more."""
+        while conn.inbox and not conn.out and not conn.closing and not conn.waiting:
+            self._handle(conn, conn.inbox.popleft())
+        if conn.sock in self._conns and not conn.out and not conn.waiting:
+            self._watch(conn, selectors.EVENT_READ)
+
+    def _handle(self, conn: _Conn, msg: Message) -> None:
+        try:
+            if conn.state == "ready":
+                if msg["t"] != protocol.READ:
+                    raise ProtocolError(f"unexpected {msg['t']} message after the handshake")
+                self._reply_to(conn, msg)
+            elif conn.state == "hello":
+                reply = conn.handshake.challenge_for(msg)
+                conn.state = "auth"
+                self._send(conn, protocol.encode(reply))
+            else:
+                reply = conn.handshake.accept(msg)
+                conn.state, conn.deadline = "ready", time.monotonic() + self.idle_timeout
+                self._send(conn, protocol.encode(reply))
+        except protocol.HandshakeRefused as refused:
+            self._count(refused.counter)
+            log.warning("peer %s (node %r): %s; closing the connection", conn.peer,
+                        conn.handshake.client_node, refused.why)
+            if refused.reply is None:
+                self._close(conn)
+            else:
+                self._goodbye(conn, refused.reply)
+
+    def _reply_to(self, conn: _Conn, request: Message) -> None:
+        """DATA, MISS or FAIL for one READ; provider failures become FAIL_IO."""
+        request_id, dataset_id, chunk = request["id"], request["ds"], request["chunk"]
+        offset, length = request["off"], request["len"]
+        try:
+            problem = protocol.read_bounds_problem(
+                self.provider.chunk_limit(dataset_id, chunk), offset, length)
+            if problem is not None:
+                self._count("reads_refused")
+                self._send(conn, protocol.encode(protocol.fail(request_id, problem)))
+                return
+            staged = self.provider.staged_file(dataset_id, chunk)
+        except Exception as error:
+            self._read_failed(conn, request_id, chunk, dataset_id, error)
+            return
+        if staged is None:
+            self._count("reads_missed")
+            self._send(conn, protocol.encode(protocol.miss(request_id)))
+            return
+        fd, pos = staged[0], staged[1] + offset
+        # A copy cut short is caught by the reads themselves: a short non-blocking read
+        # goes to a disk thread, whose exact read fails (no fstat per request).
+        with self._readbuf[:length] as view:
+            try:
+                cached = self._read_cached(fd, view, pos)
+            except OSError as error:
+                self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
+                return
+            if cached:
+                self._serve(conn, request_id, view)
+                return
+        # Not all in the page cache: a disk thread reads it while this loop serves others
+        # (one thread waiting on each disk read in turn would serialize every peer's).
+        self._count("reads_from_disk")
+        conn.waiting, conn.deadline = True, time.monotonic() + self.idle_timeout
+        self._unwatch(conn)  # nothing more from this peer until this reply is out
+        future = self._disk.submit(_pread_exact, fd, length, pos)
+        future.add_done_callback(lambda f: self._disk_done(conn, request_id, chunk, dataset_id,
+                                                           fd, f))
+
+    def _read_failed(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
+                     error: Exception, fd: int = -1) -> None:
+        """FAIL_IO for the request, counted. A copy that cannot be read is evicted and
+        staged again (as a local reader does), logged once; a failure that evicts
+        nothing is logged once per chunk, since every peer reading a broken copy would
+        otherwise add a line per read."""
+        self._count("read_errors")
+        evicted = False
+        if isinstance(error, OSError):  # the copy itself, not a bug of ours
+            try:
+                evicted = self.provider.staged_copy_failed(dataset_id, chunk, fd)
+            except Exception:
+                log.exception("peer server: cannot evict staged chunk %d of dataset %s",
+                              chunk, dataset_id.hex())
+        if evicted:  # later requests get MISS until it is staged again
+            log.error("peer %s: cannot read staged chunk %d of dataset %s: %s; evicted, "
+                      "staging it again", conn.peer, chunk, dataset_id.hex(), error)
+        elif (dataset_id, chunk) in self._failed_chunks:
+            log.debug("peer %s: cannot read chunk %d of dataset %s again: %s", conn.peer,
+                      chunk, dataset_id.hex(), error)
+        else:
+            self._failed_chunks.add((dataset_id, chunk))
+            log.error("peer %s: cannot read chunk %d of dataset %s: %s (later failures of "
+                      "this chunk are counted in read_errors, not logged)", conn.peer, chunk,
+                      dataset_id.hex(), error)
+        self._send(conn, protocol.encode(protocol.fail(request_id, protocol.FAIL_IO)))
+
+    def _read_cached(self, fd: int, view: memoryview, pos: int) -> bool:
+        """Fill `view` from the page cache without blocking; False if it must wait for
+        the disk (or this file system cannot say: then always False)."""
+        if not self._nowait:
+            return False
+        try:
+            return read_cached_into(fd, view, pos)
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._nowait = False
+            return False
+
+    def _serve(self, conn: _Conn, request_id: int, payload) -> None:
+        """Send a DATA reply. If part of the reused read buffer must wait in the queue
+        (the peer is slow to read), that part is copied: the next read overwrites it."""
+        self._count("reads_served")
+        self._count("bytes_served", len(payload))
+        self._send(conn, protocol.data_frame_head(request_id, len(payload)), payload)
+        if conn.out and conn.out[-1].obj is self._readbuf.obj:
+            conn.out[-1] = memoryview(bytes(conn.out[-1]))
+
+    # -- reads that wait for the disk -------------------------------------------------------
+    def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes, fd: int,
+                   future) -> None:
+        """In a disk thread: hand the result to the loop thread."""
+        self._finished.append((conn, request_id, chunk, dataset_id, fd, future))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"d")
+
+    def _finish_disk_reads(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._wake_r.recv(4096):
+                pass
+        while self._finished:
+            conn, request_id, chunk, dataset_id, fd, future = self._finished.popleft()
+            conn.waiting = False
+            if conn.sock not in self._conns or future.cancelled():
+                continue
+            self._guarded_call(conn, self._answer_disk_read, conn, request_id, chunk,
+                               dataset_id, fd, future)
+
+    def _answer_disk_read(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
+                          fd: int, future) -> None:
+        error = future.exception()
+        if error is None:
+            self._serve(conn, request_id, future.result())
+        else:
+            self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
+        if conn.sock in self._conns and not conn.out and not conn.closing:
+            self._pump(conn)  # answer what this peer sent meanwhile, and listen again
+
+    # -- output ---------------------------------------------------------------------------
+    def _send(self, conn: _Conn, *parts) -> None:
+        conn.out.extend(memoryview(p) for p in parts)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        """Send what the socket takes; wait for room for the rest, else carry on."""
+        out = conn.out
+        while out:
+            try:
+                sent = conn.sock.sendmsg(list(out)[:64])
+            except BlockingIOError:
+                break
+            if conn.closing:
+                conn.deadline = time.monotonic() + _GOODBYE
+            elif conn.state == "ready":
+                conn.deadline = time.monotonic() + self.idle_timeout
+            while sent:
+                head = out[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    out.popleft()
+                else:
+                    out[0] = head[sent:]
+                    sent = 0
+        if out:
+            if conn.events != selectors.EVENT_WRITE:
+                self._count("replies_waited")
+            self._watch(conn, selectors.EVENT_WRITE)
+        elif conn.closing:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
+            self._watch(conn, selectors.EVENT_READ)  # drain until the peer closes
+
+    def _goodbye(self, conn: _Conn, msg: Message) -> None:
+        """Send a last message, then drain briefly: closing with unread input would reset
+        the connection and the peer might never see why."""
+        if conn.sock not in self._conns:
+            return
+        conn.closing = True
+        conn.inbox.clear()
+        conn.deadline = time.monotonic() + _GOODBYE
+        try:
+            self._send(conn, protocol.encode(msg))
+        except OSError:
+            self._close(conn)
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if conn.events == events or conn.sock not in self._conns:
+            return
+        if conn.events:
+            self._selector.modify(conn.sock, events, conn)
+        else:
+            self._selector.register(conn.sock, events, conn)
+        conn.events = events
+
+    def _unwatch(self, conn: _Conn) -> None:
+        if conn.events:
+            self._selector.unregister(conn.sock)
+            conn.events = 0
+
+    def _close(self, conn: _Conn) -> None:
+        conn.closing = True
+        conn.inbox.clear()
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        self._count("connections_open", -1)
+        if conn.events:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+
+def _pread_exact(fd: int, length: int, pos: int) -> bytes:
+    data = os.pread(fd, length, pos)
+    if len(data) != length:
+        raise OSError(f"the staged copy ends {length - len(data)} bytes early")
+    return data
+
+
+def _address(address) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

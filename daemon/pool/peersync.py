@@ -1,0 +1,262 @@
+"""BlockingPeerClient: the peer protocol over one plain blocking socket.
+
+For the daemon's worker processes, which serve one FUSE request at a time
+and already do their disk reads blocking and inline: a blocking round trip
+costs a few system calls, where the trio client (dlfsd.pool.peer.PeerClient)
+adds task switches, events and a receive task per connection, several
+hundred microseconds of Python per read. Same wire protocol
+(docs/PROTOCOL.md), same errors, same handshake; one request in flight.
+
+A DATA reply is received whole into one buffer (MSG_WAITALL: one system call,
+not one per arriving segment) and its payload handed out as a view of that
+buffer when the frame starts with exactly the head expected for this
+request; anything else is decoded the general way. That buffer (4 MiB, the
+largest frame) is one per process, shared by all its clients: a worker serves
+one request at a time, and a worker talking to N peers must not hold N of them.
+So the view is valid only until the next read on ANY client of the process;
+the callers (ChunkPool.fetch_blocking, SampleReader._read_peer) use or copy it
+first. Not for use from several threads at once.
+
+A connection kept between reads may have been closed by the server meanwhile
+(idle for its idle_timeout, or the peer daemon restarted): a read on it that
+fails before any byte of the reply came is sent again, once, on a new
+connection, within the same timeout; a peer that is really gone then fails to
+connect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import time
+
+from dlfsd.pool import protocol
+from dlfsd.pool.peer import PeerUnavailable, reply_bytes
+from dlfsd.pool.protocol import LENGTH_PREFIX, Message, ProtocolError
+
+_PREFIX = LENGTH_PREFIX.size
+_SLACK = 0.05  # s a read may run over its timeout, to spare a clock-based call per frame
+_shared_view: memoryview | None = None  # the receive buffer of this process's clients
+
+
+def _receive_buffer() -> memoryview:
+    """The process's receive buffer, made when the first client is (the main daemon
+    process, which has none, does not pay for it)."""
+    global _shared_view
+    if _shared_view is None:
+        _shared_view = memoryview(bytearray(protocol.MAX_FRAME))
+    return _shared_view
+
+
+class BlockingPeerClient:
+    """Reads byte ranges from one peer; one connection, opened lazily, reopened after errors."""
+
+    def __init__(self, secret: bytes, node_name: str, host: str, port: int, *,
+                 timeout: float = 5.0) -> None:
+        self._secret = protocol.check_secret(secret)
+        self.node_name = node_name
+        self.host, self.port, self.timeout = host, port, timeout
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+        self._prefix = bytearray(_PREFIX)
+        self._view = _receive_buffer()  # shared: see the module's docstring
+        self._replied = False  # a byte of the current reply has arrived
+        self._deadline = 0.0  # of the read (or handshake) under way
+        self._shortened = False  # the socket's kernel timeout is below `timeout`
+
+    def read(self, dataset_id: bytes, chunk: int, offset: int,
+             length: int) -> bytes | memoryview:
+        """`length` bytes at `offset` of the chunk's data; PeerUnavailable / PeerMiss /
+        PeerRefused like PeerClient.read, within `timeout` for the whole read,
+        connecting and the handshake included.
+
+        The bytes may be a view of the shared receive buffer: use them before the next
+        read on any client of this process.
+        """
+        reused = self._sock is not None
+        if reused:
+            sock = self._sock
+            self._start_clock(sock)
+        else:
+            sock = self._connect()  # starts the read's clock
+        self._next_id = (self._next_id + 1) % protocol.MAX_REQUEST_ID
+        request_id = self._next_id
+        request = protocol.encode(protocol.read(request_id, dataset_id, chunk, offset, length))
+        try:
+            try:
+                size = self._exchange(sock, request)
+            except (ConnectionResetError, BrokenPipeError) as error:
+                if not reused or self._replied:
+                    raise
+                sock = self._reconnect(error)
+                size = self._exchange(sock, request)
+            head = protocol.data_frame_head(request_id, length)
+            start = len(head) - _PREFIX  # where the payload starts in the body
+            if size == start + length and self._view[:start] == head[_PREFIX:]:
+                return self._view[start:size]  # the expected DATA frame
+            reply = protocol.decode_body(self._view[:size])
+        except (OSError, ProtocolError) as error:  # socket.timeout is an OSError
+            self.close()
+            raise PeerUnavailable(f"peer {self.address}: {self._why(error)}") \
+                from None
+        if reply.get("id") != request_id:
+            self.close()
+            raise PeerUnavailable(f"peer {self.address} answered another request")
+        return self._result(reply, dataset_id, chunk, offset, length)
+
+    def _exchange(self, sock: socket.socket, request: bytes) -> int:
+        """Send a request and receive its reply's frame; returns the body's size."""
+        self._replied = False
+        sock.sendall(request)
+        return self._receive_frame(sock)
+
+    def _reconnect(self, error: OSError) -> socket.socket:
+        """A new connection for a request the kept one could not carry: the server
+        closed it before the request came (idle timeout, restart), which says nothing
+        about the peer's health. Within the read's deadline; the cause of the retry
+        goes into the message if connecting fails too."""
+        self.close()
+        try:
+            return self._connect(self._deadline)
+        except PeerUnavailable as failure:
+            raise PeerUnavailable(f"{failure} (after the connection in use was lost: "
+                                  f"{self._why(error)})") from None
+
+    def _result(self, reply: Message, dataset_id: bytes, chunk: int, offset: int,
+                length: int) -> bytes:
+        where = f"chunk {chunk} of dataset {dataset_id.hex()} on peer {self.address}"
+        if reply["t"] not in (protocol.DATA, protocol.MISS, protocol.FAIL):
+            self.close()
+            raise PeerUnavailable(f"peer {self.address} sent {reply['t']} instead of a reply")
+        if reply["t"] == protocol.DATA and len(reply["data"]) != length:
+            self.close()
+            raise PeerUnavailable(f"{where}: sent {len(reply['data'])} bytes, not {length}")
+        return reply_bytes(reply, where, offset, length)
+
+    def _why(self, error: Exception) -> str:
+        """One readable cause; a kernel socket timeout shows up as EAGAIN."""
+        if isinstance(error, BlockingIOError):
+            return f"no answer within {self.timeout:g} s"
+        return str(error) or type(error).__name__
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    # -- connection ------------------------------------------------------------------
+    def _connect(self, deadline: float | None = None) -> socket.socket:
+        """Connect and shake hands by `deadline` (default: `timeout` from now)."""
+        self._deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise PeerUnavailable(f"cannot connect to peer {self.address}: no time left "
+                                  f"of the read's {self.timeout:g} s")
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=left)
+        except OSError as error:
+            raise PeerUnavailable(f"cannot connect to peer {self.address}: "
+                                  f"{error.strerror or error}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _kernel_timeouts(sock, max(self._deadline - time.monotonic(), 0.001))
+        self._shortened = True
+        try:
+            self._handshake(sock)
+        except (OSError, ProtocolError) as error:
+            sock.close()
+            raise PeerUnavailable(f"handshake with peer {self.address} failed: "
+                                  f"{self._why(error)}") \
+                from None
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        return sock
+
+    def _handshake(self, sock: socket.socket) -> None:
+        client_nonce = protocol.new_nonce()
+        sock.sendall(protocol.encode(protocol.hello(self.node_name, client_nonce)))
+        challenge = self._expect(sock, protocol.CHALLENGE)
+        expected = protocol.server_proof(self._secret, client_nonce, challenge["nonce"])
+        if not protocol.proof_matches(expected, challenge["proof"]):
+            with contextlib.suppress(OSError):
+                sock.sendall(protocol.encode(protocol.err(protocol.ERR_AUTH,
+                                                          "server proof does not match")))
+            raise PeerUnavailable(f"peer {self.address} failed authentication "
+                                  "(different job secret)")
+        sock.sendall(protocol.encode(protocol.auth(protocol.client_proof(
+            self._secret, challenge["nonce"], client_nonce))))
+        self._expect(sock, protocol.OK)
+
+    def _expect(self, sock: socket.socket, kind: str) -> Message:
+        msg = self._receive(sock)
+        if msg["t"] == protocol.ERR:
+            raise PeerUnavailable(f"peer {self.address} refused the connection: "
+                                  f"{msg['code']}: {msg['msg']}")
+        if msg["t"] != kind:
+            raise ProtocolError(f"expected {kind}, got {msg['t']}")
+        return msg
+
+    # -- frames ---------------------------------------------------------------------
+    def _receive(self, sock: socket.socket) -> Message:
+        return protocol.decode_body(self._view[: self._receive_frame(sock)])
+
+    def _receive_frame(self, sock: socket.socket) -> int:
+        """Receive one frame's body into the buffer; returns its size."""
+        self._fill(sock, memoryview(self._prefix))
+        (size,) = struct.unpack(">I", self._prefix)
+        if size > protocol.MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
+                                f"{protocol.MAX_FRAME}")
+        self._bound_by_deadline(sock, 0, size)
+        self._fill(sock, self._view[:size])
+        return size
+
+    def _bound_by_deadline(self, sock: socket.socket, got: int, want: int) -> None:
+        """Before a receive: if the read's time is running out, cut the kernel timeout
+        to what is left. A prefix (or the part of a frame) that came late must not buy
+        the rest a full `timeout` again. A quick reply costs one clock read, no call."""
+        left = self._deadline - time.monotonic()
+        if left > self.timeout - _SLACK:
+            return
+        if left <= 0:  # must not hold a worker past the read's own timeout
+            raise TimeoutError(f"only {got} of {want} bytes within {self.timeout:g} s")
+        _kernel_timeouts(sock, max(left, 0.001))  # 0 would mean: wait forever
+        self._shortened = True
+
+    def _start_clock(self, sock: socket.socket) -> None:
+        """A read (or a handshake) has `timeout` in all from now."""
+        self._deadline = time.monotonic() + self.timeout
+        if self._shortened:
+            _kernel_timeouts(sock, self.timeout)
+            self._shortened = False
+
+    def _fill(self, sock: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            # MSG_WAITALL: the kernel gathers the arriving segments; it returns early
+            # only on a timeout, a signal or the end of the connection.
+            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            if not n:
+                raise ConnectionResetError("connection closed by the peer")
+            self._replied = True
+            got += n
+            if got < len(view):  # cut short by the kernel timeout: part of it came
+                self._bound_by_deadline(sock, got, len(view))  # a peer trickling bytes
+
+
+def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Make `sock` blocking with the timeout enforced by the kernel (SO_RCVTIMEO/SNDTIMEO).
+
+    Python's own socket timeout polls before every send and receive: one more
+    system call each, on every peer read. A kernel timeout ends a call the same
+    way (EAGAIN -> BlockingIOError, an OSError like socket.timeout).
+    """
+    seconds = int(timeout)
+    timeval = struct.pack("@ll", seconds, int((timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.settimeout(None)

@@ -1,0 +1,261 @@
+"""ChunkPool: the job's chunks as one daemon sees them.
+
+Placement says which nodes own each chunk; this node's ChunkCaches hold the
+copies it staged; PeerClients reach the other owners. The reader asks the
+pool for a remote extent, and the pool tries the owners in placement order,
+skipping peers marked down, checking every byte against the manifest
+checksum; a peer that times out or refuses is skipped for DOWN_SECONDS.
+A peer whose bytes of a chunk fail their checksum has a bad copy of that
+chunk (a flipped bit on its NVMe; the protocol itself is authenticated and
+length-checked): only that chunk is read elsewhere, for BAD_COPY_SECONDS,
+while the peer keeps serving its other chunks; it finds and re-stages the
+copy when its own readers touch it. The pool is also the peer server's
+ChunkProvider: it serves byte ranges of staged chunks, a request for an owned
+chunk not staged yet moves that chunk to the front of the staging queue, and
+a copy the server cannot read is evicted and staged again.
+
+Client connections belong to one trio run in one process; forked workers
+call `after_fork` and open their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+from dlfs.cluster.nodes import ClusterView
+from dlfs.cluster.placement import owners
+from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+from dlfs.store.store import Dataset
+from dlfsd.pool.chunkcache import ChunkCache
+from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
+from dlfsd.pool.peersync import BlockingPeerClient
+from dlfsd.pool.stager import DemandChannel
+
+log = logging.getLogger(__name__)
+
+DOWN_SECONDS = 10.0
+BAD_COPY_SECONDS = 60.0
+
+
+_UUID_DIR = re.compile(r"[0-9a-f]{32}")  # a dataset's directory in a cache dir
+
+
+class ChunkPool:
+    """Placement, local caches and peer clients for the mounted datasets."""
+
+    def __init__(self, view: ClusterView, datasets: list[Dataset], cache_root: Path,
+                 peer_timeout: float = 5.0) -> None:
+        self.view = view
+        self.datasets = datasets
+        self.peer_timeout = peer_timeout
+        self.caches = [ChunkCache(cache_root, d) for d in datasets]
+        me = view.self_index
+        self.tables = [owners(d.uuid, d.chunk_count, view.names, view.replicas)
+                       for d in datasets]
+        self.owned = [(t == me).any(axis=1) for t in self.tables]
+        # Per chunk: the other owners, best first (tuples: looked up on every remote read).
+        self.remote_owners = [[tuple(int(n) for n in row if n != me) for row in t]
+                              for t in self.tables]
+        self.demand = DemandChannel()
+        self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
+        self._clients: dict[int, PeerClient] = {}
+        self._blocking_clients: dict[int, BlockingPeerClient] = {}
+        self._down_until: dict[int, float] = {}
+        self._bad_copies: dict[tuple[int, int, int], float] = {}  # (node, ds, chunk) -> until
+
+    def scan_caches(self, limit: int = 0) -> int:
+        """Adopt chunks staged by an earlier mount; returns how many are kept.
+
+        Over `limit` bytes (0: no limit; a remount with a lower --cache-limit), copies
+        are dropped until it fits: first those this node does not own (its share
+        changes with the node list), then its own, from the last chunk back.
+        """
+        adopted = sum(cache.scan() for cache in self.caches)
+        used = sum(cache.staged_bytes() for cache in self.caches)
+        for own in (False, True):
+            for ds, cache in enumerate(self.caches):
+                for chunk in range(cache.dataset.chunk_count - 1, -1, -1):
+                    if not limit or used <= limit:
+                        return adopted
+                    if cache.is_staged(chunk) and bool(self.owned[ds][chunk]) == own:
+                        used -= int(cache.lengths[chunk])
+                        cache.evict(chunk)
+                        adopted -= 1
+        return adopted
+
+    def foreign_copies(self) -> tuple[int, int]:
+        """(directories, bytes) of staged copies in the cache dir that belong to no
+        dataset of this mount: earlier versions of re-populated or removed datasets,
+        or another mount's. Never counted against --cache-limit, never removed here
+        (a cache dir may be shared): the admin is told at mount."""
+        ours = {cache.dir.name for cache in self.caches}
+        root = self.caches[0].dir.parent if self.caches else None
+        dirs = nbytes = 0
+        try:
+            entries = list(os.scandir(root)) if root is not None else []
+        except OSError:
+            return 0, 0
+        for entry in entries:
+            if entry.name in ours or not _UUID_DIR.fullmatch(entry.name) \
+                    or not entry.is_dir(follow_symlinks=False):
+                continue
+            dirs += 1
+            with contextlib.suppress(OSError), os.scandir(entry.path) as files:
+                nbytes += sum(f.stat(follow_symlinks=False).st_size for f in files
+                              if f.is_file(follow_symlinks=False))
+        return dirs, nbytes
+
+    def after_fork(self) -> None:
+        """In a forked worker: drop the parent's client objects and peer health."""
+        self._clients = {}
+        self._blocking_clients = {}
+        self._down_until = {}
+        self._bad_copies = {}
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients = {}
+
+    def close(self) -> None:
+        for client in self._blocking_clients.values():
+            client.close()
+        for cache in self.caches:
+            cache.close()
+        self.demand.close()
+
+    # -- reads from peers ------------------------------------------------------------
+    async def fetch(self, ds: int, chunk: int, offset: int, length: int,
+                    expected: int) -> bytes | None:
+        """Bytes [offset, offset+length) of a chunk from an owner peer, checked against
+        `expected` (the extent's checksum); None when no peer could serve them."""
+        dataset_id = self.datasets[ds].uuid
+        for node in self._live_owners(ds, chunk):
+            try:
+                data = await self._client(node).read(dataset_id, chunk, offset, length)
+            except PeerError as err:
+                self._peer_failed(node, err)
+                continue
+            if self._accept(node, ds, chunk, data, length, expected):
+                return data
+        return None
+
+    def fetch_blocking(self, ds: int, chunk: int, offset: int, length: int,
+                       expected: int) -> bytes | memoryview | None:
+        """`fetch` for worker processes (one request at a time, blocking I/O). The bytes
+        may be a view of the client's buffer: valid until the next fetch."""
+        dataset_id = self.datasets[ds].uuid
+        for node in self._live_owners(ds, chunk):
+            try:
+                data = self._blocking_client(node).read(dataset_id, chunk, offset, length)
+            except PeerError as err:
+                self._peer_failed(node, err)
+                continue
+            if self._accept(node, ds, chunk, data, length, expected):
+                return data
+        return None
+
+    def _live_owners(self, ds: int, chunk: int):
+        """The other owners of a chunk in placement order, skipping peers marked down."""
+        now = time.monotonic()
+        bad = self._bad_copies
+        return (n for n in self.remote_owners[ds][chunk] if self._down_until.get(n, 0.0) <= now
+                and (not bad or bad.get((n, ds, chunk), 0.0) <= now))
+
+    def _peer_failed(self, node: int, err: PeerError) -> None:
+        """A miss just means "not staged there"; anything else marks the peer down."""
+        if isinstance(err, PeerMiss):
+            return
+        what = "unavailable" if isinstance(err, PeerUnavailable) else "refused a read"
+        self._mark_down(node, f"{what} ({err})")
+
+    def _accept(self, node: int, ds: int, chunk: int, data: bytes | memoryview, length: int,
+                expected: int) -> bool:
+        """Peer bytes count only if they match the manifest checksum."""
+        if len(data) == length and checksum(data) == expected:
+            return True
+        if len(data) != length:  # the clients check lengths; a peer this broken is down
+            self._mark_down(node, f"sent {len(data)} bytes for a read of {length}")
+            return False
+        if self._bad_copies.get((node, ds, chunk), 0.0) <= time.monotonic():
+            log.warning("peer %s sent bytes of chunk %d of dataset %s that fail their "
+                        "checksum (a bad staged copy there); reading that chunk elsewhere "
+                        "for %.0f s", self.view.nodes[node].name, chunk,
+                        self.datasets[ds].name, BAD_COPY_SECONDS)
+        self._bad_copies[(node, ds, chunk)] = time.monotonic() + BAD_COPY_SECONDS
+        return False
+
+    def _blocking_client(self, node: int) -> BlockingPeerClient:
+        client = self._blocking_clients.get(node)
+        if client is None:
+            peer = self.view.nodes[node]
+            client = BlockingPeerClient(self.view.secret, self.view.me.name, peer.host,
+                                        peer.port, timeout=self.peer_timeout)
+            self._blocking_clients[node] = client
+        return client
+
+    def _client(self, node: int) -> PeerClient:
+        client = self._clients.get(node)
+        if client is None:
+            peer = self.view.nodes[node]
+            client = PeerClient(self.view.secret, self.view.me.name, peer.host, peer.port,
+                                timeout=self.peer_timeout)
+            self._clients[node] = client
+        return client
+
+    def _mark_down(self, node: int, why: str) -> None:
+        if self._down_until.get(node, 0.0) <= time.monotonic():
+            log.warning("peer %s %s; using replicas or the store for %.0f s",
+                        self.view.nodes[node].name, why, DOWN_SECONDS)
+        self._down_until[node] = time.monotonic() + DOWN_SECONDS
+
+    # -- ChunkProvider for the peer server ------------------------------------------------
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
+        ds = self._by_id.get(dataset_id)
+        if ds is None or not 0 <= chunk < self.datasets[ds].chunk_count:
+            return None
+        return int(self.datasets[ds].chunk_lengths[chunk])
+
+    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
+        """(fd, data position) of the staged copy for the peer server (dlfsd.pool.peerserver,
+        which reads from it); None if it is not staged, and then it is staged next."""
+        ds = self._by_id[dataset_id]
+        cache = self.caches[ds]
+        fd = cache.cached_fd(chunk)
+        if fd < 0:
+            fd = cache.open_fd(chunk)
+        if fd < 0:
+            if self.owned[ds][chunk]:
+                self.demand.send(ds, chunk)  # a peer needs it: stage it next
+            return None
+        return fd, CHUNK_HEADER_SIZE
+
+    def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
+        """The peer server could not read the staged copy through `fd` (-1: it could
+        not open it): evict it and, if this node owns the chunk, stage it again (what a
+        reader does with a copy it cannot read). A copy staged anew since `fd` was
+        handed out is left alone: a read of the old one can fail late (a failing disk
+        retries for seconds). True if a copy was evicted. Peers meanwhile get MISS and
+        read elsewhere."""
+        ds = self._by_id.get(dataset_id)
+        return ds is not None and self.evict_copy(ds, chunk, fd)
+
+    def evict_copy(self, ds: int, chunk: int, fd: int) -> bool:
+        """Drop the staged copy read through `fd`, which failed, and if this node owns
+        the chunk stage it again next; True if evicted. Only if `fd` is still the
+        current copy's: a slow read of an old copy can fail after that copy was evicted
+        and staged anew, and the new good copy must stay. -1 (it could not be opened:
+        out of descriptors, permissions) is not the copy's fault, and a copy that is
+        gone is forgotten on opening (ChunkCache.open_fd)."""
+        cache = self.caches[ds]
+        if fd < 0 or not cache.is_staged(chunk) or cache.cached_fd(chunk) != fd:
+            return False
+        cache.evict(chunk)
+        if self.owned[ds][chunk]:
+            self.demand.send(ds, chunk)
+        return True

@@ -1,0 +1,382 @@
+"""The peer protocol of the chunk pool: frames and messages, without any I/O.
+
+Daemons of one job serve byte ranges of the chunks they staged to each other
+(docs/PROTOCOL.md). This module only turns bytes into checked messages and
+back, so every rule about what a peer may send lives in one place that tests
+can fuzz without sockets; dlfsd.pool.peer does the networking.
+
+Everything that arrives is hostile until proven otherwise: a frame is a 4-byte
+big-endian length plus a msgpack map, and the decoder refuses a length above
+its limit before buffering the body, unpacks with tight msgpack limits, and
+checks that the map is exactly one known message with correctly typed fields.
+A request names (dataset uuid, chunk index, offset, length) and nothing else,
+so no path from the network ever reaches a file system call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from dlfs.errors import DlfsError
+from dlfs.store.format import MAX_EXTENT_SIZE
+
+PROTOCOL_VERSION = 1
+
+# A reply carries at most one extent: a reader never needs more at once, and it
+# bounds what a peer must buffer per request.
+MAX_READ = MAX_EXTENT_SIZE
+# Room for the map around the largest DATA payload.
+FRAME_OVERHEAD = 4096
+MAX_FRAME = MAX_READ + FRAME_OVERHEAD
+# Every message except DATA fits here; a server accepts nothing larger, so an
+# unauthenticated connection cannot make it buffer more than this.
+MAX_CONTROL_FRAME = 4096
+
+LENGTH_PREFIX = struct.Struct(">I")
+NONCE_SIZE = 32
+PROOF_SIZE = 32  # HMAC-SHA256
+DATASET_ID_SIZE = 16
+MIN_SECRET_SIZE = 16
+MAX_NODE_NAME = 255  # bytes of UTF-8
+MAX_CODE = 64
+MAX_TEXT = 1024
+MAX_REQUEST_ID = 2**32 - 1
+MAX_UINT = 2**64 - 1
+
+# Message types (the "t" field).
+HELLO = "hello"
+CHALLENGE = "challenge"
+AUTH = "auth"
+OK = "ok"
+ERR = "err"
+READ = "read"
+DATA = "data"
+MISS = "miss"
+FAIL = "fail"
+
+# ERR codes: the connection is closed after an ERR.
+ERR_VERSION = "version"
+ERR_AUTH = "auth"
+ERR_PROTOCOL = "protocol"
+
+# FAIL codes: one request failed, the connection stays open.
+FAIL_UNKNOWN_CHUNK = "unknown-chunk"  # dataset unknown here or chunk index out of range
+FAIL_BAD_LENGTH = "bad-length"  # length 0 or above MAX_READ
+FAIL_OUT_OF_RANGE = "out-of-range"  # offset + length beyond the chunk's data
+FAIL_IO = "io-error"  # the peer could not read its own copy; try another source
+BOUNDS_FAIL_CODES = frozenset({FAIL_UNKNOWN_CHUNK, FAIL_BAD_LENGTH, FAIL_OUT_OF_RANGE})
+
+Message = dict[str, Any]
+
+
+class ProtocolError(DlfsError):
+    """The other side sent something this protocol version does not allow.
+
+    The only sane reaction is to close the connection: after a malformed frame
+    the byte stream can no longer be trusted to be in step.
+    """
+
+
+# -- field checks ------------------------------------------------------------
+
+Check = Callable[[Any], bool]
+
+
+def _uint(limit: int) -> Check:
+    # type() rather than isinstance(): bool is an int subclass but never a valid field.
+    return lambda v: type(v) is int and 0 <= v <= limit
+
+
+def _bin(exact: int | None = None, limit: int | None = None) -> Check:
+    def check(v: Any) -> bool:
+        if not isinstance(v, (bytes, bytearray, memoryview)):
+            return False
+        size = v.nbytes if isinstance(v, memoryview) else len(v)
+        return size == exact if exact is not None else size <= limit
+
+    return check
+
+
+def _text(limit: int) -> Check:
+    return lambda v: type(v) is str and len(v.encode("utf-8", "surrogatepass")) <= limit
+
+
+# The exact field set of every message. HELLO's shape is frozen across protocol
+# versions so that a peer of another version gets an ERR_VERSION, not a
+# protocol error.
+SCHEMAS: dict[str, dict[str, Check]] = {
+    HELLO: {"v": _uint(MAX_UINT), "node": _text(MAX_NODE_NAME), "nonce": _bin(NONCE_SIZE)},
+    CHALLENGE: {"nonce": _bin(NONCE_SIZE), "proof": _bin(PROOF_SIZE)},
+    AUTH: {"proof": _bin(PROOF_SIZE)},
+    OK: {},
+    ERR: {"code": _text(MAX_CODE), "msg": _text(MAX_TEXT)},
+    # Lengths are checked against MAX_READ by the server (FAIL_BAD_LENGTH), not
+    # here: a bad length is one refused request, not a broken connection.
+    READ: {"id": _uint(MAX_REQUEST_ID), "ds": _bin(DATASET_ID_SIZE), "chunk": _uint(MAX_UINT),
+           "off": _uint(MAX_UINT), "len": _uint(MAX_UINT)},
+    DATA: {"id": _uint(MAX_REQUEST_ID), "data": _bin(limit=MAX_READ)},
+    MISS: {"id": _uint(MAX_REQUEST_ID)},
+    FAIL: {"id": _uint(MAX_REQUEST_ID), "code": _text(MAX_CODE)},
+}
+
+
+def validate(msg: Any) -> Message:
+    """Return `msg` if it is exactly one known, well-typed message; else raise ProtocolError."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message must be a map, got {type(msg).__name__}")
+    kind = msg.get("t")
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message type {kind!r:.40}")
+    if len(msg) != len(schema) + 1:
+        extra = sorted(str(k) for k in msg.keys() - schema.keys() - {"t"})
+        missing = sorted(schema.keys() - msg.keys())
+        raise ProtocolError(f"{kind} message: missing fields {missing}, unexpected {extra}"[:200])
+    for name, check in schema.items():
+        if name not in msg:
+            raise ProtocolError(f"{kind} message: missing field {name!r}")
+        if not check(msg[name]):
+            raise ProtocolError(f"{kind} message: field {name!r} has a bad type or size")
+    return msg
+
+
+# -- message constructors ---------------------------------------------------
+
+def hello(node: str, nonce: bytes, version: int = PROTOCOL_VERSION) -> Message:
+    return {"t": HELLO, "v": version, "node": node, "nonce": nonce}
+
+
+def challenge(nonce: bytes, proof: bytes) -> Message:
+    return {"t": CHALLENGE, "nonce": nonce, "proof": proof}
+
+
+def auth(proof: bytes) -> Message:
+    return {"t": AUTH, "proof": proof}
+
+
+def ok() -> Message:
+    return {"t": OK}
+
+
+def err(code: str, text: str) -> Message:
+    return {"t": ERR, "code": code, "msg": text[:MAX_TEXT]}
+
+
+def read(request_id: int, dataset_id: bytes, chunk: int, offset: int, length: int) -> Message:
+    return {"t": READ, "id": request_id, "ds": dataset_id, "chunk": chunk, "off": offset,
+            "len": length}
+
+
+def data(request_id: int, payload: bytes | bytearray | memoryview) -> Message:
+    return {"t": DATA, "id": request_id, "data": payload}
+
+
+def data_frame_head(request_id: int, length: int) -> bytes:
+    """The bytes of a DATA frame that precede its payload.
+
+    head + payload is one frame that decodes to data(request_id, payload), so a
+    server can hand the payload to the kernel as it is (sendmsg) instead of
+    copying it twice into a packed frame.
+    """
+    if not 0 <= request_id <= MAX_REQUEST_ID or not 0 <= length <= MAX_READ:
+        raise ProtocolError(f"bad DATA frame: id {request_id}, {length} bytes")
+    body_head = (_DATA_MAP_HEAD + msgpack.packb(request_id) + _DATA_KEY
+                 + b"\xc6" + length.to_bytes(4, "big"))  # bin 32 header
+    return LENGTH_PREFIX.pack(len(body_head) + length) + body_head
+
+
+_DATA_MAP_HEAD = b"\x83" + msgpack.packb("t") + msgpack.packb(DATA) + msgpack.packb("id")
+_DATA_KEY = msgpack.packb("data")
+
+
+def miss(request_id: int) -> Message:
+    return {"t": MISS, "id": request_id}
+
+
+def fail(request_id: int, code: str) -> Message:
+    return {"t": FAIL, "id": request_id, "code": code}
+
+
+# -- authentication ----------------------------------------------------------
+# Both sides prove they hold the job secret without sending it. Each proof
+# covers both nonces, so it cannot be replayed on another connection, and the
+# "server"/"client" prefixes keep one side's proof from being reflected back
+# as the other's.
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_SIZE)
+
+
+def new_secret() -> bytes:
+    """A fresh per-job secret (what the launcher should distribute to every daemon)."""
+    return secrets.token_bytes(32)
+
+
+def check_secret(secret: bytes) -> bytes:
+    """Refuse secrets short enough to guess offline from one captured handshake."""
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_SIZE:
+        raise DlfsError(f"the peer secret must be at least {MIN_SECRET_SIZE} random bytes")
+    return secret
+
+
+def server_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(secret, b"server" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def client_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, b"client" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def proof_matches(expected: bytes, got: bytes) -> bool:
+    """Constant-time comparison, so timing does not leak how much of a proof was right."""
+    return hmac.compare_digest(expected, got)
+
+
+# -- the server side of the handshake ---------------------------------------
+
+class HandshakeRefused(Exception):
+    """The server ends the handshake: count it under `counter`, log `why`, send `reply`
+    (an ERR, or None when the client already said why) and close."""
+
+    def __init__(self, counter: str, why: str, reply: Message | None) -> None:
+        super().__init__(why)
+        self.counter, self.why, self.reply = counter, why, reply
+
+
+class ServerHandshake:
+    """The server's side of HELLO -> CHALLENGE -> AUTH -> OK, without I/O.
+
+    Both peer servers (trio and selector loop) feed it the client's two
+    messages; the decisions, the proofs and the refusals live here once.
+    """
+
+    def __init__(self, secret: bytes, node_name: str) -> None:
+        self._secret = secret
+        self.node_name = node_name
+        self.client_node = "?"
+        self._client_nonce = b""
+        self._nonce = b""
+
+    def challenge_for(self, hello_msg: Message) -> Message:
+        """The CHALLENGE answering the client's HELLO."""
+        if hello_msg["t"] != HELLO:
+            raise ProtocolError(f"expected hello, got {hello_msg['t']}")
+        self.client_node = hello_msg["node"]
+        if hello_msg["v"] != PROTOCOL_VERSION:
+            raise HandshakeRefused(
+                "protocol_errors",
+                f"protocol version {hello_msg['v']}, this daemon speaks {PROTOCOL_VERSION}",
+                err(ERR_VERSION, f"node {self.node_name} speaks protocol version "
+                                 f"{PROTOCOL_VERSION}, not {hello_msg['v']}"))
+        self._client_nonce, self._nonce = hello_msg["nonce"], new_nonce()
+        return challenge(self._nonce, server_proof(self._secret, self._client_nonce,
+                                                   self._nonce))
+
+    def accept(self, answer: Message) -> Message:
+        """OK once the client's AUTH proves the secret."""
+        if answer["t"] == ERR:  # the client found our proof wrong
+            raise HandshakeRefused(
+                "auth_failures", f"rejected this server's proof ({answer['msg']}): the two "
+                "daemons have different job secrets", None)
+        if answer["t"] != AUTH:
+            raise ProtocolError(f"expected auth, got {answer['t']}")
+        expected = client_proof(self._secret, self._nonce, self._client_nonce)
+        if not proof_matches(expected, answer["proof"]):
+            raise HandshakeRefused("auth_failures", "authentication failed (wrong job secret)",
+                                   err(ERR_AUTH, "authentication failed"))
+        return ok()
+
+
+# -- request bounds ------------------------------------------------------------
+
+def read_bounds_problem(chunk_length: int | None, offset: int, length: int) -> str | None:
+    """The FAIL code for a READ of `length` bytes at `offset` of a chunk, or None if valid.
+
+    `chunk_length` is the chunk's data length, None when the dataset is unknown
+    here or the chunk index is out of range.
+    """
+    if chunk_length is None:
+        return FAIL_UNKNOWN_CHUNK
+    if not 1 <= length <= MAX_READ:
+        return FAIL_BAD_LENGTH
+    if offset + length > chunk_length:
+        return FAIL_OUT_OF_RANGE
+    return None
+
+
+# -- frames ------------------------------------------------------------------
+
+def encode(msg: Message) -> bytes:
+    """One frame (length prefix + msgpack map) holding `msg`, after checking it."""
+    body = msgpack.packb(validate(msg), use_bin_type=True)
+    return LENGTH_PREFIX.pack(len(body)) + body
+
+
+def decode_body(body: bytes | bytearray | memoryview) -> Message:
+    """Unpack and validate one frame body; raise ProtocolError on anything else."""
+    try:
+        msg = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, use_list=True,
+            max_bin_len=MAX_READ, max_str_len=MAX_TEXT, max_array_len=16, max_map_len=8,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ProtocolError(f"frame body is not valid msgpack ({type(error).__name__})") from None
+    return validate(msg)
+
+
+class FrameDecoder:
+    """Incremental decoder: feed received bytes, get the complete messages so far.
+
+    Sans-I/O so it can be fuzzed directly. A length prefix above `max_frame`
+    is refused as soon as its 4 bytes arrive, before any of the body is
+    buffered. After a ProtocolError the decoder stays broken: the stream is no
+    longer in step and must be closed.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+        self._error: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held (nonzero at EOF means a truncated frame)."""
+        return len(self._buffer)
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[Message]:
+        if self._error is not None:
+            raise self._error
+        self._buffer += chunk
+        messages = []
+        try:
+            while (msg := self._next_message()) is not None:
+                messages.append(msg)
+        except ProtocolError as error:
+            self._error = error
+            self._buffer = bytearray()
+            raise
+        return messages
+
+    def _next_message(self) -> Message | None:
+        if len(self._buffer) < LENGTH_PREFIX.size:
+            return None
+        (size,) = LENGTH_PREFIX.unpack_from(self._buffer)
+        if size > self.max_frame:
+            raise ProtocolError(f"frame of {size} bytes exceeds the limit of {self.max_frame}")
+        end = LENGTH_PREFIX.size + size
+        if len(self._buffer) < end:
+            return None
+        # Unpack straight from the buffer (no copy of a 4 MiB body); the view
+        # must be released before the buffer is resized.
+        with memoryview(self._buffer)[LENGTH_PREFIX.size:end] as body:
+            msg = decode_body(body)
+        del self._buffer[:end]
+        return msg

@@ -1,0 +1,415 @@
+"""Stager: copies this node's share of chunks from the store onto local NVMe.
+
+It runs in the daemon's main process while the mount already serves reads.
+Chunks a reader asked for (it had to go to the store, or found a corrupt
+copy) jump the queue: any process sends (dataset, chunk) down a pipe
+created before the workers forked. Each copy is written under a temporary
+name, read back and its header and every extent checksum checked, then synced
+and renamed into the cache; a copy that fails verification is never published.
+A chunk whose copy failed is tried again after a backoff (RETRY_FIRST, doubling
+up to RETRY_MAX), and a cache disk that cannot be written (full, read-only)
+pauses all staging the same way: a moment's ENOSPC must not end staging for the
+mount, and a bad store copy must not be copied in a loop. `--cache-limit` caps
+what is staged. What is not staged (yet) is read from peers or the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import heapq
+import logging
+import math
+import os
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from dlfs.errors import CorruptDataError, FormatError
+from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
+from dlfs.store.store import Dataset
+from dlfsd.pool.chunkcache import ChunkCache
+from dlfsd.throttle import pace
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK = 8 << 20
+RETRY_FIRST = 10.0  # seconds until a failed copy (or a full cache disk) is tried again,
+RETRY_MAX = 300.0  # doubling per failure up to this
+# Errors of the cache disk itself, not of one chunk: they pause all staging.
+CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+
+
+class DemandChannel:
+    """(dataset, chunk) requests from any process to the stager; lossy when full."""
+
+    RECORD = struct.Struct("<HI")
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def send(self, ds: int, chunk: int) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: the stager is far behind anyway
+            os.write(self.write_fd, self.RECORD.pack(ds, chunk))
+
+    async def receive(self):
+        """Yield requests as they arrive (main process only)."""
+        size = self.RECORD.size
+        pending = b""
+        while True:
+            await trio.lowlevel.wait_readable(self.read_fd)
+            try:
+                pending += os.read(self.read_fd, 65536 - 65536 % size)
+            except BlockingIOError:
+                continue
+            whole = len(pending) - len(pending) % size
+            for ds, chunk in self.RECORD.iter_unpack(pending[:whole]):
+                yield ds, chunk
+            pending = pending[whole:]
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@dataclass
+class Backoff:
+    """Consecutive failures of one thing (a chunk's copy, the cache disk) and when
+    (trio clock) it may be tried again; a success forgets them."""
+
+    failures: int = 0
+    due: float = float("-inf")
+
+    def waiting(self, now: float) -> bool:
+        return now < self.due
+
+    def fail(self, now: float) -> tuple[float, bool]:
+        """Count a failure: (the delay until the next try, whether it grew: log then)."""
+        before = self.delay()
+        self.failures += 1
+        delay = self.delay()
+        self.due = now + delay
+        return delay, delay != before
+
+    def delay(self) -> float:
+        if not self.failures:
+            return 0.0
+        return min(RETRY_FIRST * 2.0 ** min(self.failures - 1, 30), RETRY_MAX)
+
+
+@dataclass
+class StageProgress:
+    """What `dlfs status` shows for one dataset."""
+
+    owned_chunks: int
+    owned_bytes: int
+    staged_chunks: int
+    staged_bytes: int
+    rate: float  # bytes/s copied since the mount started staging
+    eta: float | None  # seconds until every owned chunk that fits is staged
+
+
+class Stager:
+    """Background copier of owned chunks, demanded ones first."""
+
+    def __init__(self, datasets: list[Dataset], caches: list[ChunkCache],
+                 owned: list[np.ndarray], demand: DemandChannel, jobs: int = 2,
+                 cache_limit: int = 0, store_rate: int = 0) -> None:
+        self.datasets = datasets
+        self.caches = caches
+        self.owned_masks = owned
+        self._owned_lists = [np.flatnonzero(m) for m in owned]
+        self._cursor = [0] * len(datasets)
+        self.demand = demand
+        self.jobs = jobs
+        self.cache_limit = cache_limit
+        self.store_rate = store_rate
+        self._urgent: deque[tuple[int, int]] = deque()
+        self._busy: dict[tuple[int, int], int] = {}
+        self._failed: dict[tuple[int, int], Backoff] = {}
+        self._retries: list[tuple[float, int, int]] = []  # heap of (due, ds, chunk)
+        self._cache_pause = Backoff()  # the cache disk cannot be written
+        self._wake = trio.Event()
+        self._stopping = False
+        self._by_chunk = [d.directory.extents_by_chunk(d.chunk_count) for d in datasets]
+        self.copied_bytes = 0
+        self.copied_chunks = 0
+        self.started = time.monotonic()
+        self.finished: float | None = None
+
+    # -- scheduling -----------------------------------------------------------------
+    async def run(self) -> None:
+        """Stage until cancelled (unmount); idle jobs wait for demands."""
+        self.started = time.monotonic()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._stop_when_cancelled)
+                nursery.start_soon(self._receive_demands)
+                for _ in range(self.jobs):
+                    nursery.start_soon(self._job)
+        finally:
+            self._stopping = True
+
+    async def _stop_when_cancelled(self) -> None:
+        """Raise the stop flag the moment the nursery is cancelled, not once it is done.
+
+        The copy threads cannot be cancelled (to_thread.run_sync waits for them), so the
+        nursery waits for every copy in flight: without the flag they would each run to
+        the end of a whole chunk (up to 2 GiB) before the unmount could go on.
+        """
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._stopping = True
+
+    async def _receive_demands(self) -> None:
+        async for ds, chunk in self.demand.receive():
+            if ds < len(self.datasets) and chunk < self.datasets[ds].chunk_count:
+                self._urgent.append((ds, chunk))
+                self._wake_jobs()
+
+    def _wake_jobs(self) -> None:
+        """Wake every idle job; the next idle ones wait on a fresh event.
+
+        Only the waker replaces the event: a job that replaced it after waking would
+        leave a job that woke with it waiting on an event nobody sets any more.
+        """
+        self._wake.set()
+        self._wake = trio.Event()
+
+    async def _job(self) -> None:
+        buffer = bytearray()
+        while True:
+            item = self._next()
+            if item is None:
+                if self.finished is None and not self._urgent:
+                    self.finished = time.monotonic()
+                with trio.move_on_at(self._next_due()):  # a retry comes due meanwhile
+                    await self._wake.wait()  # no checkpoint since _next(): none is missed
+                continue
+            ds, chunk = item
+            self._busy[item] = int(self.datasets[ds].chunk_lengths[chunk])
+            try:
+                buffer, error = await trio.to_thread.run_sync(self._copy_caught, ds, chunk,
+                                                              buffer)
+            finally:
+                del self._busy[item]
+            if error is None:
+                self._failed.pop(item, None)
+                self._cache_pause.failures = 0  # the disk took a whole copy
+            else:
+                self._copy_failed(ds, chunk, error)
+
+    def _next(self) -> tuple[int, int] | None:
+        now = trio.current_time()
+        if self._cache_pause.waiting(now):
+            # Nothing can be written: keep the cursor, drop demands (readers demand a
+            # chunk again each time they read it from the store) so they cannot pile up.
+            self._urgent.clear()
+            return None
+        while self._urgent:
+            ds, chunk = self._urgent.popleft()
+            if self._eligible(ds, chunk):
+                return ds, chunk
+        while self._retries and self._retries[0][0] <= now:
+            _, ds, chunk = heapq.heappop(self._retries)
+            if self._eligible(ds, chunk):
+                return ds, chunk
+        for ds, chunks in enumerate(self._owned_lists):
+            while self._cursor[ds] < len(chunks):
+                chunk = int(chunks[self._cursor[ds]])
+                self._cursor[ds] += 1
+                if self._eligible(ds, chunk):
+                    return ds, chunk
+        return None
+
+    def _next_due(self) -> float:
+        """When an idle job must look again without being woken: a retry comes due, or
+        the pause ends (retries due before that wait for it: no job may spin on them)."""
+        if self._cache_pause.waiting(trio.current_time()):
+            return self._cache_pause.due
+        return self._retries[0][0] if self._retries else math.inf
+
+    def _eligible(self, ds: int, chunk: int) -> bool:
+        if not self.owned_masks[ds][chunk]:
+            return False
+        if self.caches[ds].is_staged(chunk) or (ds, chunk) in self._busy:
+            return False
+        backoff = self._failed.get((ds, chunk))
+        if backoff is not None and backoff.waiting(trio.current_time()):
+            return False
+        return self._fits(int(self.datasets[ds].chunk_lengths[chunk]))
+
+    def _fits(self, length: int) -> bool:
+        if not self.cache_limit:
+            return True
+        # A copy is published (staged) by its thread a moment before its job takes it
+        # off _busy: counted twice then, every other chunk looked too big and was
+        # passed over for good (staging stopped short of the limit, 1 run in 3).
+        in_flight = sum(n for (ds, chunk), n in self._busy.items()
+                        if not self.caches[ds].is_staged(chunk))
+        used = sum(c.staged_bytes() for c in self.caches) + in_flight
+        return used + length <= self.cache_limit
+
+    def _copy_failed(self, ds: int, chunk: int, err: Exception) -> None:
+        """Try the chunk again once its backoff (or the cache disk's pause) is over.
+
+        Its own failures count only against the chunk: a store copy that stays bad is
+        tried every RETRY_MAX for the rest of the mount, while the other chunks go on.
+        """
+        now = trio.current_time()
+        if isinstance(err, OSError) and err.errno in CACHE_ERRNOS:
+            due = self._pause(ds, err, now)
+        else:
+            backoff = self._failed.setdefault((ds, chunk), Backoff())
+            delay, grew = backoff.fail(now)
+            due = backoff.due
+            if grew:  # once per backoff step, not at every try
+                self._log_failure(ds, chunk, err, delay)
+        heapq.heappush(self._retries, (due, ds, chunk))
+
+    def _pause(self, ds: int, err: OSError, now: float) -> float:
+        """The cache disk cannot be written (full, read-only): stop all copies for a
+        backoff, not for good (another job's files may be deleted in a moment). Only
+        the first of the jobs that hit it counts; returns when staging resumes."""
+        if not self._cache_pause.waiting(now):
+            delay, grew = self._cache_pause.fail(now)
+            if grew:
+                log.error("staging paused for %.3g s: cannot write the cache dir %s (%s); "
+                          "reads go to peers and the store", delay, self.caches[ds].dir,
+                          err.strerror)
+        return self._cache_pause.due
+
+    def _log_failure(self, ds: int, chunk: int, err: Exception, delay: float) -> None:
+        name = self.datasets[ds].name
+        if isinstance(err, (CorruptDataError, FormatError)):
+            log.error("not staging chunk %d of %s for %.3g s: the store copy is bad (%s); "
+                      "reads of it are checked and fail with EIO", chunk, name, delay, err)
+        else:
+            log.error("cannot stage chunk %d of %s (%s); trying again in %.3g s", chunk,
+                      name, err, delay)
+
+    # -- copying (in a worker thread) -----------------------------------------------------
+    def _copy_caught(self, ds: int, chunk: int,
+                     buffer: bytearray) -> tuple[bytearray, Exception | None]:
+        """Copy one chunk; return a failure (for _copy_failed) instead of raising it."""
+        try:
+            return self._copy(ds, chunk, buffer), None
+        except (CorruptDataError, FormatError, OSError) as err:
+            return buffer, err
+
+    def _copy(self, ds: int, chunk: int, buffer: bytearray) -> bytearray:
+        """Copy in the kernel (copy_file_range, like cp), then verify the copy itself.
+
+        Checking the written copy rather than the bytes read catches a bad store
+        copy and a bad write alike, and keeps the data out of user space but once.
+        """
+        dataset, cache = self.datasets[ds], self.caches[ds]
+        total = CHUNK_HEADER_SIZE + int(dataset.chunk_lengths[chunk])
+        source = dataset.chunk_path(chunk)
+        temp = cache.temp_path(chunk)
+        try:
+            with open(source, "rb", buffering=0) as src, \
+                    open(temp, "wb", buffering=0, opener=_private) as dst:
+                if os.fstat(src.fileno()).st_size < total:
+                    raise CorruptDataError(f"chunk file is truncated: {source}")
+                copied = self._copy_range(src.fileno(), dst.fileno(), total)
+            if not copied or self._stopping:  # unmounting: abandon it, verifying included
+                _discard(temp)
+                return buffer
+            if len(buffer) < total:
+                buffer = bytearray(total)
+            view = memoryview(buffer)[:total]
+            with open(temp, "rb", buffering=0) as copy:
+                got = 0
+                while got < total:  # one read returns at most 2 GiB - 4 KiB (Linux)
+                    n = copy.readinto(view[got:])
+                    if not n:
+                        raise CorruptDataError(f"short copy of {source}")
+                    got += n
+            check_chunk_header(bytes(view[:CHUNK_HEADER_SIZE]), source, chunk, dataset.uuid)
+            self._check_extents(ds, chunk, view)
+            cache.publish(chunk, temp)
+        except BaseException:
+            _discard(temp)
+            raise
+        self.copied_bytes += total - CHUNK_HEADER_SIZE
+        self.copied_chunks += 1
+        return buffer
+
+    def _copy_range(self, src: int, dst: int, total: int) -> bool:
+        """Copy `total` bytes in READ_BLOCK steps (paced when the store is throttled);
+        False if unmounting interrupted it."""
+        pos = 0
+        use_kernel_copy = hasattr(os, "copy_file_range")
+        while pos < total:
+            if self._stopping:
+                return False
+            started = time.monotonic()
+            want = min(READ_BLOCK, total - pos)
+            n = 0
+            if use_kernel_copy:
+                try:
+                    n = os.copy_file_range(src, dst, want, pos, pos)
+                except OSError as err:
+                    if err.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                         errno.EOPNOTSUPP):
+                        raise
+                    use_kernel_copy = False
+            if not use_kernel_copy:
+                data = os.pread(src, want, pos)
+                n = os.pwrite(dst, data, pos) if data else 0
+            if not n:
+                raise CorruptDataError("chunk file ended early")
+            pace(self.store_rate, n, started)
+            pos += n
+        return True
+
+    def _check_extents(self, ds: int, chunk: int, view: memoryview) -> None:
+        d = self.datasets[ds].directory
+        order, bounds = self._by_chunk[ds]
+        offsets, lengths, sums = d.ext_offset_view, d.ext_length_view, d.ext_checksum_view
+        for ext in order[bounds[chunk] : bounds[chunk + 1]]:
+            start = CHUNK_HEADER_SIZE + offsets[ext]
+            if checksum(view[start : start + lengths[ext]]) != sums[ext]:
+                raise CorruptDataError(f"checksum mismatch in extent {ext} of "
+                                       f"{self.datasets[ds].chunk_path(chunk)}")
+
+    # -- reporting ---------------------------------------------------------------------
+    def progress(self) -> list[StageProgress]:
+        elapsed = max((self.finished or time.monotonic()) - self.started, 1e-9)
+        rate = self.copied_bytes / elapsed
+        idle = self.finished is not None and not self._busy and not self._urgent
+        out = []
+        for ds, dataset in enumerate(self.datasets):
+            owned = self.owned_masks[ds]
+            staged = owned & self.caches[ds].staged_mask()
+            lengths = dataset.chunk_lengths
+            owned_bytes, staged_bytes = int(lengths[owned].sum()), int(lengths[staged].sum())
+            remaining = owned_bytes - staged_bytes
+            if not remaining:
+                eta = 0.0
+            elif idle or rate <= 0:  # the rest is not being staged: over --cache-limit,
+                eta = None  # or failed copies waiting to be tried again
+            else:
+                eta = remaining / rate
+            out.append(StageProgress(int(owned.sum()), owned_bytes, int(staged.sum()),
+                                     staged_bytes, rate, eta))
+        return out
+
+
+def _discard(temp: Path) -> None:
+    """Remove an unfinished or rejected copy: only verified copies are ever renamed in."""
+    with contextlib.suppress(OSError):
+        temp.unlink()
+
+
+def _private(path, flags: int) -> int:
+    """Open a staged copy 0600 (see ChunkCache.scan)."""
+    return os.open(path, flags, 0o600)

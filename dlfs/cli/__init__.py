@@ -1,0 +1,1 @@
+"""The `dlfs` command: parsing, one module per command family, mount/umount, doctor, demo."""

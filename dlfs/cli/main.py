@@ -1,0 +1,866 @@
+"""`dlfs`: the admin and user command line.
+
+Every subcommand is `main(argv) -> int`: errors print one line
+(`dlfs: error: what, which path, what to do`) and exit non-zero; no
+tracebacks for anything a user can cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dlfs import __version__
+from dlfs.config import MountConfig, default_workers
+from dlfs.errors import (
+    EXIT_CORRUPT,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PIPE_CLOSED,
+    EXIT_USAGE,
+    DlfsError,
+    FormatError,
+    FormatVersionError,
+    NotMountedError,
+    ReportedElsewhere,
+    UsageError,
+)
+from dlfs.runtime import mountpoint_path
+from dlfs.sizes import format_size, parse_size
+from dlfs.store.directory import display_path
+from dlfs.store.format import DEFAULT_CHUNK_SIZE, MANIFEST_NAME
+from dlfs.store.populate import PopulateOptions
+from dlfs.store.store import Store, check_dataset_name
+
+MAX_CACHE_TIMEOUT = 10 * 365 * 86400  # --cache-timeout: ten years is "forever" enough
+EXIT_CODES = """exit codes:
+  0    success
+  1    error (missing or unreadable path, store problem, mount failed)
+  2    usage error (bad flag or value)
+  3    verify found corrupt data
+  130  interrupted
+  141  stopped: its output pipe was closed (e.g. `| head`)
+"""
+
+MAIN_EPILOG = """examples:
+  dlfs populate /lustre/imagenet --store /lustre/dlfs-store --name imagenet --jobs 16
+  dlfs ls --store /lustre/dlfs-store
+  dlfs mount /mnt/dlfs --store /lustre/dlfs-store
+  ls /mnt/dlfs/imagenet/train | head
+  dlfs umount /mnt/dlfs
+
+  # a job's nodes as one chunk pool (same flags on every node)
+  dlfs mount /mnt/dlfs --store /lustre/dlfs-store --cache-dir /nvme/dlfs \\
+      --nodes-file nodes.txt --secret-file job.secret
+  dlfs status /mnt/dlfs --watch
+
+""" + EXIT_CODES
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line too, with a pointer to --help."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"dlfs: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except DlfsError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t) -1, "no change" to chown
+
+
+def _id(text: str) -> int:
+    if not text.isdigit() or int(text) > MAX_ID:
+        raise argparse.ArgumentTypeError(f"must be a numeric id, 0 to {MAX_ID}, got {text!r}")
+    return int(text)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    """Seconds the kernel may cache: FUSE carries them as whole seconds (u64) plus ns."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_CACHE_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 to {MAX_CACHE_TIMEOUT:.0f} seconds, got {text!r}")
+    return value
+
+
+MIN_SECONDS, MAX_SECONDS = 0.001, 1e6  # beyond: a busy loop, or sleep/select overflow
+
+
+def _seconds(text: str) -> float:
+    """A wait, timeout or interval: positive and finite (0 would busy-loop or fail at
+    once, NaN compares false with everything)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not MIN_SECONDS <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be {MIN_SECONDS:g} to {MAX_SECONDS:g} seconds, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {text!r}")
+    return value
+
+
+def _path(text: str) -> str:
+    """A path argument: an empty one (an unset variable in a script) would mean the
+    current directory, and `dlfs mount "$MNT"` would cover it without a word."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: give a path (an unset variable?)")
+    return text
+
+
+def _dataset_name(text: str) -> str:
+    try:
+        return check_dataset_name(text)
+    except DlfsError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+MAX_TRACE_CAPACITY = 1 << 26  # records: ~3.3 GB of shared memory, allocated at mount
+
+
+def _trace_capacity(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if not 1 <= value <= MAX_TRACE_CAPACITY:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {MAX_TRACE_CAPACITY} records (~50 bytes of memory each), "
+            f"got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+# -- subcommands ---------------------------------------------------------------
+def cmd_populate(args: argparse.Namespace) -> int:
+    from dlfs.cluster.mpi_populate import launched_by_mpi, mpi_populate
+    from dlfs.store.populate import populate
+
+    options = PopulateOptions(chunk_size=args.chunk_size, jobs=args.jobs, force=args.force,
+                              fsync=not args.no_fsync)
+    started = time.monotonic()
+    if args.mpi or launched_by_mpi(os.environ):
+        try:
+            dataset = mpi_populate(Path(args.source), Store(args.store), args.name, options)
+        except ReportedElsewhere:
+            return EXIT_ERROR  # rank 0 prints the one line
+        if dataset is None:
+            return EXIT_OK  # not rank 0: rank 0 reports
+    else:
+        dataset = populate(Path(args.source), Store(args.store), args.name, options)
+    took = time.monotonic() - started
+    s = dataset.stats
+    print(f"published {dataset.name}: {s['files']} files, {format_size(s['bytes'])} in "
+          f"{dataset.chunk_count} chunks, {took:.1f} s "
+          f"({format_size(s['bytes'] / max(took, 1e-9))}/s) -> {dataset.path}")
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = Store(args.store)
+    rows = [("NAME", "FILES", "BYTES", "CHUNKS", "CREATED")]
+    unreadable = []
+    for name in store.dataset_names():
+        try:
+            d = store.open(name)
+        except DlfsError as err:  # one damaged (or just removed) dataset hides no other
+            unreadable.append(f"dlfs: error: {err}")
+            continue
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.created))
+        rows.append((name, str(d.stats["files"]), format_size(d.stats["bytes"]),
+                     str(d.chunk_count), created))
+    if len(rows) == 1 and not unreadable:
+        hint = ""
+        if (store.path / MANIFEST_NAME).is_file():
+            hint = (f" ({store.path} is a dataset; its store is the directory above: "
+                    f"dlfs ls --store {store.path.parent})")
+        print(f"no datasets in {store.path}{hint}", file=sys.stderr)
+        return EXIT_OK
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    for line in unreadable:
+        print(line, file=sys.stderr)
+    return EXIT_ERROR if unreadable else EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    d = Store(args.store).open(args.name)
+    s = d.stats
+    lines = [
+        ("name", d.name),
+        ("path", str(d.path)),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(d.created))),
+        ("source", s["source"]),
+        ("files", str(s["files"])),
+        ("directories", str(s["dirs"])),
+        ("symlinks", str(s["symlinks"])),
+        ("bytes", f"{s['bytes']} ({format_size(s['bytes'])})"),
+        ("chunks", f"{d.chunk_count} of up to {format_size(d.chunk_size)}"),
+        ("extents", str(d.directory.extent_count)),
+        ("directory memory", format_size(d.directory.nbytes())),
+        ("skipped specials", str(s["skipped"])),
+        ("uuid", d.uuid.hex()),
+    ]
+    for key, value in lines:
+        print(f"{key + ':':<18} {value}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from dlfs.store.verify import verify_dataset
+
+    try:
+        d = Store(args.store).open(args.name)
+    except FormatError as err:  # the manifest is part of the dataset: corrupt data too,
+        if not isinstance(err, FormatVersionError):  # unless another version wrote it
+            err.exit_code = EXIT_CORRUPT
+        raise
+    report = verify_dataset(d, jobs=args.jobs)
+    for error in report.chunk_errors:
+        print(f"chunk error: {error}")
+    for path in report.corrupt_files:
+        print(f"corrupt: {display_path(path)}")
+    if report.ok:
+        print(f"ok: {d.name}: {d.chunk_count} chunks, {format_size(report.checked_bytes)} checked")
+        return EXIT_OK
+    print(f"dlfs: error: {d.name}: {len(report.corrupt_files)} corrupt files, "
+          f"{len(report.chunk_errors)} bad chunks; re-populate it", file=sys.stderr)
+    return EXIT_CORRUPT
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    Store(args.store).remove(args.name)
+    print(f"removed {args.name} from {args.store}")
+    return EXIT_OK
+
+
+def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """`mount --slurm`: fill the cluster flags from the job's environment (dlfs.cluster.slurm):
+    every node of the job with its port, this node's name, and %j/%n expanded in the
+    paths. Without --cache-dir there is no pool, so only the paths change."""
+    from dlfs.cluster.slurm import expand_pattern, job_from_env, peer_nodes
+
+    if args.nodes or args.nodes_file or args.node:
+        raise UsageError("--slurm takes the nodes from the job; drop --nodes, --nodes-file "
+                         "and --node")
+    job = job_from_env(env)
+    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file", "summary_file"):
+        value = getattr(args, flag)
+        if value:
+            setattr(args, flag, expand_pattern(value, job.job_id, job.node))
+    if args.cache_dir:
+        peers = peer_nodes(job, args.port_base, args.node_host)
+        args.nodes = [",".join(peer.spec() for peer in peers)]
+        args.node = job.node
+
+
+def _cluster_settings(args: argparse.Namespace) -> dict:
+    """The chunk-pool flags of `mount`, validated here so mistakes fail before any daemon starts."""
+    from dlfs.cluster.nodes import resolve_cluster
+
+    nodes = _node_items(args)
+    wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit)
+    if wants_pool and not args.cache_dir:
+        raise UsageError("--nodes, --node, --secret-file and --cache-limit need --cache-dir "
+                         "(the node-local directory chunks are staged into)")
+    if not args.cache_dir:
+        return {}
+    view = resolve_cluster(tuple(nodes), args.node, args.replicas, args.secret_file)
+    return dict(cache_dir=os.path.abspath(args.cache_dir), nodes=tuple(str(n) for n in view.nodes)
+                if nodes else (), node=view.me.name if nodes else args.node,
+                replicas=args.replicas,
+                secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
+                cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
+                peer_timeout=args.peer_timeout)
+
+
+def _mount_config(args: argparse.Namespace) -> MountConfig:
+    for flag, path in (("--log-file", args.log_file), ("--summary-file", args.summary_file)):
+        _check_file_target(flag, path)
+    return MountConfig(
+        **_cluster_settings(args),
+        mountpoint=args.mountpoint, store=os.path.abspath(args.store),
+        datasets=tuple(args.dataset or ()), verify=not args.no_verify,
+        workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
+        cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
+        allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
+        log_file=os.path.abspath(args.log_file) if args.log_file else None,
+        stats=not args.no_stats, count_opens=args.count_opens, prefetch=args.prefetch,
+        splice=not args.no_splice, store_bandwidth=args.store_bandwidth or 0,
+        trace_capacity=args.trace_capacity,
+        summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
+
+
+def _check_file_target(flag: str, path: str | None) -> None:
+    """A file the daemon will write (its log now, a summary at unmount): fail the mount
+    now, in one line, rather than lose what the daemon cannot write later."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise DlfsError(f"{flag} {path}: directory {parent} does not exist (create it, or "
+                        f"give another path)")
+    if os.path.isdir(path):
+        raise DlfsError(f"{flag} {path} is a directory; give a file path")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise DlfsError(f"{flag} {path}: not writable (check permissions, or give another "
+                        "path)")
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from dlfs.cli.mountctl import daemon_log_path, mount
+
+    if args.mpi:
+        return _mount_mpi(args)
+    if args.slurm:
+        apply_slurm(args, dict(os.environ))
+    config = _mount_config(args)
+    code = mount(config, foreground=args.foreground, timeout=args.timeout)
+    if not args.foreground:
+        print(f"mounted {config.store} at {mountpoint_path(config.mountpoint)}; daemon log: "
+              f"{daemon_log_path(config)}")
+    return code
+
+
+def _mount_mpi(args: argparse.Namespace) -> int:
+    """One mount per MPI rank with a shared node list and secret; all come up or none.
+
+    Each daemon keeps its mount only once every rank is up (mount_uncommitted): a rank
+    interrupted or killed meanwhile (Ctrl-C on mpirun, which then kills the ranks
+    waiting for it) leaves no daemon running and nothing mounted."""
+    from dlfs.cli.mountctl import commit_mount, daemon_log_path, mount_uncommitted, umount
+    from dlfs.cluster.mpi_launch import (
+        all_or_nothing,
+        apply_mpi,
+        check_mpi_flags,
+        default_secret_file,
+        join_world,
+        share_secret,
+    )
+
+    check_mpi_flags(args)
+    world = join_world()
+    secret = share_secret(world)
+    pending: list[tuple[MountConfig, int]] = []  # (its mount, commit descriptor)
+    committed = False
+
+    def step() -> None:
+        apply_mpi(args, world, secret)
+        config = _mount_config(args)
+        pending.append((config, mount_uncommitted(config, args.timeout)))
+
+    def undo() -> None:
+        for config, _ in pending:
+            umount(config.mountpoint, timeout=10)
+
+    try:
+        all_or_nothing(world, step, undo)
+        while pending:
+            config, fd = pending.pop()
+            committed = True  # from here on its daemon keeps the mount, and the secret
+            commit_mount(fd, config)
+            print(f"mounted {config.store} at {mountpoint_path(config.mountpoint)} on "
+                  f"{world.name}; daemon log: {daemon_log_path(config)}", flush=True)
+        return EXIT_OK
+    except ReportedElsewhere:
+        return EXIT_ERROR  # rank 0 prints the one line
+    finally:
+        for _, fd in pending:  # not committed: each daemon unmounts itself
+            os.close(fd)
+        if not committed and args.secret_file == default_secret_file(world, args.mountpoint):
+            with contextlib.suppress(OSError):
+                os.unlink(args.secret_file)
+
+
+def cmd_slurm_secret(args: argparse.Namespace) -> int:
+    from dlfs.cluster.slurm import derive_job_secret, read_site_key, write_secret_file
+
+    secret = derive_job_secret(read_site_key(args.key_file), str(args.job_id))
+    write_secret_file(args.out, secret, args.uid, args.gid)
+    return EXIT_OK
+
+
+def _node_items(args: argparse.Namespace) -> list[str]:
+    """The node list of --nodes and --nodes-file together."""
+    from dlfs.cluster.nodes import read_nodes_file
+
+    return list(args.nodes or ()) + (read_nodes_file(args.nodes_file) if args.nodes_file else [])
+
+
+def cmd_placement(args: argparse.Namespace) -> int:
+    from dlfs.cluster.nodes import parse_nodes
+    from dlfs.cluster.placement import owners, summary
+
+    items = _node_items(args)
+    nodes = parse_nodes(items) if items else []
+    if not nodes:
+        raise UsageError("give the job's nodes with --nodes or --nodes-file")
+    if not 1 <= args.replicas <= len(nodes):
+        raise UsageError(f"--replicas must be between 1 and {len(nodes)} (the nodes listed)")
+    d = Store(args.store).open(args.name)
+    table = owners(d.uuid, d.chunk_count, [n.name for n in nodes], args.replicas)
+    rows = [("NODE", "PRIMARY", "CHUNKS", "BYTES", "SHARE")]
+    total = int(d.chunk_lengths.sum()) or 1
+    for node, (primary, held, nbytes) in zip(nodes, summary(table, d.chunk_lengths, len(nodes)),
+                                             strict=True):
+        rows.append((node.name, str(primary), str(held), format_size(nbytes),
+                     f"{100 * nbytes / total:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(f"{d.name}: {d.chunk_count} chunks, {format_size(total)}, {len(nodes)} nodes, "
+          f"{args.replicas} replica(s) per chunk")
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dlfs.obs.statusview import show_status
+
+    return show_status(args.mountpoint, watch=args.watch, as_json=args.json,
+                       interval=args.interval)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dlfs.cli.doctor import doctor
+
+    return doctor(args.store, args.cache_dir, args.port, nodes=_node_items(args),
+                  node=args.node, secret_file=args.secret_file)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from dlfs.cli.mountctl import umount
+
+    if not args.mpi:
+        return umount(args.mountpoint, lazy=args.lazy, timeout=args.timeout)
+    from dlfs.cluster.mpi_launch import all_or_nothing, default_secret_file, expand_node, join_world
+
+    world = join_world()
+
+    def step() -> None:
+        mountpoint = expand_node(world, args.mountpoint)
+        # Not mounted: a half-up launch, or a rank whose daemon went; nothing to do here.
+        with contextlib.suppress(NotMountedError):
+            umount(mountpoint, lazy=args.lazy, timeout=args.timeout)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(default_secret_file(world, mountpoint))
+
+    try:
+        return all_or_nothing(world, step, lambda: None)
+    except ReportedElsewhere:
+        return EXIT_ERROR
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from dlfs.obs.statsview import show_stats
+
+    return show_stats(args.mountpoint, watch=args.watch, as_json=args.json,
+                      interval=args.interval)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from dlfs.obs.traceclient import run_trace_command
+
+    return run_trace_command(args.action, args.mountpoint, args.output)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dlfs.obs.report import make_report
+
+    return make_report(Path(args.trace), Path(args.output))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dlfs.cli.demo import run_demo
+
+    if args.mean_size < 1:
+        raise UsageError("--mean-size must be at least 1 byte")
+
+    return run_demo(args.files, args.mean_size, args.workers,
+                    Path(args.workdir) if args.workdir else None, args.keep)
+
+
+# -- parser --------------------------------------------------------------------
+def _sub(subs, name: str, func: Callable, help_: str, epilog: str) -> argparse.ArgumentParser:
+    p = subs.add_parser(name, help=help_, description=help_, epilog=epilog + "\n" + EXIT_CODES,
+                        formatter_class=_Formatter)
+    p.set_defaults(func=func)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="dlfs", formatter_class=_Formatter, epilog=MAIN_EPILOG,
+        description="DLFS packs datasets of many small samples into large chunk files and "
+                    "serves them through a read-only FUSE mount.")
+    parser.add_argument("--version", action="version", version=f"dlfs {__version__}")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                 parser_class=_Parser)
+
+    p = _sub(subs, "populate", cmd_populate, "pack a directory tree into a new dataset",
+             "examples:\n  dlfs populate ./imagenet --store /lustre/store --name imagenet\n"
+             "  dlfs populate ./bert --store /lustre/store --name bert --chunk-size 256M -j 32\n"
+             "  mpirun -n 16 dlfs populate /lustre/imagenet --store /lustre/store --name imagenet\n"
+             "\nThe dataset appears atomically when complete; an interrupted run publishes "
+             "nothing.")
+    p.add_argument("source", type=_path, help="directory to pack (read, never modified)")
+    p.add_argument("--store", type=_path, required=True,
+                   help="store directory (created if missing)")
+    p.add_argument("--name", required=True, help="dataset name (letters, digits, . _ + -)")
+    p.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE,
+                   help="chunk file size, e.g. 64M (default), 256M, 1G")
+    p.add_argument("-j", "--jobs", type=_positive, default=PopulateOptions.jobs,
+                   help="parallel source readers (default 4; more helps on a parallel file "
+                        "system with high latency, fewer on a local disk with few cores)")
+    p.add_argument("--force", action="store_true", help="replace an existing dataset NAME")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="skip fsync before publishing (faster; for scratch stores only)")
+    p.add_argument("--mpi", action="store_true",
+                   help="share the work among MPI ranks (automatic under mpirun/srun with "
+                        "more than one rank; needs mpi4py)")
+
+    p = _sub(subs, "ls", cmd_ls, "list the datasets of a store",
+             "example:\n  dlfs ls --store /lustre/store")
+    p.add_argument("--store", type=_path, required=True)
+
+    p = _sub(subs, "info", cmd_info, "show one dataset's details",
+             "example:\n  dlfs info --store /lustre/store imagenet")
+    p.add_argument("--store", type=_path, required=True)
+    p.add_argument("name")
+
+    p = _sub(subs, "verify", cmd_verify,
+             "re-read every chunk of a dataset, check every checksum, name corrupt files",
+             "example:\n  dlfs verify --store /lustre/store imagenet")
+    p.add_argument("--store", type=_path, required=True)
+    p.add_argument("name")
+    p.add_argument("-j", "--jobs", type=_positive, default=4, help="chunks checked in parallel")
+
+    p = _sub(subs, "rm", cmd_rm, "remove a dataset from a store",
+             "example:\n  dlfs rm --store /lustre/store imagenet")
+    p.add_argument("--store", type=_path, required=True)
+    p.add_argument("name")
+
+    p = _sub(subs, "mount", cmd_mount,
+             "mount the datasets of a store read-only at MOUNTPOINT/<dataset>/",
+             "examples:\n  dlfs mount /mnt/dlfs --store /lustre/store\n"
+             "  dlfs mount /mnt/dlfs --store /lustre/store --dataset imagenet --dataset bert\n"
+             "  dlfs mount /mnt/dlfs --store /lustre/store --foreground --debug\n"
+             "  dlfs mount '/mnt/dlfs/%j' --slurm --store /lustre/store --uid 1000 --gid 100\n"
+             "  mpirun -n 4 --map-by ppr:1:node dlfs mount --mpi /tmp/dlfs --store /lustre/store "
+             "--cache-dir /nvme/dlfs\n"
+             "\nWithout --foreground this returns once the mount answers; the daemon keeps "
+             "running\nin its own session and logs to --log-file (default: "
+             "/run/dlfs/<id>.log for root).")
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("--store", type=_path, required=True)
+    p.add_argument("--dataset", action="append", metavar="NAME", type=_dataset_name,
+                   help="mount only this dataset (repeatable; default: all)")
+    p.add_argument("--foreground", action="store_true", help="run the daemon in this process")
+    p.add_argument("--debug", action="store_true", help="log every FUSE request")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check checksums on first read (trusts the store)")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users read the mount (needs user_allow_other for non-root)")
+    p.add_argument("--uid", type=_id,
+                   help="show every file as owned by this user and let only them (and root) "
+                        "enter: root dir 0700, allow_other (the Slurm prolog mounts for the "
+                        "job's user)")
+    p.add_argument("--gid", type=_id, help="group shown for every file (with --uid)")
+    p.add_argument("--workers", type=_positive, default=default_workers(),
+                   help="daemon processes serving requests (default: cores, at least 4, "
+                        "at most 8)")
+    p.add_argument("--io-threads", type=_positive, default=16,
+                   help="threads for blocking disk reads with --workers 1 (default 16; "
+                        "worker processes read inline, one request each)")
+    p.add_argument("--max-tasks", type=_positive, default=64,
+                   help="FUSE requests served concurrently with --workers 1 (default 64; "
+                        "otherwise one per worker process)")
+    p.add_argument("--cache-timeout", type=_timeout, default=86400.0,
+                   help="seconds the kernel may cache names and attributes (default 86400)")
+    p.add_argument("--read-ahead-kb", type=_non_negative, default=4096,
+                   help="kernel read-ahead for large sequential reads (default 4096; "
+                        "0 keeps the kernel's 128; needs root)")
+    p.add_argument("--log-file", type=_path, help="daemon log file")
+    p.add_argument("--no-stats", action="store_true",
+                   help="switch the I/O counters and the trace off (to measure their cost)")
+    p.add_argument("--prefetch", choices=("auto", "off"), default="auto",
+                   help="auto (default): the first time a sample of a chunk is read, read "
+                        "the whole chunk file into the page cache in the background (large "
+                        "sequential reads instead of many small random ones); for a file "
+                        "of a quarter chunk or more, read ahead that file's own bytes, a chunk "
+                        "size ahead of its reader, instead; only when the mount has no "
+                        "chunk pool and its datasets fit in a quarter of the available "
+                        "memory; off: read only what is asked")
+    p.add_argument("--no-splice", action="store_true",
+                   help="answer large reads by copying the bytes through the daemon instead "
+                        "of splicing them from the chunk file (to measure what splicing "
+                        "saves)")
+    p.add_argument("--count-opens", action="store_true",
+                   help="send every open and close to the daemon, so the counters and the "
+                        "trace see them (two kernel round trips per file opened). By default "
+                        "the kernel opens files itself: a file already in the page cache is "
+                        "read without asking the daemon, and only reads are counted "
+                        "(always on with --workers 1)")
+    p.add_argument("--trace-capacity", type=_trace_capacity,
+                   default=MountConfig.trace_capacity,
+                   help="trace records kept while tracing (default 1048576, ~52 MB of "
+                        "shared memory; beyond it the oldest are dropped)")
+    p.add_argument("--summary-file", type=_path, metavar="PATH",
+                   help="at unmount, write the final I/O counters and a text summary "
+                        "(JSON) to PATH, e.g. for a Slurm epilogue to keep")
+    p.add_argument("--timeout", type=_seconds, default=120.0,
+                   help="seconds to wait for the mount to come up (default 120)")
+    g = p.add_argument_group(
+        "chunk pool (cluster mode)",
+        "With --cache-dir, each daemon stages its share of the chunks onto node-local\n"
+        "storage in the background while reads are already served, and reads a chunk\n"
+        "from local NVMe, else from the peer that owns it, else from the store.\n"
+        "Every daemon of a job gets the same --nodes list and secret.")
+    g.add_argument("--cache-dir", type=_path,
+                   help="node-local directory (NVMe) for staged chunks; turns the chunk "
+                        "pool on")
+    g.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
+                   help="every daemon of the job (repeatable or comma-separated)")
+    g.add_argument("--nodes-file", type=_path, help="file with one NAME=HOST:PORT per line")
+    g.add_argument("--node", help="this daemon's NAME in the list (default: this host's "
+                                  "short name)")
+    g.add_argument("--replicas", type=_positive, default=1,
+                   help="nodes that stage each chunk (default 1; 2 survives a lost node "
+                        "without going to the store)")
+    g.add_argument("--secret-file", type=_path,
+                   help="per-job secret peers authenticate with; must be mode 0600 (required "
+                        "with several nodes)")
+    g.add_argument("--cache-limit", type=_size, help="stage at most this much, e.g. 500G "
+                                                     "(default: no limit)")
+    g.add_argument("--stage-jobs", type=_positive, default=2,
+                   help="chunks copied from the store at once (default 2)")
+    g.add_argument("--peer-timeout", type=_seconds, default=5.0,
+                   help="seconds before a silent peer is skipped (default 5)")
+    g.add_argument("--store-bandwidth", type=_size, help=argparse.SUPPRESS)  # benchmarks only
+    g.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm job or prolog: --nodes and --node from the job's "
+                        "environment; %%j (job id) and %%n (node) expand in the mountpoint, "
+                        "--cache-dir, --secret-file, --log-file, --summary-file")
+    g.add_argument("--mpi", action="store_true",
+                   help="under mpirun/srun: one daemon per rank; the ranks exchange host "
+                        "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
+                        "a host) in paths; all mounts come up or none")
+    g.add_argument("--port-base", type=_port, default=7000,
+                   help="with --slurm/--mpi: node i listens on PORT_BASE + i (default 7000)")
+    g.add_argument("--node-host", default="%n", metavar="PATTERN",
+                   help="with --slurm/--mpi: address of each node, %%n = its host name "
+                        "(default %%n; 127.0.0.1 for simulated nodes on one host)")
+
+    p = _sub(subs, "placement", cmd_placement,
+             "show how many chunks and bytes of a dataset each node of a job would own",
+             "examples:\n  dlfs placement --store /lustre/store imagenet --nodes "
+             "n1=10.0.0.1:7100,n2=10.0.0.2:7100\n"
+             "  dlfs placement --store /lustre/store imagenet --nodes-file nodes.txt "
+             "--replicas 2")
+    p.add_argument("--store", type=_path, required=True)
+    p.add_argument("name")
+    p.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...")
+    p.add_argument("--nodes-file", type=_path)
+    p.add_argument("--replicas", type=_positive, default=1)
+
+    p = _sub(subs, "status", cmd_status,
+             "show a mount's staging progress and where its reads were served from",
+             "examples:\n  dlfs status /mnt/dlfs\n  dlfs status /mnt/dlfs --watch\n"
+             "  dlfs status /mnt/dlfs --json")
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes")
+
+    p = _sub(subs, "umount", cmd_umount,
+             "unmount and wait for the daemon to exit (also cleans a dead daemon's mount)",
+             "examples:\n  dlfs umount /mnt/dlfs\n  dlfs umount --lazy /mnt/dlfs")
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    p.add_argument("--mpi", action="store_true",
+                   help="unmount on every MPI rank (after `mount --mpi`; %%n as there)")
+    p.add_argument("--timeout", type=_seconds, default=30.0,
+                   help="seconds to wait for the daemon to exit before killing it")
+
+    p = _sub(subs, "stats", cmd_stats,
+             "show the I/O counters of a mount (per dataset: opens, reads, bytes, random share, "
+             "request size, sources, latency)",
+             "examples:\n  dlfs stats /mnt/dlfs\n  dlfs stats /mnt/dlfs --watch\n"
+             "  dlfs stats /mnt/dlfs --json | jq .datasets\n"
+             "\nReads MOUNTPOINT/.dlfs/stats.json (Prometheus text: MOUNTPOINT/.dlfs/metrics).")
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--interval", type=_seconds, default=1.0,
+                   help="seconds between refreshes with --watch (default 1)")
+    p.add_argument("--json", action="store_true", help="print the raw stats.json")
+
+    p = _sub(subs, "trace", cmd_trace,
+             "record every operation on a mount (time, pid, uid, file, offset, size, latency, "
+             "source)",
+             "examples:\n  dlfs trace start /mnt/dlfs\n  python train.py\n"
+             "  dlfs trace stop /mnt/dlfs -o train-trace.csv\n"
+             "  dlfs report train-trace.csv -o train-report\n"
+             "\nOnly root and the user running the daemon may trace. The trace is a bounded "
+             "ring\n(dlfs mount --trace-capacity): beyond it the oldest records are dropped "
+             "and\ncounted. Format: docs/TRACE.md.")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("-o", "--output", type=_path, metavar="FILE",
+                   help="with stop: the CSV file to write (default dlfs-trace-TIME.csv)")
+
+    p = _sub(subs, "report", cmd_report,
+             "plot a trace: spatial and temporal patterns, request sizes, sources, "
+             "throughput, top files",
+             "example:\n  dlfs report train-trace.csv -o train-report\n"
+             "  (then open train-report/index.html)\n\nNeeds matplotlib: "
+             "pip install 'dlfs[report]'.")
+    p.add_argument("trace", type=_path, help="a CSV written by `dlfs trace stop`")
+    p.add_argument("-o", "--output", type=_path, default="dlfs-report", metavar="DIR",
+                   help="directory for the PNGs, index.html and summary.txt "
+                        "(default dlfs-report)")
+
+    p = _sub(subs, "slurm-secret", cmd_slurm_secret,
+             "write a job's secret (HMAC of the site key and the job id) 0600 for its user",
+             "example (in the prolog, as root):\n"
+             "  dlfs slurm-secret --key-file /etc/dlfs/site.key --job-id $SLURM_JOB_ID \\\n"
+             "      --out /run/dlfs-slurm/$SLURM_JOB_ID/secret --uid $SLURM_JOB_UID "
+             "--gid $SLURM_JOB_GID\n"
+             "\nEvery node of a job derives the same secret; no node needs to talk to another.")
+    p.add_argument("--key-file", type=_path, required=True,
+                   help="site key (root-only, mode 0600)")
+    p.add_argument("--job-id", required=True, type=_id, help="the Slurm job id")
+    p.add_argument("--out", type=_path, required=True,
+                   help="secret file to write (replaced atomically)")
+    p.add_argument("--uid", type=_id, help="owner of the secret file (the job's user)")
+    p.add_argument("--gid", type=_id, help="group of the secret file")
+
+    p = _sub(subs, "doctor", cmd_doctor,
+             "check that this node can mount DLFS: FUSE, dependencies, store, cache dir, port",
+             "examples:\n  dlfs doctor\n"
+             "  dlfs doctor --store /lustre/store --cache-dir /local/nvme/dlfs --port 7000\n"
+             "  dlfs doctor --nodes-file nodes.txt --secret-file job.secret\n"
+             "\nOne line per check (ok / warn / FAIL with what to do); exit code 1 if any "
+             "failed.")
+    p.add_argument("--store", type=_path, help="also check this store and every dataset's manifest")
+    p.add_argument("--cache-dir", type=_path,
+                   help="also check this cache dir is writable with free space")
+    p.add_argument("--port", type=_port, help="also check this peer port is free")
+    p.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
+                   help="also check a pool's node list (as for mount): this node is in it, "
+                        "its port is free")
+    p.add_argument("--nodes-file", type=_path, help="the node list from a file, as for mount")
+    p.add_argument("--node", help="this node's NAME in the list (default: the host name)")
+    p.add_argument("--secret-file", type=_path,
+                   help="also check a pool's secret file (mode 0600, long enough)")
+
+    p = _sub(subs, "demo", cmd_demo,
+             "generate a dataset, pack it, mount it, read it like a training epoch, unmount",
+             "examples:\n  dlfs demo\n  dlfs demo --files 20000 --workers 4 --keep")
+    p.add_argument("--files", type=_positive, default=4000, help="samples to generate (4000)")
+    p.add_argument("--mean-size", type=_size, default=110 * 1024,
+                   help="mean sample size (110K, like ImageNet JPEGs)")
+    p.add_argument("--workers", type=_positive, default=4, help="reader processes (4)")
+    p.add_argument("--workdir", type=_path,
+                   help="make the demo's directory (source, store, mountpoint) in here, and "
+                        "remove it at the end (default: /var/tmp)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    return parser
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="dlfs: %(levelname)s: %(message)s")
+    # Paths are printed as Python holds them: bytes that are not UTF-8 as lone
+    # surrogates, which a strict UTF-8 stdout (any UTF-8 locale) refuses to print.
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="backslashreplace")
+    args = build_parser().parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up temp files like on Ctrl-C
+        signal.signal(sig, _terminate)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must meet the handler below
+        return code
+    except DlfsError as err:
+        print(f"dlfs: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt as err:  # a populate says what it left (see populate)
+        print(f"dlfs: interrupted{f'; {err}' if str(err) else ''}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError as err:
+        if not _stdout_closed():
+            return _os_error(err)
+        # `dlfs verify ... | head`: whoever read our output is gone, which is no error
+        # of ours to report; stop quietly, as a tool killed by SIGPIPE would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+    except OSError as err:
+        return _os_error(err)
+
+
+def _os_error(err: OSError) -> int:
+    name = err.filename
+    where = f": {display_path(name) if isinstance(name, bytes) else name}" if name else ""
+    print(f"dlfs: error: {err.strerror or err}{where}", file=sys.stderr)
+    return 1
+
+
+def _stdout_closed() -> bool:
+    """Our stdout is a pipe or socket whose reader has gone (POLLERR, POLLHUP)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP)
+                   for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
