@@ -328,7 +328,7 @@ def pipe_max_size(at_least: int | None) -> Iterator[None]:
 
 def splice_state() -> str:
     """What the daemon's spliced read replies can carry on this machine (one line)."""
-    from dlfsd.fuse.splicer import describe_pipe_size, usable_pipe_size
+    from dlfs.pipes import describe_pipe_size, usable_pipe_size
 
     return describe_pipe_size(usable_pipe_size())
 

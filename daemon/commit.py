@@ -19,9 +19,9 @@ import os
 
 import trio
 
-from dlfs.cli.mountctl import COMMIT, COMMIT_FD_ENV
 from dlfs.cluster.mpi_launch import launch_secret_file
 from dlfs.config import MountConfig
+from dlfs.launch import COMMIT, COMMIT_FD_ENV
 
 
 class LaunchCommit:

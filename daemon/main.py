@@ -26,7 +26,9 @@ import trio
 from dlfs.cluster.nodes import resolve_cluster
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
+from dlfs.launch import CONFIG_FLAG, ERROR_PREFIX, READY, READY_FD_ENV
 from dlfs.mountinfo import find_mount
+from dlfs.pipes import describe_pipe_size, usable_pipe_size
 from dlfs.runtime import (
     DaemonRecord,
     control_socket_path,
@@ -42,7 +44,6 @@ from dlfs.store.store import Dataset, Store
 from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.ops import DlfsOperations
-from dlfsd.fuse.splicer import describe_pipe_size, usable_pipe_size
 from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
@@ -52,7 +53,6 @@ from dlfsd.prefetch import available_memory, prefetch_decision
 
 log = logging.getLogger("dlfsd")
 
-READY_FD_ENV = "DLFS_READY_FD"
 PICK_ANOTHER_PORT = "pick another port (in --nodes; with --slurm or --mpi, --port-base)"
 INIT_TIMEOUT = 60.0  # seconds the kernel may take to send FUSE INIT after mounting
 
@@ -411,7 +411,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         fds_before_mount = fuse_fds()
     except DlfsError as err:
         log.error("%s", err)
-        readiness.send(f"ERROR {err}")
+        readiness.send(f"{ERROR_PREFIX}{err}")
         return err.exit_code
     except Exception as err:
         return _mount_failed(config, readiness, err)
@@ -442,7 +442,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
                                   start_time(os.getpid())))
         write_status(status_path(config.mountpoint), services.status())  # before READY
-        readiness.send("READY")
+        readiness.send(READY)
         ready = True
         fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1
         unmount = trio.run(supervise, config, workers, services, fuse_fd, held, commit)
@@ -451,7 +451,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         if ready:
             raise
         log.error("%s", err)
-        readiness.send(f"ERROR {err}")
+        readiness.send(f"{ERROR_PREFIX}{err}")
         return err.exit_code
     finally:
         services.stop_listening()
@@ -474,7 +474,7 @@ def _mount_failed(config: MountConfig, readiness: Readiness, err: Exception) -> 
     """An unexpected error before serving: logged with its traceback, one line to
     `dlfs mount`."""
     log.exception("mount failed")
-    readiness.send(f"ERROR cannot mount {config.mountpoint}: {err}")
+    readiness.send(f"{ERROR_PREFIX}cannot mount {config.mountpoint}: {err}")
     return 1
 
 
@@ -595,6 +595,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dlfsd",
         description="DLFS per-node daemon. Normally started by `dlfs mount`; see `dlfs mount -h`.")
-    parser.add_argument("--config", required=True, help="MountConfig as JSON")
+    parser.add_argument(CONFIG_FLAG, required=True, help="MountConfig as JSON")
     args = parser.parse_args(argv)
     return run(MountConfig.from_json(args.config))

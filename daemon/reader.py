@@ -31,13 +31,13 @@ from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
+from dlfsd.nowait import HAVE_NOWAIT, pread_nowait
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.prefetch import ChunkPrefetch
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 
-HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 _populate_read = True  # cleared if the kernel lacks MADV_POPULATE_READ
 
@@ -458,28 +458,6 @@ class SampleReader:
                 fd = self._fds[chunk]
             self._fds[chunk] = fd
         return fd
-
-
-def pread_nowait(fd: int, length: int, pos: int) -> bytearray | None:
-    """The bytes if all are in the page cache (never blocks), else None.
-
-    Raises OSError (EOPNOTSUPP, EINVAL) where the file system cannot do RWF_NOWAIT.
-    """
-    if not HAVE_NOWAIT:
-        return None
-    buf = bytearray(length)
-    return buf if read_cached_into(fd, buf, pos) else None
-
-
-def read_cached_into(fd: int, buf, pos: int) -> bool:
-    """Fill `buf` from the page cache without blocking; False if not all of it is there.
-
-    Raises OSError (EOPNOTSUPP, EINVAL) where the file system cannot do RWF_NOWAIT.
-    """
-    try:
-        return os.preadv(fd, [buf], pos, os.RWF_NOWAIT) == len(buf)
-    except BlockingIOError:
-        return False
 
 
 def _pread_exact(fd: int, length: int, pos: int) -> bytes:

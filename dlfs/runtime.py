@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dlfs.errors import DlfsError
+from dlfs.launch import config_in_argv
 from dlfs.store.format import MANIFEST_NAME
 
 
@@ -176,11 +177,12 @@ def _daemon_configs() -> Iterator[tuple[int, dict]]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"dlfsd" not in argv or b"--config" not in argv:
+        raw = config_in_argv(argv)
+        if raw is None:
             continue
         try:
-            config = json.loads(argv[argv.index(b"--config") + 1])
-        except (IndexError, ValueError):
+            config = json.loads(raw)
+        except ValueError:
             continue
         if isinstance(config, dict) and pid_alive(int(entry.name)):
             yield int(entry.name), config

@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlfs.errors import CorruptDataError
+from dlfs.pipes import PIPE_BYTES
 from dlfs.store.format import checksum
-from dlfsd.fuse.splicer import PIPE_BYTES, ReplySplicer, SpliceFailed
+from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
 from dlfsd.reader import _map_and_hash
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

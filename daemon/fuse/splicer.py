@@ -11,7 +11,7 @@ a reply must arrive whole.
 
 Only 1 MiB reads are spliced (smaller ones measured faster copied, see
 dlfsd.reader.SPAN_MIN), and the pipe must hold a whole reply: 1 MiB plus a
-header, 258 pages at worst, so the pipe is made PIPE_BYTES, which needs
+header, 258 pages at worst, so the pipe is made dlfs.pipes.PIPE_BYTES, which needs
 CAP_SYS_RESOURCE or fs.pipe-max-size >= 2 MiB; without either, nothing is
 spliced. Replies that do not fit, and everything after a file system refuses
 splice, go the copying way. If anything fails half-way the pipe is replaced,
@@ -27,54 +27,11 @@ import os
 
 log = logging.getLogger(__name__)
 
-#: Room for a 1 MiB read (the largest FUSE read libfuse negotiates) plus the header;
-#: a page per pipe slot, and the header takes one slot of its own.
-PIPE_BYTES = 2 << 20
-_HAVE_SPLICE = hasattr(os, "splice") and hasattr(fcntl, "F_SETPIPE_SZ")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _pipe_max_size() -> int:
-    """The largest pipe an unprivileged process may ask for (default 1 MiB)."""
-    try:
-        with open("/proc/sys/fs/pipe-max-size") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 1 << 20
 
 
 class SpliceFailed(Exception):
     """The reply was not sent; the caller should answer the copying way."""
-
-
-def usable_pipe_size() -> int:
-    """PIPE_BYTES if this process may make a pipe that large, else 0 (no splicing).
-
-    Asked of a scratch pipe once, before workers fork, so the mount logs the
-    outcome once. Only 1 MiB reads are worth splicing (see dlfsd.reader.SPAN_MIN),
-    and they need the whole PIPE_BYTES.
-    """
-    if not _HAVE_SPLICE:
-        return 0
-    read_end, write_end = os.pipe2(os.O_CLOEXEC)
-    try:
-        return fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-    except OSError:  # EPERM above pipe-max-size without CAP_SYS_RESOURCE
-        return 0
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-
-
-def describe_pipe_size(size: int) -> str:
-    """One log line: what splicing can do here, given usable_pipe_size()."""
-    if size >= PIPE_BYTES:
-        return f"1 MiB read replies spliced from chunk files (reply pipe {size >> 10} KiB)"
-    if not _HAVE_SPLICE:
-        return "read replies copied: splice(2) is not available"
-    return (f"1 MiB read replies copied, not spliced: pipes are limited to "
-            f"{_pipe_max_size() >> 10} KiB (fs.pipe-max-size, no CAP_SYS_RESOURCE); "
-            f"`sysctl fs.pipe-max-size={PIPE_BYTES}` lifts it")
 
 
 class ReplySplicer:

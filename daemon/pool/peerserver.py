@@ -37,9 +37,9 @@ import threading
 import time
 from typing import Protocol
 
+from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
 from dlfsd.pool import protocol
 from dlfsd.pool.protocol import FrameDecoder, Message, ProtocolError
-from dlfsd.reader import HAVE_NOWAIT, read_cached_into
 
 log = logging.getLogger("dlfsd.pool.peer")
 

@@ -169,7 +169,7 @@ def check_secret(path: str) -> Check:
 
 def check_spliced_reads() -> Check:
     """Whether the daemon can splice 1 MiB read replies (dlfsd.fuse.splicer); not fatal."""
-    from dlfsd.fuse.splicer import PIPE_BYTES, describe_pipe_size, usable_pipe_size
+    from dlfs.pipes import PIPE_BYTES, describe_pipe_size, usable_pipe_size
 
     size = usable_pipe_size()
     return Check(OK if size >= PIPE_BYTES else WARN, "spliced reads", describe_pipe_size(size))

@@ -16,7 +16,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import BinaryIO
 
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError, NotFoundError, NotMountedError
+from dlfs.launch import COMMIT, COMMIT_FD_ENV, ERROR_PREFIX, READY, READY_FD_ENV, daemon_argv
 from dlfs.mountinfo import find_mount
 from dlfs.runtime import (
     default_log_path,
@@ -40,8 +40,6 @@ from dlfs.signals import signals_deferred
 log = logging.getLogger(__name__)
 
 FSTYPE = "fuse.dlfs"
-COMMIT_FD_ENV = "DLFS_COMMIT_FD"  # the daemon's end of a mount_uncommitted pipe
-COMMIT = b"COMMIT\n"  # what keeps such a mount
 
 
 def mounted_fstype(mountpoint: str) -> str | None:
@@ -198,12 +196,12 @@ def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None =
         os.close(write_end)
         write_end = -1
         line = _read_line(read_end, timeout)
-        if line == "READY":
+        if line == READY:
             _wait_until_answering(config.mountpoint, proc, timeout)
             return 0
-        if line.startswith("ERROR "):
+        if line.startswith(ERROR_PREFIX):
             proc.wait(timeout=30)
-            raise DlfsError(line[len("ERROR ") :])
+            raise DlfsError(line[len(ERROR_PREFIX) :])
         if line == "":
             code = proc.wait(timeout=30)
             raise DlfsError(f"daemon exited with code {code} before mounting; see "
@@ -223,14 +221,15 @@ def _spawn_daemon(config: MountConfig, log: BinaryIO, ready_fd: int,
                   commit_fd: int | None = None) -> subprocess.Popen:
     """`python -m dlfsd` in a session of its own, logging to `log`, told to report
     readiness on `ready_fd` (and to wait for COMMIT on `commit_fd`)."""
-    env = dict(os.environ, DLFS_READY_FD=str(ready_fd))
+    env = dict(os.environ)
+    env[READY_FD_ENV] = str(ready_fd)
     env.pop(COMMIT_FD_ENV, None)
     pass_fds = [ready_fd]
     if commit_fd is not None:
         env[COMMIT_FD_ENV] = str(commit_fd)
         pass_fds.append(commit_fd)
     return subprocess.Popen(
-        [sys.executable, "-m", "dlfsd", "--config", config.to_json()],
+        daemon_argv(config.to_json()),
         stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
         pass_fds=pass_fds, start_new_session=True)
 
