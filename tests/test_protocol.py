@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import struct
 
 import msgpack
@@ -149,7 +150,7 @@ def test_handshake_proofs_are_domain_separated_and_bound_to_both_nonces():
 def test_short_secrets_are_refused():
     with pytest.raises(DlfsError, match="at least 16"):
         protocol.check_secret(b"secret")
-    assert protocol.check_secret(protocol.new_secret())
+    assert protocol.check_secret(secrets.token_bytes(32))
 
 
 @pytest.mark.parametrize(("limit", "offset", "length", "problem"), [

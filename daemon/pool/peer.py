@@ -345,30 +345,17 @@ class PeerClient:
         return connection
 
     async def _handshake(self, framed: _FramedStream) -> None:
-        """Prove we hold the secret and check that the server does too."""
-        client_nonce = protocol.new_nonce()
-        await framed.send(protocol.hello(self.node_name, client_nonce))
-        challenge = await self._expect(framed, protocol.CHALLENGE)
-        expected = protocol.server_proof(self._secret, client_nonce, challenge["nonce"])
-        if not protocol.proof_matches(expected, challenge["proof"]):
-            await framed.send(protocol.err(protocol.ERR_AUTH, "server proof does not match"))
-            raise PeerUnavailable(f"peer {self.address} failed authentication "
-                                  "(different job secret)")
-        await framed.send(protocol.auth(protocol.client_proof(
-            self._secret, challenge["nonce"], client_nonce)))
-        await self._expect(framed, protocol.OK)
-
-    async def _expect(self, framed: _FramedStream, kind: str) -> Message:
-        msg = await framed.receive()
-        if msg is None:
-            raise PeerUnavailable(f"peer {self.address} closed the connection during the "
-                                  "handshake")
-        if msg["t"] == protocol.ERR:
-            raise PeerUnavailable(f"peer {self.address} refused the connection: "
-                                  f"{msg['code']}: {msg['msg']}")
-        if msg["t"] != kind:
-            raise ProtocolError(f"expected {kind}, got {msg['t']}")
-        return msg
+        """Prove we hold the secret and check that the server does too
+        (protocol.ClientHandshake decides; this only moves the messages)."""
+        shake = protocol.ClientHandshake(self._secret, self.node_name)
+        await framed.send(shake.hello())
+        try:
+            await framed.send(shake.auth_for(await framed.receive()))
+            shake.finish(await framed.receive())
+        except protocol.HandshakeFailed as failed:
+            if failed.reply is not None:
+                await framed.send(failed.reply)
+            raise PeerUnavailable(f"peer {self.address} {failed}") from None
 
 
 def reply_bytes(reply: Message, where: str, offset: int, length: int) -> bytes:

@@ -177,28 +177,17 @@ class BlockingPeerClient:
         return sock
 
     def _handshake(self, sock: socket.socket) -> None:
-        client_nonce = protocol.new_nonce()
-        sock.sendall(protocol.encode(protocol.hello(self.node_name, client_nonce)))
-        challenge = self._expect(sock, protocol.CHALLENGE)
-        expected = protocol.server_proof(self._secret, client_nonce, challenge["nonce"])
-        if not protocol.proof_matches(expected, challenge["proof"]):
-            with contextlib.suppress(OSError):
-                sock.sendall(protocol.encode(protocol.err(protocol.ERR_AUTH,
-                                                          "server proof does not match")))
-            raise PeerUnavailable(f"peer {self.address} failed authentication "
-                                  "(different job secret)")
-        sock.sendall(protocol.encode(protocol.auth(protocol.client_proof(
-            self._secret, challenge["nonce"], client_nonce))))
-        self._expect(sock, protocol.OK)
-
-    def _expect(self, sock: socket.socket, kind: str) -> Message:
-        msg = self._receive(sock)
-        if msg["t"] == protocol.ERR:
-            raise PeerUnavailable(f"peer {self.address} refused the connection: "
-                                  f"{msg['code']}: {msg['msg']}")
-        if msg["t"] != kind:
-            raise ProtocolError(f"expected {kind}, got {msg['t']}")
-        return msg
+        """As the trio client's: protocol.ClientHandshake decides, this moves messages."""
+        shake = protocol.ClientHandshake(self._secret, self.node_name)
+        sock.sendall(protocol.encode(shake.hello()))
+        try:
+            sock.sendall(protocol.encode(shake.auth_for(self._receive(sock))))
+            shake.finish(self._receive(sock))
+        except protocol.HandshakeFailed as failed:
+            if failed.reply is not None:
+                with contextlib.suppress(OSError):
+                    sock.sendall(protocol.encode(failed.reply))
+            raise PeerUnavailable(f"peer {self.address} {failed}") from None
 
     # -- frames ---------------------------------------------------------------------
     def _receive(self, sock: socket.socket) -> Message:

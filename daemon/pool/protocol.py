@@ -214,11 +214,6 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_SIZE)
 
 
-def new_secret() -> bytes:
-    """A fresh per-job secret (what the launcher should distribute to every daemon)."""
-    return secrets.token_bytes(32)
-
-
 def check_secret(secret: bytes) -> bytes:
     """Refuse secrets short enough to guess offline from one captured handshake."""
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_SIZE:
@@ -253,8 +248,9 @@ class HandshakeRefused(Exception):
 class ServerHandshake:
     """The server's side of HELLO -> CHALLENGE -> AUTH -> OK, without I/O.
 
-    Both peer servers (trio and selector loop) feed it the client's two
-    messages; the decisions, the proofs and the refusals live here once.
+    The peer server (dlfsd.pool.peerserver) feeds it the client's two messages;
+    the decisions, the proofs and the refusals live here, not in the loop.
+    ClientHandshake is its twin.
     """
 
     def __init__(self, secret: bytes, node_name: str) -> None:
@@ -292,6 +288,61 @@ class ServerHandshake:
             raise HandshakeRefused("auth_failures", "authentication failed (wrong job secret)",
                                    err(ERR_AUTH, "authentication failed"))
         return ok()
+
+
+class HandshakeFailed(Exception):
+    """The client gives up on a server: `reply` (an ERR, or None) is sent before closing.
+
+    The text completes "peer ADDRESS ...", which each client prefixes.
+    """
+
+    def __init__(self, why: str, reply: Message | None = None) -> None:
+        super().__init__(why)
+        self.reply = reply
+
+
+class ClientHandshake:
+    """The client's side of HELLO -> CHALLENGE -> AUTH -> OK, without I/O.
+
+    The trio client (dlfsd.pool.peer) and the workers' blocking client
+    (dlfsd.pool.peersync) send what it returns and feed it what they receive;
+    the proofs and what counts as a refusal live here once.
+    """
+
+    def __init__(self, secret: bytes, node_name: str) -> None:
+        self._secret = secret
+        self.node_name = node_name
+        self._nonce = b""
+
+    def hello(self) -> Message:
+        """The HELLO that opens the handshake."""
+        self._nonce = new_nonce()
+        return hello(self.node_name, self._nonce)
+
+    def auth_for(self, challenge_msg: Message | None) -> Message:
+        """The AUTH answering the server's CHALLENGE, once its proof checks out."""
+        msg = expect(challenge_msg, CHALLENGE)
+        expected = server_proof(self._secret, self._nonce, msg["nonce"])
+        if not proof_matches(expected, msg["proof"]):
+            raise HandshakeFailed("failed authentication (different job secret)",
+                                  err(ERR_AUTH, "server proof does not match"))
+        return auth(client_proof(self._secret, msg["nonce"], self._nonce))
+
+    def finish(self, answer: Message | None) -> None:
+        """Check the server's OK: the connection is ready for requests."""
+        expect(answer, OK)
+
+
+def expect(msg: Message | None, kind: str) -> Message:
+    """`msg` if it is a `kind` message; a refusal (ERR) or an end of stream (None) raise
+    HandshakeFailed, any other message ProtocolError."""
+    if msg is None:
+        raise HandshakeFailed("closed the connection during the handshake")
+    if msg["t"] == ERR:
+        raise HandshakeFailed(f"refused the connection: {msg['code']}: {msg['msg']}")
+    if msg["t"] != kind:
+        raise ProtocolError(f"expected {kind}, got {msg['t']}")
+    return msg
 
 
 # -- request bounds ------------------------------------------------------------
