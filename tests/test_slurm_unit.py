@@ -90,7 +90,6 @@ PROLOG_ENV = {"SLURM_JOB_ID": "42", "SLURM_NODELIST": "node[1-3]", "SLURMD_NODEN
 def test_job_from_prolog_env():
     job = job_from_env(PROLOG_ENV)
     assert job == SlurmJob("42", ("node1", "node2", "node3"), "node2", 1000, 100)
-    assert job.node_index == 1
 
 
 def test_job_from_step_env_prefers_job_nodelist():

@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser: a bijective avalanche on uint64 (vectorized)."""

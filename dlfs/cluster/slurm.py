@@ -114,10 +114,6 @@ class SlurmJob:
     uid: int | None = None
     gid: int | None = None
 
-    @property
-    def node_index(self) -> int:
-        return self.nodes.index(self.node)
-
 
 def job_from_env(env: Mapping[str, str]) -> SlurmJob:
     """Read the job from a prolog's or a job step's environment; one clear error if not in one."""
