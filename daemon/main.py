@@ -18,7 +18,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -50,6 +52,9 @@ from dlfsd.obs.controlsock import ControlServer
 from dlfsd.obs.observe import ObserveConfig
 from dlfsd.obs.status import build_status, keep_status, write_status
 from dlfsd.prefetch import available_memory, prefetch_decision
+
+if TYPE_CHECKING:
+    from dlfsd.pool.pool import ChunkPool
 
 log = logging.getLogger("dlfsd")
 
@@ -389,54 +394,93 @@ class Services:
 
 
 def run(config: MountConfig, readiness: Readiness | None = None) -> int:
-    """Mount and serve; returns the process exit code."""
+    """Mount and serve; returns the process exit code.
+
+    Every resource is released by one ExitStack, in the reverse order it was
+    taken, whichever step fails: the order lives where each is acquired.
+    """
     readiness = readiness or Readiness()
     commit = LaunchCommit.from_env()
     configure_logging(config)
-    try:
-        datasets = load_datasets(config)
-        pool = load_pool(config, datasets)
-        prefetch, why = prefetch_decision(
-            config.prefetch, pool is not None, bool(config.store_bandwidth),
-            sum(int(d.stats["bytes"]) for d in datasets), available_memory())
-        log.info("chunk prefetch %s", why)
-        namespace = Namespace(datasets, trio.CapacityLimiter(config.io_threads),
-                              verify=config.verify, observe=ObserveConfig.from_mount(config),
-                              pool=pool, store_rate=config.store_bandwidth,
-                              root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE,
-                              prefetch=prefetch)
-        services = Services(config, namespace.datasets, namespace.stats, pool)
-        ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
-        raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
-        fds_before_mount = fuse_fds()
-    except DlfsError as err:
-        log.error("%s", err)
-        readiness.send(f"{ERROR_PREFIX}{err}")
-        return err.exit_code
-    except Exception as err:
-        return _mount_failed(config, readiness, err)
-    # From the mount on, a stop signal must end in the unmount below, never cut in
-    # between (a Ctrl-C on `dlfs mount --foreground` right after pyfuse3.init used to
-    # leave a dead mount): it is held, and acted on once supervise listens.
-    held = HeldStopSignals()
-    held.install()
-    try:
-        pyfuse3.init(ops, config.mountpoint, mount_options(config))
-    except Exception as err:  # e.g. RuntimeError from fuse_session_mount
-        held.restore()
-        return _mount_failed(config, readiness, err)
-    names = ", ".join(d.name for d in namespace.datasets)
-    log.info("mounted %s at %s (datasets: %s, %d worker processes)", config.store,
-             config.mountpoint, names, config.workers)
-    unmount = True  # unless the kernel already unmounted us (fusermount3 -u)
-    workers: list[int] = []
+    with contextlib.ExitStack() as release:
+        try:
+            daemon = _load(config, release)
+        except DlfsError as err:
+            log.error("%s", err)
+            readiness.send(f"{ERROR_PREFIX}{err}")
+            return err.exit_code
+        except Exception as err:
+            return _mount_failed(config, readiness, err)
+        # From the mount on, a stop signal must end in the unmount below, never cut in
+        # between (a Ctrl-C on `dlfs mount --foreground` right after pyfuse3.init used to
+        # leave a dead mount): it is held, and acted on once supervise listens.
+        held = HeldStopSignals()
+        held.install()
+        release.callback(held.restore)
+        try:
+            pyfuse3.init(daemon.ops, config.mountpoint, mount_options(config))
+        except Exception as err:  # e.g. RuntimeError from fuse_session_mount
+            return _mount_failed(config, readiness, err)
+        names = ", ".join(d.name for d in daemon.namespace.datasets)
+        log.info("mounted %s at %s (datasets: %s, %d worker processes)", config.store,
+                 config.mountpoint, names, config.workers)
+        return _serve(config, daemon, readiness, commit, held, release)
+
+
+@dataclass
+class _Loaded:
+    """What is ready before the mount: the namespace and what serves it."""
+
+    namespace: Namespace
+    pool: ChunkPool | None
+    ops: DlfsOperations
+    services: Services
+    fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
+
+
+def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
+    """Datasets, chunk pool, namespace and the pyfuse3 adapter, before mounting."""
+    datasets = load_datasets(config)
+    pool = load_pool(config, datasets)
+    if pool is not None:
+        release.callback(pool.close)
+    prefetch, why = prefetch_decision(
+        config.prefetch, pool is not None, bool(config.store_bandwidth),
+        sum(int(d.stats["bytes"]) for d in datasets), available_memory())
+    log.info("chunk prefetch %s", why)
+    namespace = Namespace(datasets, trio.CapacityLimiter(config.io_threads),
+                          verify=config.verify, observe=ObserveConfig.from_mount(config),
+                          pool=pool, store_rate=config.store_bandwidth,
+                          root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE,
+                          prefetch=prefetch)
+    release.callback(namespace.close)
+    ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
+    raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
+    services = Services(config, namespace.datasets, namespace.stats, pool)
+    return _Loaded(namespace, pool, ops, services, fuse_fds())
+
+
+def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: LaunchCommit,
+           held: HeldStopSignals, release: contextlib.ExitStack) -> int:
+    """Mounted: start workers and services, say READY, supervise until unmounted."""
+    namespace, services = daemon.namespace, daemon.services
+    state = _Teardown()
+    release.callback(log.info, "unmounted %s; daemon exits", config.mountpoint)
+    release.callback(remove_record, config.mountpoint, os.getpid())
+    release.callback(lambda: state.aborted and _unmount_dead(config.mountpoint))
+    release.callback(lambda: pyfuse3.close(unmount=state.unmount))
+    release.callback(namespace.observe.write_summary, config.summary_file)
     control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe)
-    ready = aborted = False
+    release.callback(control.stop)
+    release.callback(lambda: stop_workers(state.workers))
+    release.callback(services.stop_listening)
+    ready = False
     try:
-        trio.run(_answer_kernel_init, ops)
+        trio.run(_answer_kernel_init, daemon.ops)
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
-        workers = start_workers(config, namespace, ops, fds_before_mount, pool)
+        state.workers = start_workers(config, namespace, daemon.ops, daemon.fds_before_mount,
+                                      daemon.pool)
         control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
         services.listen()  # after the workers: they must not inherit the listener
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
@@ -444,30 +488,26 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send(READY)
         ready = True
-        fuse_fd = find_fuse_fd(fds_before_mount) if workers else -1
-        unmount = trio.run(supervise, config, workers, services, fuse_fd, held, commit)
-        aborted = _still_mounted(config.mountpoint, ours) if not unmount else False
+        fuse_fd = find_fuse_fd(daemon.fds_before_mount) if state.workers else -1
+        state.unmount = trio.run(supervise, config, state.workers, services, fuse_fd, held,
+                                 commit)
+        state.aborted = _still_mounted(config.mountpoint, ours) if not state.unmount else False
     except DlfsError as err:
         if ready:
             raise
         log.error("%s", err)
         readiness.send(f"{ERROR_PREFIX}{err}")
         return err.exit_code
-    finally:
-        services.stop_listening()
-        stop_workers(workers)
-        control.stop()
-        namespace.observe.write_summary(config.summary_file)
-        pyfuse3.close(unmount=unmount)
-        if aborted:
-            _unmount_dead(config.mountpoint)
-        namespace.close()
-        if pool is not None:
-            pool.close()
-        remove_record(config.mountpoint, os.getpid())
-        log.info("unmounted %s; daemon exits", config.mountpoint)
-        held.restore()
     return 0
+
+
+@dataclass
+class _Teardown:
+    """What the release callbacks of a mounted daemon must know when they run."""
+
+    workers: list[int] = field(default_factory=list)
+    unmount: bool = True  # unless the kernel already unmounted us (fusermount3 -u)
+    aborted: bool = False  # the connection was aborted and the dead mount is still there
 
 
 def _mount_failed(config: MountConfig, readiness: Readiness, err: Exception) -> int:
