@@ -351,6 +351,25 @@ class Mounter:
 
 
 # -- fixtures -------------------------------------------------------------------
+# Tests that make real FUSE mounts or start daemons (directly, through mpirun or
+# Slurm) carry the `mount` marker: `pytest -m "not mount"` is the fast unit subset.
+MOUNT_FIXTURES = {"mounted", "make_mounter", "daemon_guard"}
+MOUNT_MODULES = {"test_mpi", "test_slurm", "test_prefetch", "test_staging_durability",
+                 "test_trace_cli"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mount: makes real FUSE mounts or starts daemons "
+                                       "(deselect with -m 'not mount')")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (MOUNT_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+                or item.module.__name__ in MOUNT_MODULES):
+            item.add_marker(pytest.mark.mount)
+
+
 @pytest.fixture(scope="session")
 def dlfs_cli():
     return run_dlfs
