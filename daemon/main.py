@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from dlfs.cluster.nodes import resolve_cluster
+from dlfs.cluster.nodes import node_addresses, resolve_cluster
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.launch import CONFIG_FLAG, ERROR_PREFIX, READY, READY_FD_ENV
@@ -350,7 +350,8 @@ class Services:
             if len(pool.view.nodes) > 1:
                 from dlfsd.pool.peerserver import PeerLoopServer
 
-                self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name)
+                self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
+                                             trusted=node_addresses(pool.view.nodes))
 
     def _current(self) -> bool:
         """This daemon still serves its mountpoint: no later one has written its record."""

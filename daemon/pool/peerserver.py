@@ -39,6 +39,7 @@ from typing import Protocol
 
 from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
 from dlfsd.pool import protocol
+from dlfsd.pool.admission import Admission, RefusalLog, plain_ip
 from dlfsd.pool.protocol import FrameDecoder, Message, ProtocolError
 
 log = logging.getLogger("dlfsd.pool.peer")
@@ -64,12 +65,13 @@ class BlockingChunkProvider(Protocol):
 class _Conn:
     """One peer connection: where its handshake is, what is received and unsent."""
 
-    __slots__ = ("closing", "deadline", "decoder", "events", "handshake", "inbox", "out",
+    __slots__ = ("closing", "deadline", "decoder", "events", "handshake", "inbox", "ip", "out",
                  "peer", "sock", "state", "waiting")
 
-    def __init__(self, sock: socket.socket, peer: str, deadline: float,
+    def __init__(self, sock: socket.socket, ip: str, peer: str, deadline: float,
                  handshake: protocol.ServerHandshake) -> None:
         self.sock, self.peer, self.deadline, self.handshake = sock, peer, deadline, handshake
+        self.ip = ip
         self.decoder = FrameDecoder(protocol.MAX_CONTROL_FRAME)
         self.state = "hello"  # -> "auth" -> "ready"
         self.closing = False  # our last message is queued; drain, then close
@@ -89,13 +91,18 @@ class PeerLoopServer:
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
-                 max_connections: int = 256, disk_threads: int = 4) -> None:
+                 max_connections: int = 256, disk_threads: int = 4,
+                 trusted: frozenset[str] | None = None) -> None:
+        """`trusted`: the addresses of the job's nodes (None: treat every address so);
+        see dlfsd.pool.admission for what strangers may do."""
         self._secret = protocol.check_secret(secret)
         self.provider = provider
         self.node_name = node_name
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
+        self.admission = Admission(trusted, max_connections)
+        self._refusals = RefusalLog()
         self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
         self._conns: dict[socket.socket, _Conn] = {}
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
@@ -190,23 +197,24 @@ class PeerLoopServer:
             except OSError as error:  # e.g. EMFILE for a moment; keep serving
                 log.warning("peer server: cannot accept a connection: %s", error)
                 return
-            peer = _address(address)
-            if self._counts["connections_open"] >= self.max_connections:
+            ip = plain_ip(address[0])
+            refused = self.admission.admit(ip, self._counts["connections_open"])
+            if refused is not None:
                 self._count("connections_rejected")
-                log.warning("peer %s: connection refused, %d already open (max_connections)",
-                            peer, self.max_connections)
+                self._refusals.refused(ip, refused)
                 sock.close()
                 continue
             self._count("connections_accepted")
             self._count("connections_open")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, peer, time.monotonic() + self.handshake_timeout,
+            conn = _Conn(sock, ip, _address(address), time.monotonic() + self.handshake_timeout,
                          protocol.ServerHandshake(self._secret, self.node_name))
             self._conns[sock] = conn
             self._watch(conn, selectors.EVENT_READ)
 
     def _sweep(self, now: float) -> None:
+        self._refusals.flush()
         for conn in [c for c in self._conns.values() if now > c.deadline]:
             if conn.state != "ready" and not conn.closing:  # never proved the secret
                 self._count("protocol_errors")
@@ -285,6 +293,7 @@ class PeerLoopServer:
             else:
                 reply = conn.handshake.accept(msg)
                 conn.state, conn.deadline = "ready", time.monotonic() + self.idle_timeout
+                self.admission.authenticated(conn.ip)
                 self._send(conn, protocol.encode(reply))
         except protocol.HandshakeRefused as refused:
             self._count(refused.counter)
@@ -481,6 +490,8 @@ class PeerLoopServer:
         if self._conns.pop(conn.sock, None) is None:
             return
         self._count("connections_open", -1)
+        if conn.state != "ready":
+            self.admission.closed_pending(conn.ip)
         if conn.events:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.sock)

@@ -140,6 +140,21 @@ class ClusterView:
         return [n.name for n in self.nodes]
 
 
+def node_addresses(nodes: tuple[Node, ...] | list[Node]) -> frozenset[str]:
+    """Every IP address the nodes' host names resolve to: where peer connections of the
+    job come from (the peer server gives others only a few slots). A name that does not
+    resolve adds nothing; its node's connections are then treated as strangers' until
+    they prove the secret."""
+    found: set[str] = set()
+    for host in {n.host for n in nodes}:
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except OSError:
+            continue
+        found.update(str(info[4][0]).split("%")[0] for info in infos)
+    return frozenset(found)
+
+
 def resolve_cluster(node_items: tuple[str, ...], node: str | None, replicas: int,
                     secret_file: str | None) -> ClusterView:
     """Validate the cluster flags of a mount into a ClusterView (no nodes: a pool of one)."""
