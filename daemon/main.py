@@ -47,6 +47,7 @@ from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.ops import DlfsOperations
 from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
+from dlfsd.kernel import kernel_release, kernel_skips_opens
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
 from dlfsd.obs.observe import ObserveConfig
@@ -587,10 +588,10 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
     pipe_size = usable_pipe_size() if config.splice else 0
     if config.splice:
         log.info(describe_pipe_size(pipe_size))
-    no_open, no_opendir = fw.kernel_skips_opens()
+    no_open, no_opendir = kernel_skips_opens()
     if not (no_open and no_opendir):
         log.info("kernel %s: the workers answer %s (this kernel would pass on the ENOSYS "
-                 "that tells newer ones to stop asking)", fw.kernel_release(),
+                 "that tells newer ones to stop asking)", kernel_release(),
                  "OPENDIR" if no_open else "OPEN and OPENDIR")
     pids = []
     for _ in range(config.workers):

@@ -16,6 +16,7 @@ with .pid and .uid, pyfuse3's RequestContext in the daemon).
 from __future__ import annotations
 
 import bisect
+import os
 import stat
 import time
 from time import perf_counter_ns
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from dlfs.errors import IsADirError, NotADirError, NotFoundError
+from dlfs.errors import IsADirError, NoAttributeError, NotADirError, NotFoundError, ReadOnlyError
 from dlfs.store.directory import SampleDirectory
 from dlfs.store.store import Dataset
 from dlfsd.obs.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
@@ -46,6 +47,42 @@ ROOT_INODE = 1
 FIRST_DATASET_INODE = 1024
 ROOT_MODE = stat.S_IFDIR | 0o555
 PRIVATE_ROOT_MODE = stat.S_IFDIR | 0o700  # a mount for one user (dlfs mount --uid)
+
+
+BLKSIZE = 128 * 1024  # st_blksize of files
+#: st_blksize of a directory. glibc sizes its getdents buffer by it (up to 1 MiB), and the
+#: kernel asks for READDIRPLUS replies that large: a directory of a few thousand samples is
+#: listed in one round trip to the daemon instead of one per ~750 entries (128 KiB).
+DIR_BLKSIZE = 1 << 20
+#: Write-side open flags: a read-only mount refuses them (EROFS).
+WRITE_OPEN_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+#: Requests that would change the file system; every one is refused with EROFS.
+CHANGE_REQUESTS = frozenset({"setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink",
+                             "rename", "link", "create", "write", "setxattr", "removexattr",
+                             "fallocate", "copy_file_range", "tmpfile"})
+
+
+def st_blocks(size):
+    """512-byte blocks of a file of `size` bytes (an int, or a numpy array of sizes)."""
+    return (size + 511) // 512
+
+
+def st_blksize(mode: int) -> int:
+    """The preferred I/O size the mount reports for an entry of `mode`."""
+    return DIR_BLKSIZE if stat.S_ISDIR(mode) else BLKSIZE
+
+
+class StatFs(NamedTuple):
+    """What statfs reports: the datasets' size in 4 KiB blocks, nothing free."""
+
+    blocks: int
+    files: int
+    bsize: int = 4096
+    frsize: int = 4096
+    bfree: int = 0
+    bavail: int = 0
+    ffree: int = 0
+    namemax: int = 255
 
 
 class Attr(NamedTuple):
@@ -222,10 +259,40 @@ class Namespace:
         k, row = self._locate(ino)
         return self._dirs[k], self._bases[k], row
 
-    def totals(self) -> tuple[int, int]:
-        """(bytes, entries) over all mounted datasets, for statfs."""
+    def statfs(self) -> StatFs:
+        """The mount's size (all mounted datasets) and entries; a read-only mount is full."""
         nbytes = sum(int(d.stats["bytes"]) for d in self.datasets)
-        return nbytes, self._end - FIRST_DATASET_INODE + 1
+        return StatFs(blocks=(nbytes + 4095) // 4096, files=self._end - FIRST_DATASET_INODE + 1)
+
+    # -- the read-only policy: both FUSE adapters ask here, neither decides ----------
+    def is_control(self, ino: int) -> bool:
+        """`ino` is a `.dlfs/` entry (rendered per reader, never cached by the kernel)."""
+        return self.control.owns(ino)
+
+    def check_open(self, ino: int, flags: int) -> None:
+        """Refuse an open for writing (EROFS); which inodes open at all is `open`'s call."""
+        if flags & WRITE_OPEN_FLAGS:
+            raise ReadOnlyError(ino)
+
+    def check_access(self, ino: int, mode: int) -> None:
+        """access(2): anything but write access to an existing entry is granted."""
+        if mode & os.W_OK:
+            raise ReadOnlyError(ino)
+        self._getattr(ino)
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        """Entries have no extended attributes (ENODATA for an existing entry)."""
+        self._getattr(ino)
+        raise NoAttributeError(name)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        """The names of an existing entry's extended attributes: none."""
+        self._getattr(ino)
+        return []
+
+    def refuse_change(self, request: str) -> None:
+        """Every request in CHANGE_REQUESTS: the mount is read-only."""
+        raise ReadOnlyError(request)
 
     # -- data ------------------------------------------------------------------
     def open(self, ino: int, caller=None) -> tuple[int, bool]:

@@ -61,6 +61,12 @@ class ReadOnlyError(DlfsError):
     errno = _errno.EROFS
 
 
+class NoAttributeError(DlfsError):
+    """No such extended attribute (getxattr)."""
+
+    errno = _errno.ENODATA
+
+
 class NotADirError(DlfsError):
     """A path component or opendir target is not a directory."""
 

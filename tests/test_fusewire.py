@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dlfsd.fuse import fusewire as fw
-from dlfsd.namespace import Attr
+from dlfsd.kernel import kernel_skips_opens, kernel_version
+from dlfsd.namespace import Attr, StatFs
 
 
 def test_struct_sizes_match_the_kernel_abi():
@@ -63,26 +64,26 @@ def test_dirent_is_padded_to_eight_bytes(name, ino, offset):
     assert raw[fw.DIRENT.size : fw.DIRENT.size + namelen] == name
 
 
-def test_statfs_reports_size_and_a_full_file_system():
+def test_statfs_packs_the_cores_numbers_in_kernel_order():
     blocks, bfree, bavail, files, ffree, bsize, namelen, frsize, _ = struct.unpack_from(
-        "<QQQQQIIII", fw.statfs(10_000, 42))
+        "<QQQQQIIII", fw.statfs(StatFs(blocks=3, files=42)))
     assert (blocks, bfree, bavail, files, ffree) == (3, 0, 0, 42, 0)
     assert (bsize, namelen, frsize) == (4096, 255, 4096)
 
 
 def test_kernel_version_reads_distribution_release_strings():
-    assert fw.kernel_version("6.18.0-1-amd64") == (6, 18)
-    assert fw.kernel_version("4.18.0-553.el8_10.x86_64") == (4, 18)
-    assert fw.kernel_version("3.10.0-1160.el7.x86_64") == (3, 10)
-    assert fw.kernel_version("5.1") == (5, 1)
-    assert fw.kernel_version("5.4-rc1") == (5, 4)
-    assert fw.kernel_version("weird") == (0, 0)  # unknown: assume the old behaviour
-    assert fw.kernel_version("6") == (0, 0)
+    assert kernel_version("6.18.0-1-amd64") == (6, 18)
+    assert kernel_version("4.18.0-553.el8_10.x86_64") == (4, 18)
+    assert kernel_version("3.10.0-1160.el7.x86_64") == (3, 10)
+    assert kernel_version("5.1") == (5, 1)
+    assert kernel_version("5.4-rc1") == (5, 4)
+    assert kernel_version("weird") == (0, 0)  # unknown: assume the old behaviour
+    assert kernel_version("6") == (0, 0)
 
 
 def test_kernels_that_would_pass_enosys_on_get_opens_answered():
-    assert fw.kernel_skips_opens("6.18.0-1-amd64") == (True, True)
-    assert fw.kernel_skips_opens("4.18.0-553.el8_10.x86_64") == (True, False)
-    assert fw.kernel_skips_opens("4.4.0-210-generic") == (True, False)  # 3.15 had no_open
-    assert fw.kernel_skips_opens("3.10.0-1160.el7.x86_64") == (False, False)
-    assert fw.kernel_skips_opens("garbage") == (False, False)
+    assert kernel_skips_opens("6.18.0-1-amd64") == (True, True)
+    assert kernel_skips_opens("4.18.0-553.el8_10.x86_64") == (True, False)
+    assert kernel_skips_opens("4.4.0-210-generic") == (True, False)  # 3.15 had no_open
+    assert kernel_skips_opens("3.10.0-1160.el7.x86_64") == (False, False)
+    assert kernel_skips_opens("garbage") == (False, False)

@@ -35,12 +35,6 @@ LAYERS: list[tuple[str, list[str]]] = [
 # The launcher sits above the daemon it launches, but it starts it as a process
 # (dlfs.launch); the one import across is `mount --foreground` becoming the daemon.
 LAUNCHER_MAY_IMPORT = {("dlfs.cli.mountctl", "dlfsd.main")}
-# Upward imports not removed yet, each with the change that removes it.
-KNOWN_UPWARD = {
-    # observe asks the adapter's kernel check whether workers answer opens: the
-    # read-only policy core (issue 19, item 1) moves that decision down.
-    ("dlfsd.obs.observe", "dlfsd.fuse.fusewire"),
-}
 
 
 def _module_name(package: str, path: Path) -> str:
@@ -94,7 +88,7 @@ def test_every_module_has_a_layer():
 def test_imports_only_point_down():
     upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
               for m, targets in import_graph().items() for t in sorted(targets)
-              if layer_of(t) > layer_of(m) and (m, t) not in KNOWN_UPWARD]
+              if layer_of(t) > layer_of(m)]
     assert upward == []
 
 

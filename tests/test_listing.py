@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from dlfs.store.directory import SourceEntry, build_directory
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.listing import PLAIN_RECORD, PLUS_RECORD, ListingPacker
-from dlfsd.namespace import _attr
+from dlfsd.namespace import DIR_BLKSIZE, _attr
 
 BASE = 1024
 
@@ -83,7 +83,7 @@ def test_bulk_listing_equals_per_entry_packing(top, sub, start, size, plus, time
 
 
 @pytest.mark.parametrize(("request_size", "expected_replies"),
-                         [(128 * 1024, 5), (fw.DIR_BLKSIZE, 1)])
+                         [(128 * 1024, 5), (DIR_BLKSIZE, 1)])
 def test_a_kernel_sized_request_of_a_large_directory_fills_it_and_resumes_exactly(
         request_size, expected_replies):
     """The kernel asks for replies of the lister's getdents size: 128 KiB, or 1 MiB when

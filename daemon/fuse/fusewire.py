@@ -14,6 +14,8 @@ import os
 import stat
 import struct
 
+from dlfsd.namespace import StatFs, st_blksize, st_blocks
+
 # Opcodes (enum fuse_opcode).
 LOOKUP = 1
 FORGET = 2
@@ -54,10 +56,13 @@ RENAME2 = 45
 COPY_FILE_RANGE = 47
 TMPFILE = 51
 
-#: Requests that change the file system: always EROFS.
-MUTATING = frozenset({SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE,
-                      SETXATTR, REMOVEXATTR, CREATE, FALLOCATE, RENAME2, COPY_FILE_RANGE,
-                      TMPFILE})
+#: Requests that change the file system, by the core's name for them
+#: (dlfsd.namespace.CHANGE_REQUESTS: the Namespace refuses them all).
+MUTATING = {SETATTR: "setattr", SYMLINK: "symlink", MKNOD: "mknod", MKDIR: "mkdir",
+            UNLINK: "unlink", RMDIR: "rmdir", RENAME: "rename", LINK: "link", WRITE: "write",
+            SETXATTR: "setxattr", REMOVEXATTR: "removexattr", CREATE: "create",
+            FALLOCATE: "fallocate", RENAME2: "rename", COPY_FILE_RANGE: "copy_file_range",
+            TMPFILE: "tmpfile"}
 #: Requests the kernel sends without expecting a reply.
 NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})
 
@@ -68,43 +73,6 @@ NOTIFY_RESEND = 7
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3  # the kernel may cache this directory's entries (readdir)
-
-# Kernels from which an ENOSYS answer to OPEN / OPENDIR means "never ask again"
-# (no_open / no_opendir); before them the application would get the ENOSYS.
-# FUSE protocol 7.23 (Linux 3.15) added FUSE_NO_OPEN_SUPPORT, 7.29 (5.1) no_opendir.
-NO_OPEN_SINCE = (3, 15)
-NO_OPENDIR_SINCE = (5, 1)
-KERNEL_RELEASE_VAR = "DLFSD_KERNEL_RELEASE"  # stands in for uname's release (tests)
-
-
-def kernel_version(release: str) -> tuple[int, int]:
-    """(major, minor) of a kernel release string such as '4.18.0-553.el8_10.x86_64';
-    (0, 0) if it does not start with numbers, which makes every feature check fail safe."""
-    numbers = []
-    for part in release.split(".")[:2]:
-        digits = len(part) - len(part.lstrip("0123456789"))
-        if not digits:
-            break
-        numbers.append(int(part[:digits]))
-    return (numbers[0], numbers[1]) if len(numbers) == 2 else (0, 0)
-
-
-def kernel_release() -> str:
-    return os.environ.get(KERNEL_RELEASE_VAR) or os.uname().release
-
-
-def kernel_skips_opens(release: str | None = None) -> tuple[bool, bool]:
-    """(no_open, no_opendir): whether this kernel stops sending OPEN / OPENDIR once
-    answered ENOSYS. Distribution kernels may have them backported; then we answer
-    opens we need not, which costs a round trip per open, never a failed open."""
-    version = kernel_version(kernel_release() if release is None else release)
-    return version >= NO_OPEN_SINCE, version >= NO_OPENDIR_SINCE
-
-
-def workers_answer_opens(count_opens: bool) -> bool:
-    """Whether worker processes answer OPEN (and so see, and count, every open): when
-    asked to count them, or when this kernel would hand our ENOSYS to the application."""
-    return count_opens or not kernel_skips_opens()[0]
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
@@ -123,11 +91,6 @@ ATTR_OUT = struct.Struct("<QII" "QQQqqqIIIIIIIIII")  # attr_valid attr_nsec dumm
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")  # blocks bfree bavail files ffree bsize namelen frsize
 DIRENT = struct.Struct("<QQII")  # ino off namelen type, then the name, padded to 8 bytes
 
-BLKSIZE = 128 * 1024
-#: st_blksize of a directory. glibc sizes its getdents buffer by it (up to 1 MiB), and the
-#: kernel asks for READDIRPLUS replies that large: a directory of a few thousand samples is
-#: listed in one round trip to the daemon instead of one per ~750 entries (128 KiB).
-DIR_BLKSIZE = 1 << 20
 #: A read of /dev/fuse must offer room for the largest request (a max_write WRITE), or
 #: the kernel refuses it (EINVAL): libfuse negotiates 256 pages, 1 MiB with 4 KiB pages
 #: but 16 MiB with the 64 KiB pages of some aarch64 kernels; plus headers, with a margin.
@@ -162,8 +125,8 @@ class AttrPacker:
 
     def _attr(self, ino: int, mode: int, size: int, mtime_ns: int, nlink: int) -> tuple:
         sec, nsec = divmod(mtime_ns, 1_000_000_000)
-        return (ino, size, (size + 511) // 512, sec, sec, sec, nsec, nsec, nsec, mode, nlink,
-                self.uid, self.gid, 0, DIR_BLKSIZE if stat.S_ISDIR(mode) else BLKSIZE, 0)
+        return (ino, size, st_blocks(size), sec, sec, sec, nsec, nsec, nsec, mode, nlink,
+                self.uid, self.gid, 0, st_blksize(mode), 0)
 
     def entry(self, attr) -> bytes:
         """fuse_entry_out for a dlfsd.namespace.Attr."""
@@ -181,7 +144,7 @@ def dirent(name: bytes, ino: int, mode: int, next_offset: int) -> bytes:
     return head + name + b"\0" * (-(DIRENT.size + len(name)) % 8)
 
 
-def statfs(nbytes: int, entries: int) -> bytes:
-    """fuse_statfs_out: the mount's size, full (nothing free), 4 KiB blocks."""
-    blocks = (nbytes + 4095) // 4096
-    return STATFS_OUT.pack(blocks, 0, 0, entries, 0, 4096, 255, 4096, 0)
+def statfs(s: StatFs) -> bytes:
+    """fuse_statfs_out of the core's StatFs."""
+    return STATFS_OUT.pack(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namemax,
+                           s.frsize, 0)

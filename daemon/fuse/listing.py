@@ -3,7 +3,7 @@
 Why: the first `ls -l`/`os.walk` of a mount is one READDIRPLUS reply per
 ~6,000 entries (the kernel asks for as much as the lister's getdents buffer,
 which glibc sizes by the directory's st_blksize: 1 MiB here, see
-fusewire.DIR_BLKSIZE), each entry a fuse_entry_out (inode attributes) plus a
+dlfsd.namespace.DIR_BLKSIZE), each entry a fuse_entry_out (inode attributes) plus a
 fuse_dirent plus the name. Packed one
 `struct.pack` at a time in Python that costs ~3.5 µs per entry, as much CPU as
 the kernel spends creating the entry's inode and dentry, and the lister waits
@@ -27,7 +27,8 @@ import stat
 import numpy as np
 
 from dlfs.store.directory import SampleDirectory
-from dlfsd.fuse.fusewire import BLKSIZE, DIR_BLKSIZE, AttrPacker
+from dlfsd.fuse.fusewire import AttrPacker
+from dlfsd.namespace import BLKSIZE, DIR_BLKSIZE, st_blocks
 
 _ENTRY_FIELDS = [
     ("nodeid", "<u8"), ("generation", "<u8"), ("entry_valid", "<u8"), ("attr_valid", "<u8"),
@@ -102,7 +103,7 @@ class ListingPacker:
         rec["entry_valid"] = rec["attr_valid"] = p.valid
         rec["entry_valid_nsec"] = rec["attr_valid_nsec"] = p.valid_ns
         rec["size"] = size
-        rec["blocks"] = (size + 511) // 512
+        rec["blocks"] = st_blocks(size)
         rec["atime"] = rec["mtime"] = rec["ctime"] = sec
         rec["atimensec"] = rec["mtimensec"] = rec["ctimensec"] = nsec
         rec["mode"] = mode

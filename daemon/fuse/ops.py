@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
 
 import pyfuse3
 
-from dlfs.errors import ReadOnlyError
 from dlfsd.fuse.errnomap import errno_for
-from dlfsd.fuse.fusewire import BLKSIZE, DIR_BLKSIZE
-from dlfsd.namespace import Attr, Namespace
-
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+from dlfsd.namespace import CHANGE_REQUESTS, Attr, Namespace, st_blksize, st_blocks
 
 
 def errno_boundary(handler):
@@ -40,7 +35,7 @@ def errno_boundary(handler):
 def _read_only(name: str):
     @errno_boundary
     async def refuse(self, *args, **kwargs):
-        raise ReadOnlyError(name)
+        self.ns.refuse_change(name)
 
     refuse.__name__ = name
     return refuse
@@ -67,8 +62,8 @@ class DlfsOperations(pyfuse3.Operations):
         e.st_mode = attr.mode
         e.st_nlink = attr.nlink
         e.st_size = attr.size
-        e.st_blocks = (attr.size + 511) // 512
-        e.st_blksize = DIR_BLKSIZE if stat.S_ISDIR(attr.mode) else BLKSIZE
+        e.st_blocks = st_blocks(attr.size)
+        e.st_blksize = st_blksize(attr.mode)
         e.st_uid = self.uid
         e.st_gid = self.gid
         e.st_mtime_ns = e.st_ctime_ns = e.st_atime_ns = attr.mtime_ns
@@ -103,8 +98,7 @@ class DlfsOperations(pyfuse3.Operations):
 
     @errno_boundary
     async def open(self, inode, flags, ctx=None):
-        if flags & _WRITE_FLAGS:
-            raise ReadOnlyError(inode)
+        self.ns.check_open(inode, flags)
         # Dataset files: data never changes, so the kernel may keep its page cache
         # across opens. `.dlfs/` files: rendered per open, never cached (direct_io).
         fh, direct_io = self.ns.open(inode, ctx)
@@ -123,41 +117,27 @@ class DlfsOperations(pyfuse3.Operations):
 
     @errno_boundary
     async def access(self, inode, mode, ctx=None):
-        if mode & os.W_OK:
-            raise ReadOnlyError(inode)
-        self.ns.getattr(inode)
+        self.ns.check_access(inode, mode)
 
     @errno_boundary
     async def statfs(self, ctx=None):
-        nbytes, entries = self.ns.totals()
+        core = self.ns.statfs()
         s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = (nbytes + 4095) // 4096
-        s.f_bfree = s.f_bavail = 0
-        s.f_files = entries
-        s.f_ffree = s.f_favail = 0
-        s.f_namemax = 255
+        s.f_bsize, s.f_frsize, s.f_namemax = core.bsize, core.frsize, core.namemax
+        s.f_blocks, s.f_bfree, s.f_bavail = core.blocks, core.bfree, core.bavail
+        s.f_files, s.f_ffree, s.f_favail = core.files, core.ffree, core.ffree
         return s
 
     @errno_boundary
     async def getxattr(self, inode, name, ctx=None):
-        self.ns.getattr(inode)
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return self.ns.getxattr(inode, name)
 
     @errno_boundary
     async def listxattr(self, inode, ctx=None):
-        self.ns.getattr(inode)
-        return []
+        return self.ns.listxattr(inode)
 
-    setattr = _read_only("setattr")
-    mknod = _read_only("mknod")
-    mkdir = _read_only("mkdir")
-    unlink = _read_only("unlink")
-    rmdir = _read_only("rmdir")
-    symlink = _read_only("symlink")
-    rename = _read_only("rename")
-    link = _read_only("link")
-    create = _read_only("create")
-    write = _read_only("write")
-    setxattr = _read_only("setxattr")
-    removexattr = _read_only("removexattr")
+
+# Every request that would change the file system: the core refuses it (EROFS).
+for _name in CHANGE_REQUESTS:
+    if hasattr(pyfuse3.Operations, _name):
+        setattr(DlfsOperations, _name, _read_only(_name))

@@ -30,12 +30,12 @@ from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker
 from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
-from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
+from dlfsd.kernel import kernel_skips_opens, workers_answer_opens
+from dlfsd.namespace import Namespace
 from dlfsd.reader import FileSpan
 
 log = logging.getLogger(__name__)
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 _HEADER = fw.IN_HEADER.size
 
 
@@ -92,8 +92,8 @@ class WireWorker:
                  cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
         self.ns = namespace
         self.fd = fd
-        self.answer_opens = fw.workers_answer_opens(count_opens)
-        self.no_opendir = fw.kernel_skips_opens()[1]
+        self.answer_opens = workers_answer_opens(count_opens)
+        self.no_opendir = kernel_skips_opens()[1]
         self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
         # `.dlfs/` files change all the time: the kernel must ask again on each read.
         self.control_attrs = fw.AttrPacker(uid, gid, 0.0)
@@ -119,6 +119,8 @@ class WireWorker:
             fw.READDIRPLUS: self.readdirplus, fw.RELEASEDIR: self.empty,
             fw.ACCESS: self.access, fw.DESTROY: self.empty,
         }
+        for opcode, name in fw.MUTATING.items():  # the core refuses them all (EROFS)
+            self._handlers[opcode] = self._refusal(name)
 
     # -- the loop ---------------------------------------------------------------------
     def serve(self) -> int:
@@ -174,8 +176,8 @@ class WireWorker:
         caller.pid, caller.uid, caller.gid = pid, uid, gid
         handler = self._handlers.get(opcode)
         try:
-            if handler is None:
-                raise _Errno(errno.EROFS if opcode in fw.MUTATING else errno.ENOSYS)
+            if handler is None:  # a request this file system does not implement
+                raise _Errno(errno.ENOSYS)
             payload = handler(nodeid, n)
         except _Errno as err:
             self._send_error(unique, err.errno)
@@ -253,11 +255,11 @@ class WireWorker:
         return bytes(self._view[start:end])
 
     def _packer(self, ino: int) -> fw.AttrPacker:
-        return self.control_attrs if ROOT_INODE < ino < FIRST_DATASET_INODE else self.attrs
+        return self.control_attrs if self.ns.is_control(ino) else self.attrs
 
     def _attr(self, ino: int, caller: Caller | None):
         """Attributes of `ino`; `caller` is traced (None: part of another request)."""
-        if self.answer_opens or not ROOT_INODE < ino < FIRST_DATASET_INODE:
+        if self.answer_opens or not self.ns.is_control(ino):
             return self.ns.getattr(ino, caller)
         # A `.dlfs/` file the kernel will open without us: its size is that of the
         # snapshot this process will read (see ControlFiles.latest_attr).
@@ -275,8 +277,7 @@ class WireWorker:
 
     def open(self, nodeid: int, n: int) -> bytes:
         flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
-        if flags & _WRITE_FLAGS:
-            raise _Errno(errno.EROFS)
+        self.ns.check_open(nodeid, flags)
         if not self.answer_opens:
             # FUSE no_open: from this reply on the kernel opens and closes files
             # itself (keeping their page cache) and reads arrive with handle 0.
@@ -295,16 +296,17 @@ class WireWorker:
         self.ns.release(fh)
 
     def statfs(self, nodeid: int, n: int) -> bytes:
-        return fw.statfs(*self.ns.totals())
+        return fw.statfs(self.ns.statfs())
 
     def getxattr(self, nodeid: int, n: int) -> bytes:
-        self.ns.getattr(nodeid)
-        raise _Errno(errno.ENODATA)
+        return self.ns.getxattr(nodeid, self._name_arg(n, _HEADER + fw.SIZE_IN.size))
 
     def listxattr(self, nodeid: int, n: int) -> bytes:
-        self.ns.getattr(nodeid)
+        names = b"".join(name + b"\0" for name in self.ns.listxattr(nodeid))
         size, _ = fw.SIZE_IN.unpack_from(self._buf, _HEADER)
-        return fw.XATTR_SIZE_OUT.pack(0, 0) if size == 0 else b""
+        if size == 0:  # the caller asks how large a buffer it needs
+            return fw.XATTR_SIZE_OUT.pack(len(names), 0)
+        return names
 
     def opendir(self, nodeid: int, n: int) -> bytes:
         # FUSE no_opendir: from this reply on the kernel opens and closes directories
@@ -314,7 +316,7 @@ class WireWorker:
         # Listing requests then name the directory by its inode only (handle 0).
         if self.no_opendir:
             raise _Errno(errno.ENOSYS)
-        self.ns.getattr(nodeid)  # ENOENT for an inode we never gave out
+        self.ns.check_dir(nodeid)  # ENOTDIR for a file, ENOENT for an unknown inode
         return fw.OPEN_OUT.pack(0, fw.FOPEN_KEEP_CACHE | fw.FOPEN_CACHE_DIR, 0)
 
     def readdir(self, nodeid: int, n: int) -> bytes:
@@ -347,12 +349,16 @@ class WireWorker:
 
     def access(self, nodeid: int, n: int) -> None:
         mask, _ = fw.ACCESS_IN.unpack_from(self._buf, _HEADER)
-        if mask & os.W_OK:
-            raise _Errno(errno.EROFS)
-        self.ns.getattr(nodeid)
+        self.ns.check_access(nodeid, mask)
 
     def empty(self, nodeid: int, n: int) -> None:
         return None
+
+    def _refusal(self, name: str):
+        def refuse(nodeid: int, n: int) -> None:
+            self.ns.refuse_change(name)
+
+        return refuse
 
 
 class _Errno(Exception):

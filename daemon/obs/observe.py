@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dlfs.config import MountConfig
 from dlfs.obs.statsview import text_summary
 from dlfs.store.store import Dataset
-from dlfsd.fuse.fusewire import workers_answer_opens
+from dlfsd.kernel import workers_answer_opens
 from dlfsd.obs.control import ControlFiles
 from dlfsd.obs.prometheus import prometheus_text
 from dlfsd.obs.stats import NullStats, Stats
