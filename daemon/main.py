@@ -48,10 +48,12 @@ from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.ops import DlfsOperations
 from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 from dlfsd.kernel import kernel_release, kernel_skips_opens
+from dlfsd.lookahead import LookAhead
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
 from dlfsd.obs.observe import ObserveConfig
 from dlfsd.obs.status import build_status, keep_status, write_status
+from dlfsd.ordersock import OrderService
 from dlfsd.prefetch import available_memory, prefetch_decision
 
 if TYPE_CHECKING:
@@ -438,6 +440,7 @@ class _Loaded:
     ops: DlfsOperations
     services: Services
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
+    order: OrderService | None  # samplers' announcements -> the look-ahead
 
 
 def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
@@ -459,7 +462,21 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
     ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
     services = Services(config, namespace.datasets, namespace.stats, pool)
-    return _Loaded(namespace, pool, ops, services, fuse_fds())
+    order = _order_service(config, namespace, pool)
+    if order is not None:
+        release.callback(order.lookahead.close)
+    return _Loaded(namespace, pool, ops, services, fuse_fds(), order)
+
+
+def _order_service(config: MountConfig, namespace: Namespace, pool) -> OrderService | None:
+    """The look-ahead and its socket, made before the workers fork (they share its flag)."""
+    if not config.lookahead:
+        return None
+    lookahead = LookAhead(namespace, pool, config.lookahead_samples, config.lookahead_bytes,
+                          config.lookahead_streams, config.store_bandwidth,
+                          config.lookahead_stale)
+    namespace.observe.add_section("lookahead", lookahead.counter_dict)
+    return OrderService(config.mountpoint, lookahead, config.uid)
 
 
 def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: LaunchCommit,
@@ -472,7 +489,8 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
     release.callback(lambda: state.aborted and _unmount_dead(config.mountpoint))
     release.callback(lambda: pyfuse3.close(unmount=state.unmount))
     release.callback(namespace.observe.write_summary, config.summary_file)
-    control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe)
+    control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe,
+                            (daemon.order,) if daemon.order is not None else ())
     release.callback(control.stop)
     release.callback(lambda: stop_workers(state.workers))
     release.callback(services.stop_listening)
@@ -483,6 +501,8 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         state.workers = start_workers(config, namespace, daemon.ops, daemon.fds_before_mount,
                                       daemon.pool)
+        if daemon.order is not None and daemon.order.listen():  # after the workers fork
+            release.callback(daemon.order.close)
         control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
         services.listen()  # after the workers: they must not inherit the listener
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,

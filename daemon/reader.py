@@ -46,6 +46,8 @@ STORE_OK = 1  # the store copy was read whole and matched its checksum
 LOCAL_OK = 2  # the staged copy on local NVMe did
 STORE_BAD = 4  # the store copy did not (logged once)
 STORE_LOADING = 8  # a worker process is loading and checking the store copy right now
+AHEAD = 16  # the look-ahead read the store copy into the page cache and checked it
+TAKEN = 32  # a reader read this extent since the look-ahead was told of it
 LOADING_WAIT = 2.0  # seconds a worker waits for another one's load before loading itself
 PEER_CACHE_BYTES = 64 << 20  # per process: whole extents fetched for partial reads
 #: Reads at least this large of verified bytes may be answered as a FileSpan (the
@@ -128,6 +130,32 @@ class SampleReader:
             self._ext_off, self._ext_len, dataset.chunk_path) if prefetch else None
         self._span: FileSpan | None = None
         self._span_max = 0
+        self._lookahead = _NO_LOOKAHEAD  # [0] is 1 while the look-ahead follows an epoch
+
+    # Read-only views for the look-ahead (dlfsd.lookahead), which fetches extents itself.
+    @property
+    def state_map(self) -> mmap.mmap:
+        return self._state
+
+    @property
+    def ext_chunks(self) -> memoryview:
+        return self._ext_chunk
+
+    @property
+    def ext_offsets(self) -> memoryview:
+        return self._ext_off
+
+    @property
+    def ext_lengths(self) -> memoryview:
+        return self._ext_len
+
+    @property
+    def ext_checksums(self) -> memoryview:
+        return self._ext_sum
+
+    def follow_lookahead(self, flag) -> None:
+        """Mark extents TAKEN and take AHEAD ones while `flag[0]` is set (a shared byte)."""
+        self._lookahead = flag
 
     def use_spans(self, max_length: int) -> None:
         """From now on a read of verified bytes from one chunk file, SPAN_MIN up to
@@ -154,7 +182,7 @@ class SampleReader:
         limit). A worker serves one request at a time, so none of them is in use; the
         trio loop (--workers 1) cannot tell, and answers EIO."""
         try:
-            return await self._blocking(_open_chunk, path, chunk, self.dataset.uuid)
+            return await self._blocking(open_chunk, path, chunk, self.dataset.uuid)
         except OSError as err:
             if err.errno not in (errno.EMFILE, errno.ENFILE) or not self.inline_io:
                 raise
@@ -166,7 +194,7 @@ class SampleReader:
                         sum(fd >= 0 for fd in self._fds), self.dataset.name)
         self._fd_purges += 1
         self._close_fds()
-        return await self._blocking(_open_chunk, path, chunk, self.dataset.uuid)
+        return await self._blocking(open_chunk, path, chunk, self.dataset.uuid)
 
     async def read(self, row: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Up to `size` bytes of file `row` at `offset` (short at end of file)."""
@@ -197,12 +225,33 @@ class SampleReader:
         from a throttled store: the pacing is in the reads). `lasting`: they must stay
         valid across further reads (a peer's may be a view of its client's buffer)."""
         span = span and SPAN_MIN <= length <= self._span_max and not self._store_rate
+        if self._lookahead[0]:
+            data = await self._read_ahead(ext, rel, length)
+            if data is not None:
+                return data
         if self.pool is not None:
             data = await self._read_pooled(ext, rel, length, span, lasting)
             if data is not None:
                 return data
         started = time.perf_counter_ns()
         data = await self._read_store(ext, rel, length, span)
+        self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
+        return data
+
+    async def _read_ahead(self, ext: int, rel: int, length: int):
+        """Mark the extent TAKEN (the look-ahead moves by it); if the look-ahead fetched
+        it, read it from the store copy's page cache, unpaced; else None."""
+        state = self._state[ext]
+        self._state[ext] = state | TAKEN
+        if not state & AHEAD:
+            self.stats.record_lookahead(self.ds, False)
+            return None
+        started = time.perf_counter_ns()
+        fd = await self._fd(self._ext_chunk[ext])
+        data = await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
+        if rel + length >= self._ext_len[ext]:
+            self._state[ext] &= ~AHEAD & 0xFF  # taken whole: the next read pays again
+        self.stats.record_lookahead(self.ds, True)
         self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
         return data
 
@@ -529,7 +578,10 @@ def _slice(data, rel: int, length: int):
     return data if rel == 0 and length == len(data) else memoryview(data)[rel : rel + length]
 
 
-def _open_chunk(path, index: int, dataset_uuid: bytes) -> int:
+_NO_LOOKAHEAD = b"\0"
+
+
+def open_chunk(path, index: int, dataset_uuid: bytes) -> int:
     """Open a chunk file and check its header once (magic, version, owner)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:

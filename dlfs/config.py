@@ -54,6 +54,12 @@ class MountConfig:
     stage_jobs: int = 2  # chunks copied from the store at once
     peer_timeout: float = 5.0  # seconds per peer call before trying elsewhere
     store_bandwidth: int = 0  # bytes/s per store read stream; only to model a slow store
+    # -- the look-ahead (dlfsd.lookahead): reads announced epochs ahead of the readers --
+    lookahead: bool = True  # listen for samplers' announcements (off: --lookahead 0)
+    lookahead_samples: int = 256  # samples fetched ahead of the readers, at most
+    lookahead_bytes: int = 256 << 20  # bytes fetched ahead, at most
+    lookahead_streams: int = 8  # fetches at once (threads; one paced store stream each)
+    lookahead_stale: float = 60.0  # seconds without a read before an announcement is dropped
 
     @property
     def pooled(self) -> bool:

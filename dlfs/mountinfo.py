@@ -28,6 +28,17 @@ def find_mount(mountpoint: str) -> MountEntry | None:
     return found
 
 
+def mountpoints_of_type(fstype: str) -> list[str]:
+    """Every mountpoint whose file system type is `fstype` (e.g. "fuse.dlfs")."""
+    found = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            left, _, right = line.partition(b" - ")
+            if right.split()[0].decode() == fstype:
+                found.append(_unescape(left.split()[4]))
+    return found
+
+
 def _unescape(raw: bytes) -> str:
     """mountinfo writes space, tab, newline and backslash in paths as \\ooo."""
     out = bytearray()

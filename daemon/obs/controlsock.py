@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import selectors
 import signal
 import socket
 import struct
@@ -48,14 +49,20 @@ _MAX_REQUEST = 256
 class ControlServer:
     """The control socket and the process answering it (main daemon process side)."""
 
-    def __init__(self, path: str, observe: Observability) -> None:
+    def __init__(self, path: str, observe: Observability, services: tuple = ()) -> None:
+        """`services`: more sockets this process answers (each with a bound listening
+        `sock`, `start()`, `handle(conn)`, `stop()` and `close()`, e.g. the look-ahead's
+        dlfsd.ordersock.OrderService); started in the control process."""
         self.path = path
         self.observe = observe
+        self.services = list(services)
         self.pid = 0
         self._inode = 0  # of the socket we bound: a later daemon's socket is not ours
 
     def start(self) -> ControlServer:
-        """Bind now (ready before `dlfs mount` returns), answer in a forked process."""
+        """Bind now (ready before `dlfs mount` returns), answer in a forked process.
+        Services whose socket could not be bound are left out."""
+        self.services = [s for s in self.services if s.sock is not None]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -72,8 +79,10 @@ class ControlServer:
         with stop_signals_blocked():  # a SIGTERM before SIG_DFL is in must still end it
             pid = os.fork()
             if pid == 0:
-                _child(sock, self.observe)
+                _child(sock, self.observe, self.services)
         sock.close()
+        for service in self.services:
+            service.close()  # the control process answers it
         self.pid = pid
         return self
 
@@ -95,7 +104,7 @@ class ControlServer:
                 os.unlink(self.path)
 
 
-def _child(sock: socket.socket, observe: Observability) -> None:
+def _child(sock: socket.socket, observe: Observability, services: list) -> None:
     """The control process: answer until SIGTERM from the main process. Ctrl-C and a
     terminal's hangup reach the whole process group; the main process acts on them
     and stops this one."""
@@ -105,7 +114,9 @@ def _child(sock: socket.socket, observe: Observability) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         unblock_stop_signals()  # forked with them blocked (see ControlServer.start)
-        _serve(sock, observe)
+        for service in services:
+            service.start()
+        _serve(sock, observe, services)
     except BaseException:
         log.exception("trace control process failed")
         code = 1
@@ -114,27 +125,42 @@ def _child(sock: socket.socket, observe: Observability) -> None:
         os._exit(code)
 
 
-def _serve(sock: socket.socket, observe: Observability) -> None:
+def _serve(sock: socket.socket, observe: Observability, services: list) -> None:
     """Answer one connection at a time until SIGTERM, or until the main process is gone.
 
     A killed main process sends no SIGTERM; the workers then end with the
     session, and this process notices its new parent within a second.
     """
     parent = os.getppid()
-    sock.settimeout(1.0)
-    while os.getppid() == parent:
+    handlers = {sock.fileno(): (sock, lambda conn: _handle(conn, observe))}
+    for service in services:
+        handlers[service.sock.fileno()] = (service.sock, service.handle)
+    try:
+        with selectors.DefaultSelector() as selector:
+            for fd in handlers:
+                selector.register(fd, selectors.EVENT_READ)
+            while os.getppid() == parent:
+                for key, _ in selector.select(1.0):
+                    listener, handle = handlers[key.fd]
+                    _answer_one(listener, handle)
+    finally:
+        for service in services:
+            service.stop()
+
+
+def _answer_one(listener: socket.socket, handle) -> None:
+    try:
+        conn, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return
+    with conn:
+        conn.settimeout(REQUEST_TIMEOUT)
         try:
-            conn, _ = sock.accept()
-        except TimeoutError:
-            continue
-        with conn:
-            conn.settimeout(REQUEST_TIMEOUT)
-            try:
-                _handle(conn, observe)
-            except OSError:
-                pass  # the client went away or timed out; nothing to clean up
-            except Exception:
-                log.exception("control request failed")
+            handle(conn)
+        except OSError:
+            pass  # the client went away or timed out; nothing to clean up
+        except Exception:
+            log.exception("control request failed")
 
 
 def _peer_uid(conn: socket.socket) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dlfs.config import MountConfig
@@ -19,7 +20,7 @@ from dlfs.store.store import Dataset
 from dlfsd.kernel import workers_answer_opens
 from dlfsd.obs.control import ControlFiles
 from dlfsd.obs.prometheus import prometheus_text
-from dlfsd.obs.stats import NullStats, Stats
+from dlfsd.obs.stats import TOP_FILES, NullStats, Stats
 from dlfsd.obs.trace import DEFAULT_CAPACITY, Trace
 from dlfsd.slots import ProcessSlot
 
@@ -60,6 +61,7 @@ class Observability:
         # With workers (processes > 1) the main process serves no requests.
         self.trace = Trace(capacity, self.slot, max(1, config.processes - 1))
         self.datasets = datasets
+        self._sections: dict[str, Callable[[], dict]] = {}
         self.control = ControlFiles({b"stats.json": self.render_stats_json,
                                      b"metrics": self.render_metrics}, self.slot)
 
@@ -69,11 +71,24 @@ class Observability:
         self.stats.close()
 
     # -- renderers of `.dlfs/` ----------------------------------------------------------
+    def snapshot(self, top_files: int = TOP_FILES) -> dict:
+        """The counters, plus what other parts of the daemon report (e.g. the look-ahead's
+        prefetched bytes, counted in its own process: `add_section`)."""
+        snapshot = self.stats.snapshot(top_files)
+        if snapshot.get("enabled", True):
+            for name, render in self._sections.items():
+                snapshot[name] = render()
+        return snapshot
+
+    def add_section(self, name: str, render: Callable[[], dict]) -> None:
+        """Report `render()` under `name` in every snapshot (call before the fork)."""
+        self._sections[name] = render
+
     def render_stats_json(self) -> bytes:
-        return (json.dumps(self.stats.snapshot(), indent=1) + "\n").encode()
+        return (json.dumps(self.snapshot(), indent=1) + "\n").encode()
 
     def render_metrics(self) -> bytes:
-        return prometheus_text(self.stats.snapshot(top_files=0)).encode()  # not exported
+        return prometheus_text(self.snapshot(top_files=0)).encode()  # not exported
 
     # -- trace control (called by dlfsd.obs.controlsock) -------------------------------------
     def start_trace(self) -> None:
@@ -102,7 +117,7 @@ class Observability:
         The file is what a Slurm epilogue keeps: the stats.json content plus
         "summary" (the text lines). Written to a temporary name and renamed.
         """
-        snapshot = self.stats.snapshot()
+        snapshot = self.snapshot()
         lines = text_summary(snapshot)
         for line in lines:
             log.info("summary: %s", line)

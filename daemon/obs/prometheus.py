@@ -73,4 +73,20 @@ def prometheus_text(snapshot: dict) -> str:
             "histogram")
     _histogram(lines, "dlfs_read_latency_seconds", datasets, "read_latency_us_hist",
                lambda b: f"{(1 << b) * 1e-6:.9g}", "read_latency_ns_sum", 1e-9)
+    _lookahead(lines, datasets, snapshot.get("lookahead"))
     return "\n".join(lines) + "\n"
+
+
+def _lookahead(lines: list[str], datasets: dict, engine: dict | None) -> None:
+    """Reads served by the look-ahead (hits) or not (misses), and what it fetched."""
+    for metric, key, help_ in (
+            ("dlfs_lookahead_hits_total", "hits", "Reads of extents the look-ahead fetched."),
+            ("dlfs_lookahead_misses_total", "misses",
+             "Reads, while the look-ahead followed an epoch, of extents it had not fetched.")):
+        _header(lines, metric, help_, "counter")
+        lines += [f'{metric}{{dataset="{_label(ds)}"}} {c["lookahead"][key]}'
+                  for ds, c in datasets.items()]
+    for key, value in (engine or {}).items():
+        name = f"dlfs_lookahead_{key}_total"
+        _header(lines, name, f"Look-ahead: {key.replace('_', ' ')}.", "counter")
+        lines.append(f"{name} {value}")

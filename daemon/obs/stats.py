@@ -55,7 +55,9 @@ SRC_READS = SRC_BYTES + len(SOURCE_NAMES)
 SRC_LATENCY = SRC_READS + len(SOURCE_NAMES)
 SIZE_HIST = SRC_LATENCY + len(SOURCE_NAMES)
 LATENCY_HIST = SIZE_HIST + BUCKETS
-STRIDE = LATENCY_HIST + BUCKETS
+AHEAD_HITS = LATENCY_HIST + BUCKETS  # reads of extents the look-ahead fetched first
+AHEAD_MISSES = AHEAD_HITS + 1  # reads while it followed an epoch, of extents it had not
+STRIDE = AHEAD_MISSES + 1
 
 COUNT_MAX = 0xFFFFFFFF  # per-file opens and reads are 32-bit: they stop there
 _FILE_FIELDS = (("opens", "I"), ("reads", "I"), ("bytes", "q"), ("last_end", "q"),
@@ -171,6 +173,10 @@ class Stats:
         slab[base + SRC_LATENCY + source] += latency_ns
         self.request_sources |= 1 << source
 
+    def record_lookahead(self, ds: int, hit: bool) -> None:
+        """A read while the look-ahead follows an epoch: its extent was fetched ahead or not."""
+        self._slab[ds * STRIDE + (AHEAD_HITS if hit else AHEAD_MISSES)] += 1
+
     # -- reading ------------------------------------------------------------------
     def snapshot(self, top_files: int = TOP_FILES) -> dict:
         """All counters as a JSON-able dict (slabs summed); see docs/STATS.md."""
@@ -257,6 +263,7 @@ def _counters(c: np.ndarray, opens: int, reads: int, nbytes: int) -> dict:
         "sources": {name: {"bytes": int(c[SRC_BYTES + i]), "reads": int(c[SRC_READS + i]),
                            "latency_ns_sum": int(c[SRC_LATENCY + i])}
                     for i, name in enumerate(SOURCE_NAMES)},
+        "lookahead": {"hits": int(c[AHEAD_HITS]), "misses": int(c[AHEAD_MISSES])},
     }
 
 
@@ -273,6 +280,9 @@ class NullStats:
         pass
 
     def record_source(self, ds: int, source: int, nbytes: int, latency_ns: int) -> None:
+        pass
+
+    def record_lookahead(self, ds: int, hit: bool) -> None:
         pass
 
     def sources(self) -> dict:

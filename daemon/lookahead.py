@@ -1,0 +1,375 @@
+"""LookAhead: read each announced epoch ahead of the processes that will read it.
+
+A sampler (dlfs.sampler) registers its dataset's paths once and announces,
+at the start of each epoch, the order its rank will read them in
+(dlfs.orderwire). The daemon then fetches the samples' extents ahead of the
+readers, in that order, on `streams` threads of the control process, never
+more than `samples` samples or `nbytes` bytes ahead of the first sample the
+readers have not taken yet (back-pressure: readers that fall behind stop
+the look-ahead, not the other way round):
+
+- an extent whose chunk is staged on this node: its range of the staged copy
+  is asked into the page cache (fadvise WILLNEED, asynchronous);
+- a chunk this node owns but has not staged: demanded from the stager (so it
+  stages in first-use order), and the extent is read from the store as below;
+- a chunk only peers own: left to the peers (see "not done" in docs/ORDER.md);
+- otherwise the store: the whole extent is read (one paced stream per thread
+  with a throttled store) and checked against its checksum; the extent is
+  then marked STORE_OK | AHEAD in the readers' shared state, so the reader
+  that takes it reads it from the page cache at once (and without pacing:
+  the look-ahead's stream paid for it). An extent verified already and not
+  throttled only gets WILLNEED.
+
+Readers mark the extents they read TAKEN while any announcement is active
+(one shared flag byte: without announcements the read path tests one byte).
+The look-ahead moves its window by those marks; a stream whose readers take
+nothing for `stale_seconds` (a killed job, an abandoned epoch) is dropped,
+and so is the oldest one beyond MAX_STREAMS: memory stays bounded whatever
+clients do. Registrations are kept per connection-independent handle, at
+most MAX_REGISTRATIONS (oldest dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dlfs.errors import DlfsError
+from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+from dlfsd.namespace import Namespace
+from dlfsd.reader import AHEAD, STORE_OK, TAKEN, SampleReader, open_chunk
+from dlfsd.throttle import pace
+
+log = logging.getLogger(__name__)
+
+MAX_STREAMS = 64  # announcements followed at once (ranks x DataLoaders of one node)
+MAX_REGISTRATIONS = 32
+STALE_SECONDS = 60.0
+_TICK = 0.002  # seconds between scheduler passes when nothing changed
+
+# Counters (int64, written by the control process only; read by `.dlfs/` renders).
+(ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
+ FETCH_ERRORS, SKIPPED_PEER) = range(8)
+COUNTER_NAMES = ("announcements", "samples_prefetched", "bytes_prefetched",
+                 "chunks_demanded", "streams_dropped_stale", "streams_dropped_full",
+                 "fetch_errors", "extents_left_to_peers")
+
+
+@dataclass
+class Registration:
+    """The paths one sampler registered, as (dataset, row) per sample."""
+
+    ds: np.ndarray  # int16
+    rows: np.ndarray  # int64, -1: not a file of this mount
+
+
+@dataclass
+class _Stream:
+    """One announced epoch of one reader: positions [low, next) are in flight or ahead."""
+
+    key: tuple[int, int]  # (handle, epoch)
+    ds: np.ndarray
+    rows: np.ndarray
+    first: np.ndarray  # first extent of each sample
+    ends: np.ndarray  # cumulative bytes: ends[i] = bytes of samples [0, i)
+    next: int = 0
+    low: int = 0
+    progress_at: float = field(default_factory=time.monotonic)
+
+
+class LookAhead:
+    """The look-ahead of one mount. Made before the daemon forks (the flag and the
+    counters are shared memory); `start` runs it in the control process."""
+
+    def __init__(self, namespace: Namespace, pool=None, samples: int = 256,
+                 nbytes: int = 256 << 20, streams: int = 8, store_rate: int = 0,
+                 stale_seconds: float = STALE_SECONDS) -> None:
+        self.ns = namespace
+        self.pool = pool
+        self.samples, self.nbytes, self.streams = samples, nbytes, streams
+        self.store_rate = store_rate
+        self.stale_seconds = stale_seconds
+        self._flag_map = mmap.mmap(-1, 1)
+        self._counter_map = mmap.mmap(-1, 8 * len(COUNTER_NAMES))
+        self.counters = np.frombuffer(self._counter_map, np.int64)
+        for reader in namespace.readers:
+            reader.follow_lookahead(self._flag_map)
+        self._states = [np.frombuffer(r.state_map, np.uint8) for r in namespace.readers]
+        self._registrations: OrderedDict[int, Registration] = OrderedDict()
+        self._next_handle = 1
+        self._streams: OrderedDict[tuple[int, int], _Stream] = OrderedDict()
+        self._lock = threading.Condition()
+        self._fds: dict[tuple[int, int], int] = {}
+        self._fd_lock = threading.Lock()
+        self._demanded: set[tuple[int, int]] = set()  # this announcement's, sent once
+        self._by_name = {r.dataset.name.encode(): k for k, r in enumerate(namespace.readers)}
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # -- life ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the scheduler and fetch threads (in the control process)."""
+        self._executor = ThreadPoolExecutor(self.streams, thread_name_prefix="lookahead")
+        self._thread = threading.Thread(target=self._schedule, name="lookahead", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._flag_map[0] = 0
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def close(self) -> None:
+        """Drop the views of the readers' state (before the Namespace closes it)."""
+        for reader in self.ns.readers:
+            reader.follow_lookahead(b"\0")
+        self._states = []
+        self.counters = np.zeros(len(COUNTER_NAMES), np.int64)
+        for mapping in (self._flag_map, self._counter_map):
+            with contextlib.suppress(BufferError):  # a snapshot still holds it: dies with us
+                mapping.close()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._flag_map[0])
+
+    # -- what samplers ask -----------------------------------------------------------
+    def register(self, paths: list[bytes]) -> tuple[int, Registration]:
+        """Resolve relative paths to (dataset, row); unknown ones get row -1."""
+        ds = np.zeros(len(paths), np.int16)
+        rows = np.full(len(paths), -1, np.int64)
+        for i, path in enumerate(paths):
+            located = self._resolve(path)
+            if located is not None:
+                ds[i], rows[i] = located
+        registration = Registration(ds, rows)
+        with self._lock:
+            handle = self._next_handle
+            self._next_handle += 1
+            self._registrations[handle] = registration
+            while len(self._registrations) > MAX_REGISTRATIONS:
+                self._registrations.popitem(last=False)
+        return handle, registration
+
+    def _resolve(self, path: bytes) -> tuple[int, int] | None:
+        """(dataset index, row) of a regular file at `path` ("dataset/rel/path")."""
+        name, _, rest = path.strip(b"/").partition(b"/")
+        k = self._by_name.get(name)
+        if k is None:
+            return None
+        directory = self.ns.readers[k].directory
+        row = directory.resolve(rest)
+        if row < 0 or not stat.S_ISREG(directory.mode(row)):
+            return None
+        return k, row
+
+    def locality(self, registration: Registration) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(chunk key per sample, first node per chunk key, node count, this node)."""
+        bases = np.cumsum([0] + [r.dataset.chunk_count for r in self.ns.readers])
+        known = registration.rows >= 0
+        keys = np.full(registration.rows.size, -1, np.int64)
+        for k, reader in enumerate(self.ns.readers):
+            mine = known & (registration.ds == k)
+            if mine.any():
+                arrays = reader.directory.arrays
+                first = arrays["ext_start"][registration.rows[mine]]
+                keys[mine] = bases[k] + arrays["ext_chunk"][first]
+        if self.pool is None:
+            return keys, np.zeros(int(bases[-1]), np.int32), 1, 0
+        nodes = np.concatenate([t[:, 0] if t.shape[1] else np.full(t.shape[0], -1)
+                                for t in self.pool.tables] or [np.zeros(0)]).astype(np.int32)
+        return keys, nodes, len(self.pool.view.nodes), self.pool.view.self_index
+
+    def announce(self, handle: int, epoch: int, order: np.ndarray) -> int:
+        """Follow `order` (sample indices of registration `handle`) from now on."""
+        with self._lock:
+            registration = self._registrations.get(handle)
+        if registration is None:
+            raise DlfsError(f"unknown registration {handle} (the daemon was restarted, or "
+                            f"more than {MAX_REGISTRATIONS} samplers registered since)")
+        if order.size and (order.min() < 0 or order.max() >= registration.rows.size):
+            raise DlfsError(f"announced sample index out of range 0..{registration.rows.size - 1}")
+        rows = registration.rows[order]
+        keep = rows >= 0
+        stream = self._stream((handle, epoch), registration.ds[order][keep], rows[keep])
+        with self._lock:
+            self._streams.pop(stream.key, None)
+            for key in [k for k in self._streams if k[0] == handle]:
+                del self._streams[key]  # the same reader's earlier epoch: abandoned
+            self._streams[stream.key] = stream
+            while len(self._streams) > MAX_STREAMS:
+                self._streams.popitem(last=False)
+                self.counters[DROPPED_FULL] += 1
+            self.counters[ANNOUNCED] += 1
+            self._demanded.clear()
+            self._flag_map[0] = 1
+            self._lock.notify_all()
+        return int(stream.rows.size)
+
+    def _stream(self, key: tuple[int, int], ds: np.ndarray, rows: np.ndarray) -> _Stream:
+        first = np.zeros(rows.size, np.int64)
+        sizes = np.zeros(rows.size, np.int64)
+        for k, reader in enumerate(self.ns.readers):
+            mine = ds == k
+            if mine.any():
+                arrays = reader.directory.arrays
+                first[mine] = arrays["ext_start"][rows[mine]]
+                sizes[mine] = arrays["size"][rows[mine]]
+                # Marks of earlier epochs must not count as taken in this one.
+                self._states[k][first[mine]] &= np.uint8(~TAKEN & 0xFF)
+        ends = np.concatenate([[0], np.cumsum(sizes)])
+        return _Stream(key, ds, rows, first, ends)
+
+    def status(self) -> dict:
+        with self._lock:
+            streams = [{"handle": s.key[0], "epoch": s.key[1], "samples": int(s.rows.size),
+                        "taken": s.low, "fetched": s.next} for s in self._streams.values()]
+        return {"streams": streams, "counters": self.counter_dict()}
+
+    def counter_dict(self) -> dict:
+        return {name: int(v) for name, v in zip(COUNTER_NAMES, self.counters, strict=True)}
+
+    # -- the scheduler ---------------------------------------------------------------
+    def _schedule(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+                if not self._streams:
+                    self._flag_map[0] = 0
+                    self._lock.wait(1.0)
+                    continue
+                streams = list(self._streams.values())
+            busy = False
+            for stream in streams:
+                busy |= self._advance(stream)
+            if not busy:
+                time.sleep(_TICK)
+
+    def _advance(self, s: _Stream) -> bool:
+        """Move the window of one stream; True if it submitted work."""
+        now = time.monotonic()
+        low = s.low
+        while low < s.next and self._taken(s, low):
+            low += 1
+        if low != s.low:
+            s.low, s.progress_at = low, now
+        if s.low >= s.rows.size or now - s.progress_at > self.stale_seconds:
+            self._drop(s, finished=s.low >= s.rows.size)
+            return False
+        submitted = False
+        while (s.next < s.rows.size and s.next - s.low < self.samples
+               and s.ends[s.next] - s.ends[s.low] < self.nbytes
+               and self._inflight < 2 * self.streams):
+            pos = s.next
+            s.next += 1
+            if self._taken(s, pos):
+                continue  # a reader got there first
+            self._submit(int(s.ds[pos]), int(s.rows[pos]))
+            submitted = True
+        return submitted
+
+    def _taken(self, s: _Stream, pos: int) -> bool:
+        return bool(self._states[s.ds[pos]][s.first[pos]] & TAKEN)
+
+    def _drop(self, s: _Stream, finished: bool) -> None:
+        with self._lock:
+            if self._streams.pop(s.key, None) is not None and not finished:
+                self.counters[DROPPED_STALE] += 1
+                log.info("look-ahead: dropped epoch %d of registration %d (nothing read for "
+                         "%.0f s)", s.key[1], s.key[0], self.stale_seconds)
+
+    def _submit(self, ds: int, row: int) -> None:
+        with self._lock:
+            self._inflight += 1
+        self._executor.submit(self._fetch_sample, ds, row)
+
+    # -- the fetch threads -----------------------------------------------------------
+    def _fetch_sample(self, ds: int, row: int) -> None:
+        try:
+            reader = self.ns.readers[ds]
+            fetched = sum(self._fetch_extent(reader, ds, ext)
+                          for ext in reader.directory.extents(row))
+            with self._lock:
+                self.counters[SAMPLES_AHEAD] += 1
+                self.counters[BYTES_AHEAD] += fetched
+        except Exception as err:  # the reader will meet (and report) the same problem
+            self._count(FETCH_ERRORS)
+            log.debug("look-ahead fetch of dataset %d row %d failed: %s", ds, row, err)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def _count(self, counter: int) -> None:
+        with self._lock:
+            self.counters[counter] += 1
+
+    def _fetch_extent(self, reader: SampleReader, ds: int, ext: int) -> int:
+        state = self._states[ds]
+        if state[ext] & (AHEAD | TAKEN):
+            return 0
+        chunk = int(reader.ext_chunks[ext])
+        offset = CHUNK_HEADER_SIZE + int(reader.ext_offsets[ext])
+        length = int(reader.ext_lengths[ext])
+        if self.pool is not None:
+            cache = self.pool.caches[ds]
+            if cache.is_staged(chunk):
+                fd = cache.cached_fd(chunk)
+                if fd < 0:
+                    fd = cache.open_fd(chunk)
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                    return length
+            if self.pool.owned[ds][chunk]:
+                self._demand(ds, chunk)
+            elif self.pool.remote_owners[ds][chunk]:
+                self._count(SKIPPED_PEER)
+                return 0
+        fd = self._store_fd(reader, ds, chunk)
+        if state[ext] & STORE_OK and not self.store_rate:
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            return length
+        started = time.monotonic()
+        data = os.pread(fd, length, offset)
+        pace(self.store_rate, length, started)
+        if len(data) != length or checksum(data) != reader.ext_checksums[ext]:
+            self._count(FETCH_ERRORS)
+            return 0  # the reader reads it itself, and reports it
+        state[ext] |= STORE_OK | AHEAD
+        return length
+
+    def _demand(self, ds: int, chunk: int) -> None:
+        if (ds, chunk) not in self._demanded:
+            self._demanded.add((ds, chunk))
+            self.pool.demand.send(ds, chunk)
+            self._count(DEMANDED)
+
+    def _store_fd(self, reader: SampleReader, ds: int, chunk: int) -> int:
+        with self._fd_lock:
+            fd = self._fds.get((ds, chunk), -1)
+            if fd < 0:
+                fd = open_chunk(reader.dataset.chunk_path(chunk), chunk, reader.dataset.uuid)
+                self._fds[(ds, chunk)] = fd
+            return fd

@@ -1,0 +1,107 @@
+"""The look-ahead through real mounts: a sampler's announced order is read ahead.
+
+A client registers the mount's files over the order socket (dlfs.orderclient,
+the same one DLFSSampler uses) and announces an epoch; the daemon's counters
+(`.dlfs/stats.json`) and the order socket's status say what it fetched and
+what the readers took. Every byte read is compared with the source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from dlfs.orderclient import OrderClientError, connect
+
+pytestmark = pytest.mark.usefixtures("daemon_guard")
+
+FILES = 300
+FILE_SIZE = 50_000
+
+
+@pytest.fixture(scope="module")
+def la_source(tmp_path_factory):
+    src = tmp_path_factory.mktemp("la-src")
+    rng = np.random.default_rng(7)
+    for i in range(FILES):
+        (src / f"f{i:04d}").write_bytes(rng.bytes(FILE_SIZE))
+    return src
+
+
+@pytest.fixture(scope="module")
+def la_store(la_source, store_with):
+    return store_with(la_source, "ds", "1M")
+
+
+def mount_paths(mount) -> list[str]:
+    return [os.path.join(mount.path, "ds", f"f{i:04d}") for i in range(FILES)]
+
+
+def stats(mount) -> dict:
+    """The mount's counters now: read by a new process each time (a process's own
+    `.dlfs/` snapshot is reused for a moment, see dlfsd.obs.control)."""
+    out = subprocess.run(["cat", str(mount.path / ".dlfs" / "stats.json")],
+                         capture_output=True, check=True, timeout=30).stdout
+    return json.loads(out)
+
+
+def wait_for(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_an_announced_epoch_is_fetched_ahead_and_taken_by_the_readers(
+        mounted, la_store, la_source):
+    mount = mounted(la_store, "--store-bandwidth", "20M")
+    paths = mount_paths(mount)
+    client = connect(paths)
+    assert client is not None and client.unknown == 0
+    locality = client.locality()
+    assert (locality.node, locality.node_count) == (0, 1)
+    assert locality.sample_chunk.min() >= 0
+    order = np.random.default_rng(1).permutation(FILES)
+    client.announce(0, order)
+    window = 256  # the default --lookahead samples
+    assert wait_for(lambda: client.status()["counters"]["samples_prefetched"] >= window), \
+        client.status()
+    for i in order:
+        data = open(paths[i], "rb").read()  # noqa: SIM115
+        want = (la_source / f"f{i:04d}").read_bytes()
+        assert hashlib.sha256(data).digest() == hashlib.sha256(want).digest()
+    final = stats(mount)
+    taken = final["mount"]["lookahead"]
+    assert taken["hits"] >= window, (final["lookahead"], taken)  # all fetched before the reads
+    assert taken["hits"] + taken["misses"] == FILES
+    assert final["lookahead"]["bytes_prefetched"] >= window * FILE_SIZE
+    assert final["lookahead"]["fetch_errors"] == 0
+    assert wait_for(lambda: client.status()["streams"] == [])  # finished: forgotten
+
+
+def test_bad_announcements_get_one_line_and_the_mount_serves_on(mounted, la_store, tmp_path):
+    mount = mounted(la_store)
+    paths = mount_paths(mount)
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes(b"x")
+    assert connect([str(outside)]) is None  # not under a DLFS mount: a plain sampler
+    with pytest.raises(OrderClientError, match="not a DLFS mountpoint"):
+        connect(paths, mount=str(tmp_path))
+    client = connect([*paths[:3], os.path.join(mount.path, "ds", "missing"),
+                      os.path.join(mount.path, "ds")])
+    assert client.unknown == 2  # a missing file and a directory are no samples
+    assert list(client.locality().sample_chunk[3:]) == [-1, -1]
+    with pytest.raises(OrderClientError, match="out of range"):
+        client.announce(0, np.array([0, 9]))
+    client.handle = 999
+    with pytest.raises(OrderClientError, match="unknown registration 999"):
+        client.announce(0, np.array([0]))
+    assert open(paths[0], "rb").read()  # noqa: SIM115
