@@ -10,16 +10,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import select
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from dlfs import __version__
+from dlfs.cli.common import (
+    EXIT_CODES,
+    HelpFormatter,
+    Parser,
+    _dataset_name,
+    _id,
+    _non_negative,
+    _path,
+    _port,
+    _positive,
+    _seconds,
+    _size,
+    _timeout,
+    _trace_capacity,
+    add_command,
+    node_items,
+)
 from dlfs.config import MountConfig, default_workers
 from dlfs.errors import (
     EXIT_CORRUPT,
@@ -27,7 +42,6 @@ from dlfs.errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PIPE_CLOSED,
-    EXIT_USAGE,
     DlfsError,
     FormatError,
     FormatVersionError,
@@ -36,21 +50,11 @@ from dlfs.errors import (
     UsageError,
 )
 from dlfs.runtime import mountpoint_path
-from dlfs.sizes import format_size, parse_size
+from dlfs.sizes import format_size
 from dlfs.store.directory import display_path
 from dlfs.store.format import DEFAULT_CHUNK_SIZE, MANIFEST_NAME
 from dlfs.store.populate import PopulateOptions
-from dlfs.store.store import Store, check_dataset_name
-
-MAX_CACHE_TIMEOUT = 10 * 365 * 86400  # --cache-timeout: ten years is "forever" enough
-EXIT_CODES = """exit codes:
-  0    success
-  1    error (missing or unreadable path, store problem, mount failed)
-  2    usage error (bad flag or value)
-  3    verify found corrupt data
-  130  interrupted
-  141  stopped: its output pipe was closed (e.g. `| head`)
-"""
+from dlfs.store.store import Store
 
 MAIN_EPILOG = """examples:
   dlfs populate /lustre/imagenet --store /lustre/dlfs-store --name imagenet --jobs 16
@@ -65,112 +69,6 @@ MAIN_EPILOG = """examples:
   dlfs status /mnt/dlfs --watch
 
 """ + EXIT_CODES
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors are one line too, with a pointer to --help."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"dlfs: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except DlfsError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t) -1, "no change" to chown
-
-
-def _id(text: str) -> int:
-    if not text.isdigit() or int(text) > MAX_ID:
-        raise argparse.ArgumentTypeError(f"must be a numeric id, 0 to {MAX_ID}, got {text!r}")
-    return int(text)
-
-
-def _non_negative(text: str) -> int:
-    value = int(text) if text.isdigit() else -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
-    return value
-
-
-def _timeout(text: str) -> float:
-    """Seconds the kernel may cache: FUSE carries them as whole seconds (u64) plus ns."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_CACHE_TIMEOUT:
-        raise argparse.ArgumentTypeError(
-            f"must be 0 to {MAX_CACHE_TIMEOUT:.0f} seconds, got {text!r}")
-    return value
-
-
-MIN_SECONDS, MAX_SECONDS = 0.001, 1e6  # beyond: a busy loop, or sleep/select overflow
-
-
-def _seconds(text: str) -> float:
-    """A wait, timeout or interval: positive and finite (0 would busy-loop or fail at
-    once, NaN compares false with everything)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not MIN_SECONDS <= value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(
-            f"must be {MIN_SECONDS:g} to {MAX_SECONDS:g} seconds, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {text!r}")
-    return value
-
-
-def _path(text: str) -> str:
-    """A path argument: an empty one (an unset variable in a script) would mean the
-    current directory, and `dlfs mount "$MNT"` would cover it without a word."""
-    if not text:
-        raise argparse.ArgumentTypeError("is empty: give a path (an unset variable?)")
-    return text
-
-
-def _dataset_name(text: str) -> str:
-    try:
-        return check_dataset_name(text)
-    except DlfsError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-MAX_TRACE_CAPACITY = 1 << 26  # records: ~3.3 GB of shared memory, allocated at mount
-
-
-def _trace_capacity(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if not 1 <= value <= MAX_TRACE_CAPACITY:
-        raise argparse.ArgumentTypeError(
-            f"must be 1 to {MAX_TRACE_CAPACITY} records (~50 bytes of memory each), "
-            f"got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 # -- subcommands ---------------------------------------------------------------
@@ -301,7 +199,7 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
     """The chunk-pool flags of `mount`, validated here so mistakes fail before any daemon starts."""
     from dlfs.cluster.nodes import resolve_cluster
 
-    nodes = _node_items(args)
+    nodes = node_items(args)
     wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit)
     if wants_pool and not args.cache_dir:
         raise UsageError("--nodes, --node, --secret-file and --cache-limit need --cache-dir "
@@ -423,18 +321,11 @@ def cmd_slurm_secret(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _node_items(args: argparse.Namespace) -> list[str]:
-    """The node list of --nodes and --nodes-file together."""
-    from dlfs.cluster.nodes import read_nodes_file
-
-    return list(args.nodes or ()) + (read_nodes_file(args.nodes_file) if args.nodes_file else [])
-
-
 def cmd_placement(args: argparse.Namespace) -> int:
     from dlfs.cluster.nodes import parse_nodes
     from dlfs.cluster.placement import owners, summary
 
-    items = _node_items(args)
+    items = node_items(args)
     nodes = parse_nodes(items) if items else []
     if not nodes:
         raise UsageError("give the job's nodes with --nodes or --nodes-file")
@@ -466,7 +357,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from dlfs.cli.doctor import doctor
 
-    return doctor(args.store, args.cache_dir, args.port, nodes=_node_items(args),
+    return doctor(args.store, args.cache_dir, args.port, nodes=node_items(args),
                   node=args.node, secret_file=args.secret_file)
 
 
@@ -523,23 +414,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------
-def _sub(subs, name: str, func: Callable, help_: str, epilog: str) -> argparse.ArgumentParser:
-    p = subs.add_parser(name, help=help_, description=help_, epilog=epilog + "\n" + EXIT_CODES,
-                        formatter_class=_Formatter)
-    p.set_defaults(func=func)
-    return p
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="dlfs", formatter_class=_Formatter, epilog=MAIN_EPILOG,
+    parser = Parser(
+        prog="dlfs", formatter_class=HelpFormatter, epilog=MAIN_EPILOG,
         description="DLFS packs datasets of many small samples into large chunk files and "
                     "serves them through a read-only FUSE mount.")
     parser.add_argument("--version", action="version", version=f"dlfs {__version__}")
     subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
-                                 parser_class=_Parser)
+                                 parser_class=Parser)
 
-    p = _sub(subs, "populate", cmd_populate, "pack a directory tree into a new dataset",
+    p = add_command(subs, "populate", cmd_populate, "pack a directory tree into a new dataset",
              "examples:\n  dlfs populate ./imagenet --store /lustre/store --name imagenet\n"
              "  dlfs populate ./bert --store /lustre/store --name bert --chunk-size 256M -j 32\n"
              "  mpirun -n 16 dlfs populate /lustre/imagenet --store /lustre/store --name imagenet\n"
@@ -561,28 +445,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share the work among MPI ranks (automatic under mpirun/srun with "
                         "more than one rank; needs mpi4py)")
 
-    p = _sub(subs, "ls", cmd_ls, "list the datasets of a store",
+    p = add_command(subs, "ls", cmd_ls, "list the datasets of a store",
              "example:\n  dlfs ls --store /lustre/store")
     p.add_argument("--store", type=_path, required=True)
 
-    p = _sub(subs, "info", cmd_info, "show one dataset's details",
+    p = add_command(subs, "info", cmd_info, "show one dataset's details",
              "example:\n  dlfs info --store /lustre/store imagenet")
     p.add_argument("--store", type=_path, required=True)
     p.add_argument("name")
 
-    p = _sub(subs, "verify", cmd_verify,
+    p = add_command(subs, "verify", cmd_verify,
              "re-read every chunk of a dataset, check every checksum, name corrupt files",
              "example:\n  dlfs verify --store /lustre/store imagenet")
     p.add_argument("--store", type=_path, required=True)
     p.add_argument("name")
     p.add_argument("-j", "--jobs", type=_positive, default=4, help="chunks checked in parallel")
 
-    p = _sub(subs, "rm", cmd_rm, "remove a dataset from a store",
+    p = add_command(subs, "rm", cmd_rm, "remove a dataset from a store",
              "example:\n  dlfs rm --store /lustre/store imagenet")
     p.add_argument("--store", type=_path, required=True)
     p.add_argument("name")
 
-    p = _sub(subs, "mount", cmd_mount,
+    p = add_command(subs, "mount", cmd_mount,
              "mount the datasets of a store read-only at MOUNTPOINT/<dataset>/",
              "examples:\n  dlfs mount /mnt/dlfs --store /lustre/store\n"
              "  dlfs mount /mnt/dlfs --store /lustre/store --dataset imagenet --dataset bert\n"
@@ -693,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --slurm/--mpi: address of each node, %%n = its host name "
                         "(default %%n; 127.0.0.1 for simulated nodes on one host)")
 
-    p = _sub(subs, "placement", cmd_placement,
+    p = add_command(subs, "placement", cmd_placement,
              "show how many chunks and bytes of a dataset each node of a job would own",
              "examples:\n  dlfs placement --store /lustre/store imagenet --nodes "
              "n1=10.0.0.1:7100,n2=10.0.0.2:7100\n"
@@ -705,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes-file", type=_path)
     p.add_argument("--replicas", type=_positive, default=1)
 
-    p = _sub(subs, "status", cmd_status,
+    p = add_command(subs, "status", cmd_status,
              "show a mount's staging progress and where its reads were served from",
              "examples:\n  dlfs status /mnt/dlfs\n  dlfs status /mnt/dlfs --watch\n"
              "  dlfs status /mnt/dlfs --json")
@@ -714,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes")
 
-    p = _sub(subs, "umount", cmd_umount,
+    p = add_command(subs, "umount", cmd_umount,
              "unmount and wait for the daemon to exit (also cleans a dead daemon's mount)",
              "examples:\n  dlfs umount /mnt/dlfs\n  dlfs umount --lazy /mnt/dlfs")
     p.add_argument("mountpoint", type=_path)
@@ -724,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds, default=30.0,
                    help="seconds to wait for the daemon to exit before killing it")
 
-    p = _sub(subs, "stats", cmd_stats,
+    p = add_command(subs, "stats", cmd_stats,
              "show the I/O counters of a mount (per dataset: opens, reads, bytes, random share, "
              "request size, sources, latency)",
              "examples:\n  dlfs stats /mnt/dlfs\n  dlfs stats /mnt/dlfs --watch\n"
@@ -736,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between refreshes with --watch (default 1)")
     p.add_argument("--json", action="store_true", help="print the raw stats.json")
 
-    p = _sub(subs, "trace", cmd_trace,
+    p = add_command(subs, "trace", cmd_trace,
              "record every operation on a mount (time, pid, uid, file, offset, size, latency, "
              "source)",
              "examples:\n  dlfs trace start /mnt/dlfs\n  python train.py\n"
@@ -750,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=_path, metavar="FILE",
                    help="with stop: the CSV file to write (default dlfs-trace-TIME.csv)")
 
-    p = _sub(subs, "report", cmd_report,
+    p = add_command(subs, "report", cmd_report,
              "plot a trace: spatial and temporal patterns, request sizes, sources, "
              "throughput, top files",
              "example:\n  dlfs report train-trace.csv -o train-report\n"
@@ -761,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the PNGs, index.html and summary.txt "
                         "(default dlfs-report)")
 
-    p = _sub(subs, "slurm-secret", cmd_slurm_secret,
+    p = add_command(subs, "slurm-secret", cmd_slurm_secret,
              "write a job's secret (HMAC of the site key and the job id) 0600 for its user",
              "example (in the prolog, as root):\n"
              "  dlfs slurm-secret --key-file /etc/dlfs/site.key --job-id $SLURM_JOB_ID \\\n"
@@ -776,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uid", type=_id, help="owner of the secret file (the job's user)")
     p.add_argument("--gid", type=_id, help="group of the secret file")
 
-    p = _sub(subs, "doctor", cmd_doctor,
+    p = add_command(subs, "doctor", cmd_doctor,
              "check that this node can mount DLFS: FUSE, dependencies, store, cache dir, port",
              "examples:\n  dlfs doctor\n"
              "  dlfs doctor --store /lustre/store --cache-dir /local/nvme/dlfs --port 7000\n"
@@ -795,7 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", type=_path,
                    help="also check a pool's secret file (mode 0600, long enough)")
 
-    p = _sub(subs, "demo", cmd_demo,
+    p = add_command(subs, "demo", cmd_demo,
              "generate a dataset, pack it, mount it, read it like a training epoch, unmount",
              "examples:\n  dlfs demo\n  dlfs demo --files 20000 --workers 4 --keep")
     p.add_argument("--files", type=_positive, default=4000, help="samples to generate (4000)")
