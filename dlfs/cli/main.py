@@ -1,8 +1,11 @@
-"""`dlfs`: the admin and user command line.
+"""`dlfs`: the admin and user command line: the top-level parser, and main().
 
-Every subcommand is `main(argv) -> int`: errors print one line
-(`dlfs: error: what, which path, what to do`) and exit non-zero; no
-tracebacks for anything a user can cause.
+The commands live in one module per family (store_cmds, mount_cmds, obs_cmds,
+setup_cmds), each owning its flags and handlers; this module only creates the
+parser, lets each family register its commands (FAMILIES), and runs the one
+that was asked for. Every handler is `cmd_<name>(args) -> exit code`; main()
+turns whatever a user can cause into one line (`dlfs: error: what, which path,
+what to do`) and a non-zero exit code, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,29 +16,12 @@ import os
 import select
 import signal
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
 from dlfs import __version__
-from dlfs.cli import mount_cmds, obs_cmds, store_cmds
-from dlfs.cli.common import (
-    EXIT_CODES,
-    HelpFormatter,
-    Parser,
-    _id,
-    _path,
-    _port,
-    _positive,
-    _size,
-    add_command,
-    node_items,
-)
-from dlfs.errors import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_PIPE_CLOSED,
-    DlfsError,
-    UsageError,
-)
+from dlfs.cli import mount_cmds, obs_cmds, setup_cmds, store_cmds
+from dlfs.cli.common import EXIT_CODES, HelpFormatter, Parser, Subparsers
+from dlfs.errors import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, DlfsError
 from dlfs.store.directory import display_path
 
 MAIN_EPILOG = """examples:
@@ -53,34 +39,19 @@ MAIN_EPILOG = """examples:
 """ + EXIT_CODES
 
 
-# -- subcommands ---------------------------------------------------------------
-def cmd_slurm_secret(args: argparse.Namespace) -> int:
-    from dlfs.cluster.slurm import derive_job_secret, read_site_key, write_secret_file
-
-    secret = derive_job_secret(read_site_key(args.key_file), str(args.job_id))
-    write_secret_file(args.out, secret, args.uid, args.gid)
-    return EXIT_OK
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from dlfs.cli.doctor import doctor
-
-    return doctor(args.store, args.cache_dir, args.port, nodes=node_items(args),
-                  node=args.node, secret_file=args.secret_file)
+# The command families, in the order `dlfs --help` lists their commands. A new
+# family is a module dlfs/cli/<family>_cmds.py whose register(subs) adds its
+# commands (common.add_command, common's argument types); add it here.
+FAMILIES: tuple[Callable[[Subparsers], None], ...] = (
+    store_cmds.register,  # populate ls info verify rm
+    mount_cmds.register,  # mount placement status umount
+    obs_cmds.register,  # stats trace report
+    setup_cmds.register,  # slurm-secret doctor demo
+)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from dlfs.cli.demo import run_demo
-
-    if args.mean_size < 1:
-        raise UsageError("--mean-size must be at least 1 byte")
-
-    return run_demo(args.files, args.mean_size, args.workers,
-                    Path(args.workdir) if args.workdir else None, args.keep)
-
-
-# -- parser --------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """The `dlfs` parser: the top level here, every command from its family."""
     parser = Parser(
         prog="dlfs", formatter_class=HelpFormatter, epilog=MAIN_EPILOG,
         description="DLFS packs datasets of many small samples into large chunk files and "
@@ -88,58 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dlfs {__version__}")
     subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                  parser_class=Parser)
-
-    store_cmds.register(subs)
-
-    mount_cmds.register(subs)
-
-    obs_cmds.register(subs)
-
-    p = add_command(subs, "slurm-secret", cmd_slurm_secret,
-             "write a job's secret (HMAC of the site key and the job id) 0600 for its user",
-             "example (in the prolog, as root):\n"
-             "  dlfs slurm-secret --key-file /etc/dlfs/site.key --job-id $SLURM_JOB_ID \\\n"
-             "      --out /run/dlfs-slurm/$SLURM_JOB_ID/secret --uid $SLURM_JOB_UID "
-             "--gid $SLURM_JOB_GID\n"
-             "\nEvery node of a job derives the same secret; no node needs to talk to another.")
-    p.add_argument("--key-file", type=_path, required=True,
-                   help="site key (root-only, mode 0600)")
-    p.add_argument("--job-id", required=True, type=_id, help="the Slurm job id")
-    p.add_argument("--out", type=_path, required=True,
-                   help="secret file to write (replaced atomically)")
-    p.add_argument("--uid", type=_id, help="owner of the secret file (the job's user)")
-    p.add_argument("--gid", type=_id, help="group of the secret file")
-
-    p = add_command(subs, "doctor", cmd_doctor,
-             "check that this node can mount DLFS: FUSE, dependencies, store, cache dir, port",
-             "examples:\n  dlfs doctor\n"
-             "  dlfs doctor --store /lustre/store --cache-dir /local/nvme/dlfs --port 7000\n"
-             "  dlfs doctor --nodes-file nodes.txt --secret-file job.secret\n"
-             "\nOne line per check (ok / warn / FAIL with what to do); exit code 1 if any "
-             "failed.")
-    p.add_argument("--store", type=_path, help="also check this store and every dataset's manifest")
-    p.add_argument("--cache-dir", type=_path,
-                   help="also check this cache dir is writable with free space")
-    p.add_argument("--port", type=_port, help="also check this peer port is free")
-    p.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
-                   help="also check a pool's node list (as for mount): this node is in it, "
-                        "its port is free")
-    p.add_argument("--nodes-file", type=_path, help="the node list from a file, as for mount")
-    p.add_argument("--node", help="this node's NAME in the list (default: the host name)")
-    p.add_argument("--secret-file", type=_path,
-                   help="also check a pool's secret file (mode 0600, long enough)")
-
-    p = add_command(subs, "demo", cmd_demo,
-             "generate a dataset, pack it, mount it, read it like a training epoch, unmount",
-             "examples:\n  dlfs demo\n  dlfs demo --files 20000 --workers 4 --keep")
-    p.add_argument("--files", type=_positive, default=4000, help="samples to generate (4000)")
-    p.add_argument("--mean-size", type=_size, default=110 * 1024,
-                   help="mean sample size (110K, like ImageNet JPEGs)")
-    p.add_argument("--workers", type=_positive, default=4, help="reader processes (4)")
-    p.add_argument("--workdir", type=_path,
-                   help="make the demo's directory (source, store, mountpoint) in here, and "
-                        "remove it at the end (default: /var/tmp)")
-    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    for register in FAMILIES:
+        register(subs)
     return parser
 
 
@@ -148,6 +69,8 @@ def _terminate(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `dlfs` entry point (pyproject.toml [project.scripts]): run one command and
+    return its exit code; the one place where errors become one line on stderr."""
     logging.basicConfig(level=logging.WARNING, format="dlfs: %(levelname)s: %(message)s")
     # Paths are printed as Python holds them: bytes that are not UTF-8 as lone
     # surrogates, which a strict UTF-8 stdout (any UTF-8 locale) refuses to print.
