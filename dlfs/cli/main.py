@@ -42,6 +42,7 @@ MAIN_EPILOG = """examples:
 # The command families, in the order `dlfs --help` lists their commands. A new
 # family is a module dlfs/cli/<family>_cmds.py whose register(subs) adds its
 # commands (common.add_command, common's argument types); add it here.
+# tests/test_layering.py puts it between common and this shell by itself.
 FAMILIES: tuple[Callable[[Subparsers], None], ...] = (
     store_cmds.register,  # populate ls info verify rm
     mount_cmds.register,  # mount placement status umount
