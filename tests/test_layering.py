@@ -31,7 +31,13 @@ LAYERS: list[tuple[str, list[str]]] = [
                               "dlfsd.lookahead", "dlfsd.ordersock"]),
     ("fuse adapters", ["dlfsd.fuse"]),
     ("daemon lifecycle", ["dlfsd.main", "dlfsd.commit", "dlfsd.__main__"]),
-    ("command line", ["dlfs.cli"]),
+    # The command line: shared helpers, then the command families (any other
+    # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
+    # the shell that registers them.
+    ("command line helpers", ["dlfs.cli.common", "dlfs.cli.mountctl", "dlfs.cli.doctor",
+                              "dlfs.cli.demo"]),
+    ("command families", ["dlfs.cli"]),
+    ("command line shell", ["dlfs.cli.main"]),
 ]
 # The launcher sits above the daemon it launches, but it starts it as a process
 # (dlfs.launch); the one import across is `mount --foreground` becoming the daemon.

@@ -239,7 +239,8 @@ def test_write_secret_file_mode_and_owner(tmp_path):
 def test_mount_slurm_expands_every_path_flag_its_help_names():
     """`dlfs mount --slurm`: %j/%n expand in each path flag the help lists, the summary
     file (written at unmount, e.g. for the epilogue to keep) included."""
-    from dlfs.cli.main import apply_slurm, build_parser
+    from dlfs.cli.main import build_parser
+    from dlfs.cli.mount_cmds import apply_slurm
 
     args = build_parser().parse_args([
         "mount", "/mnt/dlfs/%j", "--store", "/store", "--slurm",
