@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -105,3 +106,37 @@ def test_bad_announcements_get_one_line_and_the_mount_serves_on(mounted, la_stor
     with pytest.raises(OrderClientError, match="unknown registration 999"):
         client.announce(0, np.array([0]))
     assert open(paths[0], "rb").read()  # noqa: SIM115
+READER = """
+import os, sys, time
+import numpy as np
+from dlfs.orderclient import connect
+paths = sys.argv[1:]
+client = connect(paths)
+client.announce(0, np.arange(len(paths)))
+for p in paths[:5]:
+    open(p, "rb").read()
+print("announced", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_reader_leaves_its_stream_to_be_dropped(mounted, la_store):
+    mount = mounted(la_store, "--lookahead-stale", "1")
+    paths = mount_paths(mount)
+    reader = subprocess.Popen([sys.executable, "-c", READER, *paths], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert reader.stdout.readline().strip() == "announced"
+    finally:
+        reader.kill()
+        reader.wait()
+    client = connect(paths[:1])
+    assert wait_for(lambda: client.status()["streams"] == [], 30)
+    assert stats(mount)["lookahead"]["streams_dropped_stale"] == 1
+
+
+def test_lookahead_zero_leaves_no_order_socket(mounted, la_store):
+    mount = mounted(la_store, "--lookahead", "0")
+    with pytest.raises(OrderClientError, match="no DLFS daemon answers"):
+        connect(mount_paths(mount))
+    assert "lookahead" not in stats(mount)

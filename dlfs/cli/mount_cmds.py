@@ -130,6 +130,42 @@ def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
                         "(JSON) to PATH, e.g. for a Slurm epilogue to keep")
     p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
+    _add_lookahead_flags(p)
+
+
+def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
+    """The look-ahead's flags (docs/ORDER.md): what a sampler's announcement starts."""
+    g = p.add_argument_group(
+        "look-ahead",
+        "A sampler (dlfs.sampler.DLFSSampler) announces each epoch's order to the\n"
+        "daemon, which then reads the next samples ahead of the readers (from the\n"
+        "node's NVMe copy or the store) and stages owned chunks in first-use order.\n"
+        "Jobs that announce nothing read as before.")
+    g.add_argument("--lookahead", type=_lookahead, default=(MountConfig.lookahead_samples,
+                                                          MountConfig.lookahead_bytes),
+                   metavar="SAMPLES[:SIZE]",
+                   help="fetch at most SAMPLES samples and SIZE bytes ahead of the first "
+                        "sample not read yet (default 256:256M); 0 switches the look-ahead "
+                        "off (no order socket)")
+    g.add_argument("--lookahead-streams", type=_positive, default=MountConfig.lookahead_streams,
+                   help="samples fetched at once (default 8; with a parallel file system "
+                        "each is one read stream)")
+    g.add_argument("--lookahead-stale", type=_seconds, default=MountConfig.lookahead_stale,
+                   metavar="SECONDS",
+                   help="forget an announced epoch nothing was read from for this long "
+                        "(default 60: a killed job's announcement goes away)")
+
+
+def _lookahead(text: str) -> tuple[int, int]:
+    """SAMPLES[:SIZE] of --lookahead; 0 is off."""
+    samples, _, size = text.partition(":")
+    if not samples.isdigit():
+        raise argparse.ArgumentTypeError(f"must be SAMPLES or SAMPLES:SIZE, e.g. 256:512M, "
+                                         f"got {text!r}")
+    nbytes = _size(size) if size else MountConfig.lookahead_bytes
+    if int(samples) and not nbytes:
+        raise argparse.ArgumentTypeError(f"SIZE must be more than 0, got {text!r}")
+    return int(samples), nbytes
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -247,7 +283,10 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         stats=not args.no_stats, count_opens=args.count_opens, prefetch=args.prefetch,
         splice=not args.no_splice, store_bandwidth=args.store_bandwidth or 0,
-        trace_capacity=args.trace_capacity,
+        trace_capacity=args.trace_capacity, lookahead=bool(args.lookahead[0]),
+        lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
+        lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
+        lookahead_stale=args.lookahead_stale,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
 
