@@ -101,9 +101,7 @@ class DLFSSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Like DistributedSampler.set_epoch: the order is seeded by seed + epoch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be an integer >= 0, not {epoch!r}")
-        self.epoch = int(epoch)
+        self.epoch = _check_epoch(epoch)
 
     # -- plans ----------------------------------------------------------------------
 
@@ -112,7 +110,7 @@ class DLFSSampler:
 
         Row r is rank r's order; every rank computes the same array. Read-only.
         """
-        epoch = self.epoch if epoch is None else int(epoch)
+        epoch = self.epoch if epoch is None else _check_epoch(epoch)
         if epoch not in self._plans:
             if self.layout is not None:
                 plan = locality_plan(self.layout, self.world_size, self.seed, epoch,
@@ -362,6 +360,12 @@ def _check_options(n: int, mode: str, window: int, seed: int, batch_size: int) -
                              ("batch_size", batch_size, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, not {value!r}")
+
+
+def _check_epoch(epoch: object) -> int:
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0, not {epoch!r}")
+    return int(epoch)
 
 
 def _digest(loc: Locality) -> str:

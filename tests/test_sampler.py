@@ -611,6 +611,8 @@ def test_bad_rank_nodes_and_epochs_are_refused():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="epoch"):
             s.set_epoch(bad)
+        with pytest.raises(ValueError, match="epoch"):
+            s.order(bad)
 
 
 def test_rank_and_world_come_from_the_job_environment(monkeypatch):
