@@ -294,7 +294,8 @@ def dataset_paths(obj: Any) -> tuple[list[str] | None, int]:
     """(paths or None, sample count) of a list of paths or a dataset object.
 
     Datasets: torchvision's ImageFolder/DatasetFolder (`.samples` or `.imgs`:
-    (path, class) pairs), anything with `.files`, or any Sized (paths unknown).
+    (path, class) pairs), anything with `.files`, torch's Subset of one of those
+    (`.dataset` and `.indices`), or any Sized (paths unknown).
     """
     if isinstance(obj, (str, bytes, os.PathLike)):
         raise ValueError(f"pass a list of paths or a dataset, not one path ({obj!r})")
@@ -306,6 +307,10 @@ def dataset_paths(obj: Any) -> tuple[list[str] | None, int]:
             paths = [os.fsdecode(item if isinstance(item, (str, bytes, os.PathLike))
                                  else item[0]) for item in items]
             return paths, len(paths)
+    if hasattr(obj, "dataset") and hasattr(obj, "indices"):  # a train/validation split
+        inner, _ = dataset_paths(obj.dataset)
+        if inner is not None:
+            return [inner[i] for i in obj.indices], len(obj.indices)
     if hasattr(obj, "__len__"):
         return None, len(obj)
     raise ValueError(f"cannot sample {type(obj).__name__}: it has no length (pass a list of "

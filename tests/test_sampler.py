@@ -573,6 +573,16 @@ def test_dataset_objects_give_their_paths(tmp_path):
     assert dataset_paths(("x", "y")) == (["x", "y"], 2)
     assert dataset_paths(np.array(["x", "y"])) == (["x", "y"], 2)
     assert dataset_paths(range(5)) == (None, 5)
+
+    class Subset:  # torch.utils.data.Subset's shape
+        def __init__(self, dataset, indices):
+            self.dataset, self.indices = dataset, indices
+
+        def __len__(self):
+            return len(self.indices)
+
+    assert dataset_paths(Subset(Files(), [2, 0])) == (["c", str(tmp_path / "a")], 2)
+    assert dataset_paths(Subset(range(9), [3, 4, 5])) == (None, 3)
     with pytest.raises(ValueError, match="not one path"):
         dataset_paths("/mnt/dlfs/ds")
     with pytest.raises(ValueError, match="no length"):
