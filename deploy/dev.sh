@@ -5,6 +5,7 @@
 #                         read it like a shuffled training epoch, print throughput, unmount
 #   deploy/dev.sh test    install what is missing, lint, run the whole test suite
 #   deploy/dev.sh setup   only install (Debian packages, .venv, pip install -e .)
+#   DLFS_TORCH_TESTS=1 deploy/dev.sh test   also install torch==2.13.0 and run its tests
 #
 # Needs root or sudo for apt-get and for mounting FUSE (/dev/fuse).
 set -euo pipefail
@@ -46,6 +47,16 @@ install_python_packages() {
     fi
 }
 
+# torch is no dependency of DLFS (on PyPI its Linux wheel pulls ~3 GB of CUDA); the
+# sampler's real-torch tests skip without it, and DLFS_TORCH_TESTS=1 opts in.
+TORCH_VERSION=2.13.0
+install_torch() {
+    "$VENV/bin/python" -c "import importlib.metadata as m, sys
+sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION')" 2>/dev/null && return
+    echo "dev.sh: installing torch==$TORCH_VERSION into $VENV (DLFS_TORCH_TESTS=1)"
+    "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+}
+
 setup() {
     install_debian_packages
     install_python_packages
@@ -57,6 +68,7 @@ case "${1:-}" in
     test)
         setup; shift
         [ -e /dev/fuse ] || { echo "dev.sh: /dev/fuse is missing: FUSE tests cannot run" >&2; exit 1; }
+        if [ "${DLFS_TORCH_TESTS:-}" = 1 ]; then install_torch; fi
         "$VENV/bin/ruff" check .
         exec "$VENV/bin/python" -m pytest "$@" ;;
     *) sed -n '2,9p' "$0"; exit 2 ;;

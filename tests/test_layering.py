@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("store", ["dlfs.store", "dlfs.runtime"]),  # on-disk datasets; which mounts use them
     ("job", ["dlfs.config", "dlfs.cluster"]),  # a mount's settings, its nodes
     ("readers", ["dlfs.obs"]),  # renders what daemons report (the daemon reuses the renderers)
+    # epoch order for training jobs: the sampler, its plans, its client to the daemon
+    ("training order", ["dlfs.order", "dlfs.orderclient", "dlfs.sampler"]),
     ("daemon basics", ["dlfsd", "dlfsd.slots", "dlfsd.throttle", "dlfsd.nowait", "dlfsd.kernel"]),
     ("daemon observability", ["dlfsd.obs"]),
     ("chunk pool", ["dlfsd.pool"]),
