@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from dlfs.mountinfo import mountpoints_of_type
-from dlfs.orderwire import Locality, OrderWireError, recv_message, send_message, socket_name
+from dlfs.order.seam import Locality
+from dlfs.orderwire import OrderWireError, recv_message, send_message, socket_name
 
 CONNECT_TIMEOUT = 10.0
 #: Registering a million paths makes the daemon look each one up: give it time.

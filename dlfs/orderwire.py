@@ -29,23 +29,10 @@ import hashlib
 import json
 import os
 import socket
-from dataclasses import dataclass
-
-import numpy as np
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 4096
 MAX_BODY = 1 << 31  # 2 GiB of paths or order: far beyond any dataset of today
-
-
-@dataclass(frozen=True)
-class Locality:
-    """Where a sampler's samples live, as the node's daemon sees it (a register answer)."""
-
-    sample_chunk: np.ndarray  # int64 per sample: chunk key (index into chunk_node); -1: unknown
-    chunk_node: np.ndarray  # int32 per chunk key: the node readers use first; -1: none
-    node_count: int
-    node: int  # the node of the daemon that answered
 
 
 class OrderWireError(Exception):

@@ -152,10 +152,8 @@ class DLFSSampler:
         target = os.fspath(mount) if mount is not None else dlfs_mount_of(self.paths[0])
         if target is None:
             return None, f"{self.paths[0]} is not inside a DLFS mount"
-        try:
-            from dlfs.orderclient import connect
-        except ImportError:
-            return None, "this DLFS has no order client (dlfs.orderclient)"
+        from dlfs.orderclient import connect
+
         try:
             client = connect(self.paths, mount=target)
         except (OSError, RuntimeError, ValueError) as e:

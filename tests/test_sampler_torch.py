@@ -205,6 +205,7 @@ for epoch in range(2):
     epochs.append([item for batch in loader for item in batch])
 with open(out, "w") as f:
     json.dump({"rank": sampler.rank, "world": sampler.world_size, "epochs": epochs,
+               "mode": sampler.mode, "announced": sampler.client is not None,
                "plan": sampler.plan(1).tolist()}, f)
 dist.barrier()
 dist.destroy_process_group()
@@ -238,6 +239,11 @@ def test_three_ranks_with_dataloader_workers_read_a_mount_once_per_epoch(
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert [(r["rank"], r["world"]) for r in results] == [(r, world) for r in range(world)]
     assert all(r["plan"] == results[0]["plan"] for r in results)
+    # The real order client answered: locality mode held, every epoch was announced.
+    assert [(r["mode"], r["announced"]) for r in results] == [("locality", True)] * world
+    counters = json.loads(subprocess.run(["cat", os.fspath(m / ".dlfs/stats.json")],
+                                         capture_output=True, check=True).stdout)["lookahead"]
+    assert counters["announcements"] == world * 2
     for epoch in range(2):
         got = [item for r in results for item in r["epochs"][epoch]]
         assert [len(r["epochs"][epoch]) for r in results] == [21] * world
