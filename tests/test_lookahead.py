@@ -140,3 +140,16 @@ def test_lookahead_zero_leaves_no_order_socket(mounted, la_store):
     with pytest.raises(OrderClientError, match="no DLFS daemon answers"):
         connect(mount_paths(mount))
     assert "lookahead" not in stats(mount)
+
+
+def test_dlfs_stats_shows_the_lookahead(mounted, la_store):
+    mount = mounted(la_store)
+    paths = mount_paths(mount)
+    connect(paths).announce(0, np.arange(FILES))
+    for path in paths:
+        open(path, "rb").read()  # noqa: SIM115
+    out = subprocess.run([sys.executable, "-m", "dlfs.cli.main", "stats", str(mount.path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "look-ahead: 1 epochs announced" in out.stdout
+    assert f"missed {FILES - stats(mount)['mount']['lookahead']['hits']}" in out.stdout

@@ -118,7 +118,24 @@ def text_summary(snapshot: dict) -> list[str]:
             f"{format_size(r.bytes)} read, {r.random_pct:.1f}% random, median request "
             f"{r.median_request}, latency p50 {r.p50} p99 {r.p99}"
             + (f"; from {sources}" if sources else ""))
+    lookahead = lookahead_text(snapshot)
+    if lookahead:
+        lines.append(lookahead)
     return lines
+
+
+def lookahead_text(snapshot: dict) -> str:
+    """One line on the look-ahead (docs/ORDER.md), or "" if no epoch was announced."""
+    engine = snapshot.get("lookahead") or {}
+    if not engine.get("announcements"):
+        return ""
+    taken = snapshot["mount"].get("lookahead", {"hits": 0, "misses": 0})
+    reads = taken["hits"] + taken["misses"]
+    share = f" ({100.0 * taken['hits'] / reads:.0f}%)" if reads else ""
+    return (f"look-ahead: {engine['announcements']} epochs announced, "
+            f"{format_size(engine['bytes_prefetched'])} prefetched "
+            f"({engine['samples_prefetched']:,} samples); reads hit {taken['hits']:,}{share}, "
+            f"missed {taken['misses']:,}")
 
 
 def _opens_text(opens: int | None) -> str:
@@ -171,7 +188,10 @@ def show_stats(mountpoint: str, watch: bool = False, as_json: bool = False,
         if not snapshot.get("enabled", False):
             return f"{mountpoint}: I/O counters are off (mounted with --no-stats)"
         when = time.strftime("%H:%M:%S", time.localtime(snapshot["time_ns"] / 1e9))
-        return rich_table(snapshot, f"{mountpoint} at {when}")
+        table = rich_table(snapshot, f"{mountpoint} at {when}")
+        table.caption = lookahead_text(snapshot) or None
+        table.caption_justify = "left"
+        return table
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     if not watch:
