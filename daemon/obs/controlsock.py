@@ -30,10 +30,12 @@ import signal
 import socket
 import struct
 import time
+from collections.abc import Collection
 
 import numpy as np
 
 from dlfs.signals import stop_signals_blocked, unblock_stop_signals
+from dlfsd.lineage import die_with_parent, parent_alive
 from dlfsd.obs.observe import Observability
 from dlfsd.obs.stats import SOURCE_NAMES
 from dlfsd.obs.trace import OP_NAMES, TRACE_FORMAT_VERSION
@@ -54,8 +56,13 @@ class ControlServer:
         self.pid = 0
         self._inode = 0  # of the socket we bound: a later daemon's socket is not ours
 
-    def start(self) -> ControlServer:
-        """Bind now (ready before `dlfs mount` returns), answer in a forked process."""
+    def start(self, close_in_child: Collection[int] = ()) -> ControlServer:
+        """Bind now (ready before `dlfs mount` returns), answer in a forked process.
+
+        `close_in_child`: descriptors the control process must not keep, the mount's
+        /dev/fuse above all: it never serves FUSE, and while any process holds that
+        descriptor the kernel keeps the connection up, so a mount whose daemon was
+        killed would not end (readers would wait instead of getting ENOTCONN)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -69,10 +76,11 @@ class ControlServer:
             log.error("no trace control (cannot listen on %s: %s)", self.path,
                       err.strerror or err)
             return self
+        parent = os.getpid()
         with stop_signals_blocked():  # a SIGTERM before SIG_DFL is in must still end it
             pid = os.fork()
             if pid == 0:
-                _child(sock, self.observe)
+                _child(sock, self.observe, parent, close_in_child)
         sock.close()
         self.pid = pid
         return self
@@ -95,17 +103,24 @@ class ControlServer:
                 os.unlink(self.path)
 
 
-def _child(sock: socket.socket, observe: Observability) -> None:
-    """The control process: answer until SIGTERM from the main process. Ctrl-C and a
+def _child(sock: socket.socket, observe: Observability, parent: int,
+           close: Collection[int]) -> None:
+    """The control process: answer until SIGTERM from the main process, or until that
+    process dies (the kernel then sends the SIGTERM: dlfsd.lineage). Ctrl-C and a
     terminal's hangup reach the whole process group; the main process acts on them
     and stops this one."""
     code = 0
     try:
+        for fd in close:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        alive = die_with_parent(parent)
         unblock_stop_signals()  # forked with them blocked (see ControlServer.start)
-        _serve(sock, observe)
+        if alive:
+            _serve(sock, observe, parent)
     except BaseException:
         log.exception("trace control process failed")
         code = 1
@@ -114,15 +129,12 @@ def _child(sock: socket.socket, observe: Observability) -> None:
         os._exit(code)
 
 
-def _serve(sock: socket.socket, observe: Observability) -> None:
-    """Answer one connection at a time until SIGTERM, or until the main process is gone.
-
-    A killed main process sends no SIGTERM; the workers then end with the
-    session, and this process notices its new parent within a second.
-    """
-    parent = os.getppid()
+def _serve(sock: socket.socket, observe: Observability, parent: int) -> None:
+    """Answer one connection at a time until SIGTERM, or until the main process `parent`
+    is gone (its death signal ends us at once; looking for a new parent every second
+    is the second line of defence)."""
     sock.settimeout(1.0)
-    while os.getppid() == parent:
+    while parent_alive(parent):
         try:
             conn, _ = sock.accept()
         except TimeoutError:
