@@ -48,6 +48,7 @@ from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.ops import DlfsOperations
 from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 from dlfsd.kernel import kernel_release, kernel_skips_opens
+from dlfsd.lineage import die_with_parent, parent_alive
 from dlfsd.lookahead import LookAhead
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
@@ -503,7 +504,8 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
                                       daemon.pool)
         if daemon.order is not None and daemon.order.listen():  # after the workers fork
             release.callback(daemon.order.close)
-        control.start()  # `dlfs trace` (after the workers: it must not serve FUSE)
+        # `dlfs trace` (after the workers: it must not serve FUSE, nor hold /dev/fuse)
+        control.start(close_in_child=fuse_fds())
         services.listen()  # after the workers: they must not inherit the listener
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
                                   start_time(os.getpid())))
@@ -614,17 +616,26 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
                  "that tells newer ones to stop asking)", kernel_release(),
                  "OPENDIR" if no_open else "OPEN and OPENDIR")
     pids = []
+    parent = os.getpid()
     for _ in range(config.workers):
         with stop_signals_blocked():  # until the worker's own handlers are in (serve)
             pid = os.fork()
             if pid == 0:  # worker: serve until unmount or SIGTERM, then leave, no cleanup
                 code = 0
                 try:
-                    if pool is not None:
-                        pool.after_fork()
-                    code = WireWorker(namespace, fuse_fd, ops.uid, ops.gid,
-                                      config.cache_timeout, config.count_opens,
-                                      pipe_size).serve()
+                    # SIGTERM when the main process dies (SIGKILL, OOM): a worker must not
+                    # serve on unsupervised, holding the mount up (dlfsd.lineage).
+                    if die_with_parent(parent):
+                        if pool is not None:
+                            pool.after_fork()
+                        code = WireWorker(namespace, fuse_fd, ops.uid, ops.gid,
+                                          config.cache_timeout, config.count_opens,
+                                          pipe_size).serve()
+                    if not parent_alive(parent):
+                        log.error("worker %d stops: the main daemon process %d died (killed?); "
+                                  "the mount ends with its last worker (readers get "
+                                  "ENOTCONN until `dlfs umount %s`)", os.getpid(), parent,
+                                  config.mountpoint)
                 except BaseException:
                     log.exception("worker %d failed", os.getpid())
                     code = 1

@@ -59,6 +59,12 @@ class DaemonRecord:
         pid: after a SIGKILL the record stays, and the pid can be reused)."""
         return pid_alive(self.pid) and (not self.started or start_time(self.pid) == self.started)
 
+    def how_it_died(self) -> str:
+        """For `dlfs status` and `dlfs umount` of a daemon that is not alive but left its
+        record (so it had no chance to clean up): the likely causes and where to look."""
+        where = f"see its log {self.log_file}" if self.log_file else "it kept no log file"
+        return f"killed (SIGKILL, the OOM killer) or crashed without unmounting; {where}"
+
 
 def start_time(pid: int) -> int:
     """When process `pid` started (clock ticks since boot; /proc/PID/stat field 22), 0 if

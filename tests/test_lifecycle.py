@@ -745,22 +745,71 @@ def test_mount_over_stale_mount_works_without_attribute_cache(mounted, small_sto
     assert_read_back(m.path, "ds", small_source)
 
 
-def test_umount_after_main_daemon_killed_leaves_no_workers(dlfs_cli, mounted, small_store,
-                                                           kill_daemon, sysproc):
-    m = mounted(small_store, "--workers", "3")
-    workers = [pid for pid in m.pids if pid != m.pid]
-    assert len(workers) == 3 + 1  # --workers FUSE processes + the one answering `dlfs trace`
+_READ_ONE_FILE = """
+import errno, sys
+try:
+    with open(sys.argv[1], "rb") as f:
+        f.read()
+except OSError as err:
+    print(errno.errorcode.get(err.errno, err.errno))
+else:
+    print("read")
+"""
+
+
+def read_in_subprocess(path: Path, timeout: float = 60) -> str:
+    """Read a whole file in a child process: "read", or the errno name it failed with.
+    A read that hangs (a mount nobody answers) fails the test at `timeout` instead of
+    hanging it; FUSE waits are killable, so the child is reaped."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _READ_ONE_FILE, str(path)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a read of {path} hung for {timeout:.0f} s")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_a_killed_main_process_takes_its_workers_and_the_mount_down(
+        dlfs_cli, mounted, small_store, kill_daemon, sysproc, workers):
+    """SIGKILL (an OOM kill) of the main daemon process: before, its forked workers
+    served on with nobody supervising them (no resend for a worker that died, no status,
+    no stager) until someone ran `dlfs umount`. Now they and the control process die
+    with it (parent-death signal), the last /dev/fuse descriptor closes, the kernel
+    aborts the connection, and readers get ENOTCONN; `dlfs status` and `dlfs umount`
+    say the daemon died, and the umount cleans up after it."""
+    m = mounted(small_store, "--workers", workers)
+    children = [pid for pid in m.pids if pid != m.pid]
+    # --workers FUSE processes (none for 1: the main one serves) + the `dlfs trace` one
+    assert len(children) == (int(workers) if workers != "1" else 0) + 1
+    record = read_record(str(m.path))
+    assert record is not None and record.pid == m.pid
     kill_daemon([m.pid])
-    # The workers serve on; `dlfs status` says what to do (it used to say "mount it").
+    assert [pid for pid in children if not sysproc.wait_dead(pid, 10)] == [], \
+        "worker or control processes outlived the main daemon process"
+    # Never read before: no cached dentry or page can answer it without the daemon.
+    assert read_in_subprocess(m / "ds/d1/f011.bin") == "ENOTCONN"
+    assert sysproc.fstype_at(m.path) == "fuse.dlfs", "the dead mount stays until umount"
+
     status = dlfs_cli("status", m.path)
-    assert status.returncode == 1
-    assert "is gone, its mount is left" in status.stderr and "dlfs umount" in status.stderr
+    assert status.returncode == 1 and status.stdout == ""
+    assert f"the daemon of {m.path} (pid {m.pid}) is dead" in status.stderr, status.stderr
+    assert "dlfs umount" in status.stderr and str(m.log) in status.stderr, status.stderr
+
     result = dlfs_cli("umount", m.path)
     assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert len(said.strip().splitlines()) == 1, said
+    assert f"the daemon of {m.path} (pid {m.pid}) had died" in said, said
+    assert str(m.log) in said, said
     assert sysproc.fstype_at(m.path) is None
-    assert [pid for pid in workers if not sysproc.wait_dead(pid, 10)] == []
     key = str(m.path)
-    assert not control_socket_path(key).exists() and not status_path(key).exists()
+    assert not any(p.exists() for p in (record_path(key), control_socket_path(key),
+                                        status_path(key)))
+    # Once unmounted there is nothing to report: the usual line.
+    status = dlfs_cli("status", m.path)
+    assert status.returncode == 1 and "no DLFS daemon serves" in status.stderr, status.stderr
 
 
 def test_dead_worker_is_logged_and_the_others_keep_serving(mounted, small_store, small_source,

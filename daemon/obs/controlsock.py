@@ -31,10 +31,12 @@ import signal
 import socket
 import struct
 import time
+from collections.abc import Collection
 
 import numpy as np
 
 from dlfs.signals import stop_signals_blocked, unblock_stop_signals
+from dlfsd.lineage import die_with_parent, parent_alive
 from dlfsd.obs.observe import Observability
 from dlfsd.obs.stats import SOURCE_NAMES
 from dlfsd.obs.trace import OP_NAMES, TRACE_FORMAT_VERSION
@@ -59,9 +61,14 @@ class ControlServer:
         self.pid = 0
         self._inode = 0  # of the socket we bound: a later daemon's socket is not ours
 
-    def start(self) -> ControlServer:
+    def start(self, close_in_child: Collection[int] = ()) -> ControlServer:
         """Bind now (ready before `dlfs mount` returns), answer in a forked process.
-        Services whose socket could not be bound are left out."""
+        Services whose socket could not be bound are left out.
+
+        `close_in_child`: descriptors the control process must not keep, the mount's
+        /dev/fuse above all: it never serves FUSE, and while any process holds that
+        descriptor the kernel keeps the connection up, so a mount whose daemon was
+        killed would not end (readers would wait instead of getting ENOTCONN)."""
         self.services = [s for s in self.services if s.sock is not None]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -76,10 +83,11 @@ class ControlServer:
             log.error("no trace control (cannot listen on %s: %s)", self.path,
                       err.strerror or err)
             return self
+        parent = os.getpid()
         with stop_signals_blocked():  # a SIGTERM before SIG_DFL is in must still end it
             pid = os.fork()
             if pid == 0:
-                _child(sock, self.observe, self.services)
+                _child(sock, self.observe, parent, close_in_child, self.services)
         sock.close()
         for service in self.services:
             service.close()  # the control process answers it
@@ -104,19 +112,26 @@ class ControlServer:
                 os.unlink(self.path)
 
 
-def _child(sock: socket.socket, observe: Observability, services: list) -> None:
-    """The control process: answer until SIGTERM from the main process. Ctrl-C and a
+def _child(sock: socket.socket, observe: Observability, parent: int,
+           close: Collection[int], services: list) -> None:
+    """The control process: answer until SIGTERM from the main process, or until that
+    process dies (the kernel then sends the SIGTERM: dlfsd.lineage). Ctrl-C and a
     terminal's hangup reach the whole process group; the main process acts on them
     and stops this one."""
     code = 0
     try:
+        for fd in close:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        alive = die_with_parent(parent)
         unblock_stop_signals()  # forked with them blocked (see ControlServer.start)
-        for service in services:
-            service.start()
-        _serve(sock, observe, services)
+        if alive:
+            for service in services:
+                service.start()
+            _serve(sock, observe, parent, services)
     except BaseException:
         log.exception("trace control process failed")
         code = 1
@@ -125,13 +140,10 @@ def _child(sock: socket.socket, observe: Observability, services: list) -> None:
         os._exit(code)
 
 
-def _serve(sock: socket.socket, observe: Observability, services: list) -> None:
-    """Answer one connection at a time until SIGTERM, or until the main process is gone.
-
-    A killed main process sends no SIGTERM; the workers then end with the
-    session, and this process notices its new parent within a second.
-    """
-    parent = os.getppid()
+def _serve(sock: socket.socket, observe: Observability, parent: int, services: list) -> None:
+    """Answer one connection at a time until SIGTERM, or until the main process `parent`
+    is gone (its death signal ends us at once; looking for a new parent every second
+    is the second line of defence)."""
     handlers = {sock.fileno(): (sock, lambda conn: _handle(conn, observe))}
     for service in services:
         handlers[service.sock.fileno()] = (service.sock, service.handle)
@@ -139,7 +151,7 @@ def _serve(sock: socket.socket, observe: Observability, services: list) -> None:
         with selectors.DefaultSelector() as selector:
             for fd in handlers:
                 selector.register(fd, selectors.EVENT_READ)
-            while os.getppid() == parent:
+            while parent_alive(parent):
                 for key, _ in selector.select(1.0):
                     listener, handle = handlers[key.fd]
                     _answer_one(listener, handle)

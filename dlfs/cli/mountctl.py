@@ -278,7 +278,12 @@ def _wait_until_answering(mountpoint: str, proc: subprocess.Popen, timeout: floa
 
 
 def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
-    """Unmount and wait for the daemon to exit; also clears a dead daemon's mount."""
+    """Unmount and wait for the daemon to exit; also clears a dead daemon's mount.
+
+    A daemon that died without unmounting (its record outlived it) is reported in
+    one warning line, with where its log is: the user asked to unmount a live
+    mount, and must learn that it had been dead (answering ENOTCONN) instead.
+    """
     path = mountpoint_path(mountpoint)
     fstype = mounted_fstype(path)
     record = read_record(path)
@@ -288,20 +293,26 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
         raise NotMountedError(f"not mounted: {path}")
     if fstype != FSTYPE:
         raise DlfsError(f"not a DLFS mount: {path} is {fstype}")
+    dead = record is not None and not record.alive()  # not a reused pid of a SIGKILLed one
     result = _fusermount(path, lazy)
-    if result.returncode == 0 and lazy:
+    if result.returncode != 0:
+        message = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        died = (f"; its daemon (pid {record.pid}) had died: {record.how_it_died()}"
+                if dead else "")
+        if "busy" in message.lower():
+            raise DlfsError(f"mount is busy: {path} (close files and shells using it, "
+                            f"or run `dlfs umount --lazy`){died}")
+        raise DlfsError(f"cannot unmount {path}: {message}{died}")
+    if dead:
+        log.warning("the daemon of %s (pid %d) had died: %s; unmounted the dead mount it "
+                    "left", path, record.pid, record.how_it_died())
+    if lazy and not dead:
         # Detached: the daemon keeps serving files that are still open and
         # exits by itself when the last one is closed.
         return 0
-    if result.returncode != 0:
-        message = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
-        if "busy" in message.lower():
-            raise DlfsError(f"mount is busy: {path} (close files and shells using it, "
-                            "or run `dlfs umount --lazy`)")
-        raise DlfsError(f"cannot unmount {path}: {message}")
-    if record is not None and record.alive():  # not a reused pid of a SIGKILLed one
+    if not dead and record is not None:
         _wait_for_exit(record.pid, timeout)
-    else:  # its main process was killed: orphaned workers exit once they see the unmount
+    else:  # its main process was killed: its workers die with it (and see the unmount)
         _wait_until_unserved(path, 5.0)
     remove_stale_files(path)  # a killed daemon's (a live one removes its own)
     remove_record(path)

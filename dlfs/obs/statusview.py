@@ -22,7 +22,6 @@ from dlfs.errors import EXIT_OK, NotFoundError
 from dlfs.mountinfo import find_mount
 from dlfs.runtime import (
     mountpoint_path,
-    pid_alive,
     read_record,
     serving_daemon,
     status_path,
@@ -31,20 +30,28 @@ from dlfs.sizes import format_size
 
 
 def read_status(mountpoint: str) -> dict:
-    """The daemon's latest status; NotFoundError if no live daemon serves MOUNTPOINT."""
+    """The daemon's latest status; NotFoundError if no live daemon serves MOUNTPOINT.
+
+    A daemon killed without its cleanup (SIGKILL, the OOM killer) leaves its record
+    and its last status file behind: those numbers are stale, so a dead daemon (its
+    pid gone, or reused by another process) is said to be dead, never shown.
+    """
     path = mountpoint_path(mountpoint)
     record = read_record(path)
-    if record is None or not pid_alive(record.pid):
+    if record is None or not record.alive():
         entry = find_mount(path)
         serving = serving_daemon(path) if record is None else None
         if serving is not None:  # no record of ours, yet a daemon serves it: not ours
             raise NotFoundError(f"{path} is served by daemon {serving} of uid {_owner(serving)}, "
                                 "whose status is not yours to read (e.g. root's Slurm prolog "
                                 "mounted it); its owner can run `dlfs status`")
+        if record is not None and entry is not None and entry.fstype == "fuse.dlfs":
+            raise NotFoundError(f"the daemon of {path} (pid {record.pid}) is dead: "
+                                f"{record.how_it_died()}; its mount answers ENOTCONN: run "
+                                f"`dlfs umount {path}`, then mount again")
         if entry is not None and entry.fstype == "fuse.dlfs":
-            raise NotFoundError(f"the daemon of {path} is gone, its mount is left (its "
-                                f"worker processes may still serve it); run `dlfs umount "
-                                f"{path}`, then mount again")
+            raise NotFoundError(f"the daemon of {path} is gone, its mount is left; run "
+                                f"`dlfs umount {path}`, then mount again")
         raise NotFoundError(f"no DLFS daemon serves {path} (mount it with `dlfs mount`)")
     try:
         return json.loads(status_path(path).read_text())
