@@ -370,6 +370,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.mount)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """pytest-trio (0.8) re-raises a skip from inside a trio test without its reason
+    (`pytest.skip()` in its exception-group handling), so `-rs` said only "Skipped":
+    raise the test's own skip instead, reason and place, so that a test skipped where
+    this machine lacks a feature (tests/pagecache.py) says which."""
+    try:
+        return (yield)
+    except pytest.skip.Exception as skipped:
+        group = skipped.__context__  # the exception group it was raised handling
+        if skipped.msg or not hasattr(group, "exceptions"):
+            raise
+        leaves, queue = [], [group]
+        while queue:
+            ex = queue.pop()
+            if hasattr(ex, "exceptions"):  # a (Base)ExceptionGroup (Python < 3.11 too)
+                queue.extend(ex.exceptions)
+            else:
+                leaves.append(ex)
+        if len(leaves) == 1 and isinstance(leaves[0], pytest.skip.Exception):
+            raise leaves[0] from None
+        raise
+
+
 @pytest.fixture(scope="session")
 def dlfs_cli():
     return run_dlfs
