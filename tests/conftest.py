@@ -22,6 +22,9 @@ Fixtures for other test modules:
 - `daemon_guard`: after the test, fails if a `dlfsd` started for a mountpoint of this
   session is still running (and kills it).
 
+Feature probes of the file system under a test (splice, page-cache residency,
+cachestat) live in tests/pagecache.py.
+
 Real mounts need /dev/fuse and fusermount3: without them the mount tests skip,
 except in CI (CI=true), where they fail.
 """
