@@ -253,14 +253,12 @@ def missing_feature(directory: Path, feature: str) -> str | None:
     once per file system, with a small file of its own in `directory`)."""
     key = (os.stat(directory).st_dev, feature)
     if key not in _probed:
-        probe = _PROBES[feature]
         with tempfile.TemporaryDirectory(dir=directory, prefix=".probe-") as where:
             path = Path(where) / "probe"
             path.write_bytes(os.urandom(64 * PAGE))
-            why = probe(path)
-        _probed[key] = (f"{fs_type(directory)} at {directory} lacks {FEATURES[feature]}: {why}"
-                        if why else None)
-    return _probed[key]
+            _probed[key] = _PROBES[feature](path)
+    why = _probed[key]
+    return f"{fs_type(directory)} at {directory} lacks {FEATURES[feature]}: {why}" if why else None
 
 
 def _probe_residency(path: Path) -> str | None:
