@@ -21,6 +21,12 @@ Fixtures for other test modules:
   daemon_pids_for, dlfsd_processes, dlfs_argv).
 - `daemon_guard`: after the test, fails if a `dlfsd` started for a mountpoint of this
   session is still running (and kills it).
+- `tmpfs_at(path, options)`, `overlayfs_at(base)` (context managers): a tmpfs, an
+  overlay file system (a container's /tmp) for the block, unmounted even when the
+  test fails; they skip where they cannot be mounted.
+
+Feature probes of the file system under a test (splice, page-cache residency,
+cachestat) live in tests/pagecache.py.
 
 Real mounts need /dev/fuse and fusermount3: without them the mount tests skip,
 except in CI (CI=true), where they fail.
@@ -251,6 +257,57 @@ def tmpfs_at(path: Path, options: str):
         subprocess.run(["umount", str(path)], capture_output=True)
 
 
+@contextlib.contextmanager
+def overlayfs_at(base: Path, prepare_lower=None):
+    """An overlay file system (what a container's root and /tmp are) mounted at
+    base/merged for the block, its layers in base/{lower,upper,work}; yields the merged
+    directory. `prepare_lower(lower)` may fill the lower (image) layer first. Unmounted
+    after the block even if the test fails, with any FUSE mount left inside it first.
+    Where base is itself on an overlay (the suite run with TMPDIR there), which cannot
+    hold an upper layer, the layers go on a tmpfs mounted for the block. Skips the
+    test, saying why, where overlayfs cannot be mounted (not root, no module)."""
+    with contextlib.ExitStack() as stack:
+        if fstype_at_or_above(base) == "overlay":
+            base = stack.enter_context(tmpfs_at(base / "layers", "size=1g"))
+        layers = [base / name for name in ("lower", "upper", "work", "merged")]
+        for layer in layers:
+            layer.mkdir(parents=True, exist_ok=True)
+        lower, upper, work, merged = layers
+        if prepare_lower is not None:
+            prepare_lower(lower)
+        try:
+            made = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                                   f"lowerdir={lower},upperdir={upper},workdir={work}",
+                                   str(merged)], capture_output=True, text=True)
+        except OSError as err:  # no mount(8)
+            pytest.skip(f"cannot mount an overlay file system here: {err}")
+        if made.returncode != 0:
+            pytest.skip(f"cannot mount an overlay file system here: "
+                        f"{made.stderr.strip() or made.returncode}")
+        stack.callback(_unmount_overlay, merged)
+        yield merged
+
+
+def fstype_at_or_above(path: Path) -> str | None:
+    """The type of the file system `path` is on (its mount, or the nearest above)."""
+    found = mounts_by_path()
+    path = Path(os.path.realpath(path))
+    for candidate in (path, *path.parents):
+        if str(candidate) in found:
+            return found[str(candidate)]
+    return None
+
+
+def _unmount_overlay(merged: Path) -> None:
+    """Teardown: FUSE mounts left inside first (a failed test's), then the overlay;
+    lazily if something still holds it. Never raises."""
+    inside = [mp for mp in mounts_by_path() if mp.startswith(str(merged) + "/")]
+    for mp in sorted(inside, reverse=True):
+        force_unmount(Path(mp))
+    if subprocess.run(["umount", str(merged)], capture_output=True).returncode != 0:
+        _run_quietly(["umount", "-l", str(merged)], 30)
+
+
 def force_unmount(mountpoint: Path) -> list[str]:
     """Unmount however possible and kill its daemon; returns what had to be forced.
 
@@ -368,6 +425,30 @@ def pytest_collection_modifyitems(config, items):
         if (MOUNT_FIXTURES.intersection(getattr(item, "fixturenames", ()))
                 or item.module.__name__ in MOUNT_MODULES):
             item.add_marker(pytest.mark.mount)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """pytest-trio (0.8) re-raises a skip from inside a trio test without its reason
+    (`pytest.skip()` in its exception-group handling), so `-rs` said only "Skipped":
+    raise the test's own skip instead, reason and place, so that a test skipped where
+    this machine lacks a feature (tests/pagecache.py) says which."""
+    try:
+        return (yield)
+    except pytest.skip.Exception as skipped:
+        group = skipped.__context__  # the exception group it was raised handling
+        if skipped.msg or not hasattr(group, "exceptions"):
+            raise
+        leaves, queue = [], [group]
+        while queue:
+            ex = queue.pop()
+            if hasattr(ex, "exceptions"):  # a (Base)ExceptionGroup (Python < 3.11 too)
+                queue.extend(ex.exceptions)
+            else:
+                leaves.append(ex)
+        if len(leaves) == 1 and isinstance(leaves[0], pytest.skip.Exception):
+            raise leaves[0] from None
+        raise
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pagecache import missing_pages
+from pagecache import drop_pages, missing_pages, require
 
 from dlfsd.pool import protocol
 from dlfsd.pool.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
@@ -144,19 +145,15 @@ def test_blocking_client_reads_exact_ranges_and_errors_keep_the_connection(serve
 
 
 def evict_from_page_cache(path) -> None:
-    """Drop a file's pages (clean: written and synced), or skip where that is impossible.
+    """Drop a file's pages, or skip where the file system cannot (tests/pagecache.py).
 
-    Residency is asked of the kernel with mincore (tests/pagecache.py), not with a
-    RWF_NOWAIT read: overlayfs (a container's /tmp) refuses RWF_NOWAIT with
-    EOPNOTSUPP, and a NOWAIT miss would start read-ahead of the very pages."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if not missing_pages(path, HEADER + (2 << 20), HEADER + (2 << 20) + 4096):
-        pytest.skip("this file system keeps the pages; cannot test reads that wait for the disk")
+    Residency is asked of the kernel with mincore, not with a RWF_NOWAIT read:
+    overlayfs (a container's /tmp) refuses RWF_NOWAIT with EOPNOTSUPP, and a NOWAIT
+    miss would start read-ahead of the very pages."""
+    require(Path(path).parent, "page residency")
+    drop_pages([Path(path)])
+    assert missing_pages(path, HEADER + (2 << 20), HEADER + (2 << 20) + 4096), \
+        "a page of the chunk stayed cached after it was dropped"
 
 
 def test_uncached_bytes_are_read_by_a_disk_thread_and_replies_keep_their_order(server):

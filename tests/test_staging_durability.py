@@ -24,11 +24,13 @@ import ctypes
 import logging
 import os
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
 from conftest import chunked_dataset, tmpfs_at, until
+from pagecache import cachestat, require
 
 from dlfsd.pool import stager as stager_module
 from dlfsd.pool.chunkcache import ChunkCache
@@ -37,28 +39,16 @@ from dlfsd.pool.stager import DemandChannel, Stager
 FIRST, CAP = 0.05, 0.2  # the stager's retry delays in these tests (seconds)
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_SYS_CACHESTAT = 451  # same number on every architecture (Linux >= 6.5)
 _IN_OPEN, _IN_CLOSE_NOWRITE = 0x20, 0x10
 _IN_NONBLOCK = os.O_NONBLOCK
 
 
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in
-                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
-
-
 def unwritten_pages(path) -> int:
     """Pages of `path` the kernel has not written to the disk yet (dirty or in flight)."""
+    require(Path(path).parent, "cachestat")
     fd = os.open(path, os.O_RDONLY)
     try:
-        whole, stat = _CachestatRange(0, 0), _Cachestat()
-        if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(whole), ctypes.byref(stat), 0):
-            err = ctypes.get_errno()
-            pytest.skip(f"cachestat is not available here: {os.strerror(err)}")
+        stat = cachestat(fd)
         return stat.nr_dirty + stat.nr_writeback
     finally:
         os.close(fd)
