@@ -30,13 +30,16 @@ pytestmark = pytest.mark.usefixtures("daemon_guard")
 
 
 # -- fixtures and helpers -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool_source(tmp_path_factory) -> Path:
+def pool_source_tree(root: Path) -> Path:
     """~600 small samples plus a few files that span several extents and chunks."""
-    root = tmp_path_factory.mktemp("pool") / "src"
     generate_tree(root / "train", 600, 20 * 1024, files_per_dir=200, seed=7)
     generate_large_files(root / "big", 3, 900 * 1024, seed=8)
     return root
+
+
+@pytest.fixture(scope="module")
+def pool_source(tmp_path_factory) -> Path:
+    return pool_source_tree(tmp_path_factory.mktemp("pool") / "src")
 
 
 @pytest.fixture(scope="module")
