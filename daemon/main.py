@@ -122,8 +122,9 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
         raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
     pool = ChunkPool(view, datasets, cache_root, config.peer_timeout)
     adopted = pool.scan_caches(config.cache_limit)
-    log.info("chunk pool: node %s of %d, %d replicas, cache %s (%d staged chunks reused)",
-             view.me.name, len(view.nodes), view.replicas, cache_root, adopted)
+    log.info("chunk pool: node %s of %d, %d replicas, peer port %s:%d, cache %s (%d staged "
+             "chunks reused)", view.me.name, len(view.nodes), view.replicas, view.me.host,
+             view.me.port, cache_root, adopted)
     dirs, nbytes = pool.foreign_copies()
     if dirs:
         log.warning("cache dir %s also holds %s in %d dataset directories this mount does "

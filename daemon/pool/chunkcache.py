@@ -110,7 +110,8 @@ class ChunkCache:
         adopted = 0
         for entry in os.scandir(self.dir):
             if entry.name.startswith(TEMP_PREFIX):
-                _remove(entry.path)
+                if not _writer_alive(entry.name):  # another daemon's copy in progress stays
+                    _remove(entry.path)
                 continue
             chunk = _chunk_index(entry.name)
             if chunk is None or chunk >= self.dataset.chunk_count:
@@ -189,6 +190,22 @@ def _chunk_index(filename: str) -> int | None:
     if ext != "chunk" or not stem.isdigit():
         return None
     return int(stem)
+
+
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process named in a temporary copy's name (see temp_path) still runs: a
+    cache dir outlives jobs and is shared by the node's daemons, and a copy another
+    daemon is writing right now must not be removed under it."""
+    pid = temp_name.rsplit(".", 1)[-1]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove(path: str) -> None:

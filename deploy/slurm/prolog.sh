@@ -42,7 +42,8 @@ replicas=${DLFS_REPLICAS:-1}
 out=$("$DLFS_BIN" mount "$MOUNT" --slurm --store "$DLFS_STORE" \
       --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
       --cache-dir "$CACHE" --secret-file "$RUN_DIR/secret" --replicas "$replicas" \
-      --port-base "$DLFS_PORT_BASE" --node-host "$DLFS_NODE_HOST" \
+      --port-base "$DLFS_PORT_BASE" --port-span "${DLFS_PORT_SPAN:-1}" \
+      --node-host "$DLFS_NODE_HOST" \
       --log-file "$LOG" --summary-file "${LOG%.log}.summary.json" \
       --timeout "$DLFS_MOUNT_TIMEOUT" $DLFS_MOUNT_ARGS \
       </dev/null 2>&1) || fail "mount failed: $(printf '%s' "$out" | tail -n 1)"

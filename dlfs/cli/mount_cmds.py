@@ -207,7 +207,13 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
                         "a host) in paths; all mounts come up or none")
     g.add_argument("--port-base", type=_port, default=7000,
-                   help="with --slurm/--mpi: node i listens on PORT_BASE + i (default 7000)")
+                   help="with --slurm/--mpi: the first peer port (default 7000); with "
+                        "--mpi node i listens on PORT_BASE + i")
+    g.add_argument("--port-span", type=_positive, default=1, metavar="N",
+                   help="with --slurm: N ports from PORT_BASE are DLFS's, and each job "
+                        "takes its own by job id (job id mod N), so several jobs can "
+                        "share a node (default 1: every job on PORT_BASE; the shipped "
+                        "dlfs.conf sets 10000; deploy/slurm/README.md)")
     g.add_argument("--node-host", default="%n", metavar="PATTERN",
                    help="with --slurm/--mpi: address of each node, %%n = its host name "
                         "(default %%n; 127.0.0.1 for simulated nodes on one host)")
@@ -245,7 +251,7 @@ def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
         if value:
             setattr(args, flag, expand_pattern(value, job.job_id, job.node))
     if args.cache_dir:
-        peers = peer_nodes(job, args.port_base, args.node_host)
+        peers = peer_nodes(job, args.port_base, args.node_host, args.port_span)
         args.nodes = [",".join(peer.spec() for peer in peers)]
         args.node = job.node
 
