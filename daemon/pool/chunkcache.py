@@ -31,6 +31,7 @@ import numpy as np
 
 from dlfs.errors import FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, chunk_filename
+from dlfs.store.nodecache import mark_in_use, touch_last_used
 from dlfs.store.store import Dataset, fsync_path
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class ChunkCache:
     def __init__(self, cache_root: Path, dataset: Dataset) -> None:
         self.dataset = dataset
         self.dir = Path(cache_root) / dataset.uuid.hex()
+        self._in_use_fd = -1  # the shared `.in-use` lock (dlfs.store.nodecache)
         self.lengths = dataset.chunk_lengths
         count = dataset.chunk_count
         self._state = mmap.mmap(-1, max(1, count))  # shared with forked workers
@@ -107,6 +109,8 @@ class ChunkCache:
         # mount itself may be for one user only, --uid); the daemon alone reads them.
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
+        if self._in_use_fd < 0:  # held while the mount lives: `dlfs cache prune` skips us
+            self._in_use_fd = mark_in_use(self.dir)
         adopted = 0
         for entry in os.scandir(self.dir):
             if entry.name.startswith(TEMP_PREFIX):
@@ -173,6 +177,10 @@ class ChunkCache:
             return fd
 
     def close(self) -> None:
+        if self._in_use_fd >= 0:
+            touch_last_used(self.dir)
+            os.close(self._in_use_fd)
+            self._in_use_fd = -1
         for i, fd in enumerate(self._fds):
             if fd >= 0:
                 os.close(fd)

@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
 from dlfs.cluster.nodes import ClusterView
 from dlfs.cluster.placement import owners
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+from dlfs.store.nodecache import is_dataset_dir
 from dlfs.store.store import Dataset
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
@@ -40,9 +40,6 @@ log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
 BAD_COPY_SECONDS = 60.0
-
-
-_UUID_DIR = re.compile(r"[0-9a-f]{32}")  # a dataset's directory in a cache dir
 
 
 class ChunkPool:
@@ -101,8 +98,7 @@ class ChunkPool:
         except OSError:
             return 0, 0
         for entry in entries:
-            if entry.name in ours or not _UUID_DIR.fullmatch(entry.name) \
-                    or not entry.is_dir(follow_symlinks=False):
+            if entry.name in ours or not is_dataset_dir(entry):
                 continue
             dirs += 1
             with contextlib.suppress(OSError), os.scandir(entry.path) as files:
