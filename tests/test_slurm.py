@@ -376,3 +376,25 @@ def test_two_jobs_at_once_on_the_same_nodes_each_read_their_whole_dataset(site):
         shutil.rmtree(cache, ignore_errors=True)
         for flag in (site.base / "out").glob("up-*"):
             flag.unlink()
+
+
+def test_srun_warmup_then_a_job_reads_nothing_from_the_store(site):
+    cache = _node_cache_conf(site)
+    try:
+        warm = site.cluster.sbatch(
+            "-N3", f"--output={site.out('%j.out')}", "--wrap",
+            f"srun {DLFS[0]} warmup --slurm --store {site.store} --cache-dir {cache}/%n")
+        assert site.cluster.wait_finished(warm) == "COMPLETED", \
+            site.out(f"{warm}.out").read_text()
+        out = site.out(f"{warm}.out").read_text()
+        assert out.count("0 were staged already") == 3, out
+        job = site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
+                                  str(_read_script(site, "after-warmup.sh")))
+        assert site.cluster.wait_finished(job) == "COMPLETED", site.out(f"{job}.out").read_text()
+        expected = _source_sums(site.source)
+        for node in SIM_NODES:
+            assert site.out(f"{job}-{node}.sums").read_text() == expected, node
+            assert _store_bytes(site, job, node) == 0, site.log(job, node).read_text()
+    finally:
+        site.conf()
+        shutil.rmtree(cache, ignore_errors=True)
