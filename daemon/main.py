@@ -42,6 +42,8 @@ from dlfs.runtime import (
 )
 from dlfs.signals import STOP_SIGNALS, stop_signals_blocked
 from dlfs.sizes import format_size
+from dlfs.store import nodecache
+from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
 from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.fuse import fusewire as fw
@@ -121,7 +123,8 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
     except OSError as err:
         raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
     pool = ChunkPool(view, datasets, cache_root, config.peer_timeout)
-    adopted = pool.scan_caches(config.cache_limit)
+    pool.cache_limit = limit_for_node(config, pool)
+    adopted = pool.scan_caches(pool.cache_limit)
     log.info("chunk pool: node %s of %d, %d replicas, peer port %s:%d, cache %s (%d staged "
              "chunks reused)", view.me.name, len(view.nodes), view.replicas, view.me.host,
              view.me.port, cache_root, adopted)
@@ -132,6 +135,35 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
                     "count against no --cache-limit: delete those no mount uses", cache_root,
                     format_size(nbytes), dirs)
     return pool
+
+
+def limit_for_node(config: MountConfig, pool) -> int:
+    """This mount's --cache-limit under the node-wide --node-cache-limit: datasets earlier
+    jobs left are removed, least recently used first, until this mount's share fits
+    beside what stays (never one a running mount uses: dlfs.store.nodecache); the
+    mount then stages at most what is left. 0: no limit."""
+    if not config.node_cache_limit:
+        return config.cache_limit
+    ours = {cache.dir.name for cache in pool.caches}
+    others = [d for d in nodecache.datasets(Path(config.cache_dir)) if d.uuid not in ours]
+    share = sum(int(d.chunk_lengths[owned].sum()) + CHUNK_HEADER_SIZE * int(owned.sum())
+                for d, owned in zip(pool.datasets, pool.owned, strict=True))  # on disk
+    want = min(share, config.cache_limit or share, config.node_cache_limit)
+    budget = max(config.node_cache_limit - want, 0)
+    for victim in nodecache.select_for_pruning(others, to_size=budget):
+        if nodecache.remove(victim):
+            log.info("node cache limit: removed dataset %s (%s, last used %s) from %s",
+                     victim.uuid, format_size(victim.bytes), time.ctime(victim.last_used),
+                     config.cache_dir)
+    left = sum(d.bytes for d in nodecache.datasets(Path(config.cache_dir))
+               if d.uuid not in ours)
+    room = max(config.node_cache_limit - left, 1)
+    if room < want:
+        log.warning("node cache limit %s: %s held by datasets other mounts use or that "
+                    "could not be removed; this mount stages at most %s of its %s share",
+                    format_size(config.node_cache_limit), format_size(left),
+                    format_size(room), format_size(share))
+    return min(config.cache_limit, room) if config.cache_limit else room
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -350,7 +382,7 @@ class Services:
             from dlfsd.pool.stager import Stager
 
             self.stager = Stager(datasets, pool.caches, pool.owned, pool.demand,
-                                 jobs=config.stage_jobs, cache_limit=config.cache_limit,
+                                 jobs=config.stage_jobs, cache_limit=pool.cache_limit,
                                  store_rate=config.store_bandwidth)
             if len(pool.view.nodes) > 1:
                 from dlfsd.pool.peerserver import PeerLoopServer

@@ -51,6 +51,7 @@ class MountConfig:
     replicas: int = 1  # owners per chunk
     secret_file: str | None = None  # per-job secret (mode 0600) peers authenticate with
     cache_limit: int = 0  # bytes of staged chunks at most (0: no limit)
+    node_cache_limit: int = 0  # bytes the whole cache dir may hold, all datasets (0: none)
     stage_jobs: int = 2  # chunks copied from the store at once
     peer_timeout: float = 5.0  # seconds per peer call before trying elsewhere
     store_bandwidth: int = 0  # bytes/s per store read stream; only to model a slow store

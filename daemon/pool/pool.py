@@ -59,6 +59,7 @@ class ChunkPool:
         self.remote_owners = [[tuple(int(n) for n in row if n != me) for row in t]
                               for t in self.tables]
         self.demand = DemandChannel()
+        self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
         self._clients: dict[int, PeerClient] = {}
         self._blocking_clients: dict[int, BlockingPeerClient] = {}

@@ -193,6 +193,11 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "with several nodes)")
     g.add_argument("--cache-limit", type=_size, help="stage at most this much, e.g. 500G "
                                                      "(default: no limit)")
+    g.add_argument("--node-cache-limit", type=_size, metavar="SIZE",
+                   help="the whole cache dir, all datasets, holds at most SIZE: datasets "
+                        "earlier jobs left go first, least recently used first, never one "
+                        "a running mount uses (default: no limit; Slurm: dlfs.conf "
+                        "DLFS_CACHE_NODE_LIMIT)")
     g.add_argument("--stage-jobs", type=_positive, default=2,
                    help="chunks copied from the store at once (default 2)")
     g.add_argument("--peer-timeout", type=_seconds, default=5.0,
@@ -261,9 +266,11 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
     from dlfs.cluster.nodes import resolve_cluster
 
     nodes = node_items(args)
-    wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit)
+    wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit
+                      or args.node_cache_limit)
     if wants_pool and not args.cache_dir:
-        raise UsageError("--nodes, --node, --secret-file and --cache-limit need --cache-dir "
+        raise UsageError("--nodes, --node, --secret-file, --cache-limit and --node-cache-limit "
+                         "need --cache-dir "
                          "(the node-local directory chunks are staged into)")
     if not args.cache_dir:
         return {}
@@ -273,6 +280,7 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
                 replicas=args.replicas,
                 secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
                 cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
+                node_cache_limit=args.node_cache_limit or 0,
                 peer_timeout=args.peer_timeout)
 
 
