@@ -180,6 +180,24 @@ def test_the_main_process_sees_nothing_stalled_for_a_read_under_the_threshold_or
         slots.close()
 
 
+def test_a_read_whose_worker_died_is_forgotten_not_reported_stalled_for_ever():
+    slot = ProcessSlot(2)
+    slots = RequestSlots.for_processes(slot)
+    watch = StallWatch(slots, 1.0, lambda ds, row: f"ds{ds}/file{row}")
+    now = time.perf_counter_ns()
+    try:
+        pid = os.fork()
+        if pid == 0:  # dies in the middle of its read (the OOM killer, a bug)
+            slots.begin(0, 5, now - 30 * SECOND)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert slots.outstanding() != []
+        assert watch.scan(now) == ([], 0.0)
+        assert slots.outstanding() == [] and watch.stalls_total() == 0
+    finally:
+        slots.close()
+
+
 async def test_a_single_process_mount_watches_each_concurrent_read_in_its_own_slot():
     slots = TaskRequestSlots(2)
     watch = StallWatch(slots, 1.0, lambda ds, row: f"ds{ds}/file{row}", lambda n: f"n{n}")

@@ -97,7 +97,8 @@ class RequestSlots:
 
     def _use_slot(self, index: int) -> None:
         self._at = index * WORDS
-        self._words[self._at + PID] = os.getpid()
+        if not self._mm.closed:  # a fork long after this mount's namespace closed (tests)
+            self._words[self._at + PID] = os.getpid()
 
     # -- the hot path (one request at a time in this process) ----------------------------
     def begin(self, ds: int, row: int, started: int) -> None:
@@ -132,6 +133,11 @@ class RequestSlots:
             if words[at] == started:
                 found.append((slot, started, target, waiting, pid))
         return found
+
+    def forget(self, slot: int) -> None:
+        """Main process: clear the slot of a process that died in the middle of a read
+        (the kernel hands its request to another worker; nobody else clears it)."""
+        self._words[slot * WORDS] = 0
 
     def close(self) -> None:
         self._words.release()
@@ -218,6 +224,9 @@ class StallWatch:
         stalled, oldest, seen = [], 0, set()
         for slot, started, target, waiting, pid in self.requests.outstanding():
             age = now - started
+            if age >= self.threshold_ns and not _alive(pid):
+                self.requests.forget(slot)
+                continue
             oldest = max(oldest, age)
             if age < self.threshold_ns:
                 continue
@@ -263,6 +272,17 @@ class StallWatch:
 
     def stalls_total(self) -> int:
         return sum(self.total.values())
+
+
+def _alive(pid: int) -> bool:
+    """The process serving a stalled read still exists (a worker may have died in it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's: a pid reused by now; not ours
+        return False
+    return True
 
 
 def _waiting_text(what: str) -> str:
