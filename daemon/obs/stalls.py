@@ -85,7 +85,7 @@ class RequestSlots:
         self.count = count
         self._mm = mmap.mmap(-1, count * WORDS * 8)  # anonymous + shared: workers see it
         self._words = memoryview(self._mm).cast("q")
-        self._at = 0  # index of this process's slot's first word
+        self._slot = self._words[:WORDS]  # this process's slot (a view: no index arithmetic)
 
     @classmethod
     def for_processes(cls, slot: ProcessSlot) -> RequestSlots:
@@ -96,24 +96,25 @@ class RequestSlots:
         return slots
 
     def _use_slot(self, index: int) -> None:
-        self._at = index * WORDS
-        if not self._mm.closed:  # a fork long after this mount's namespace closed (tests)
-            self._words[self._at + PID] = os.getpid()
+        if self._mm.closed:  # a fork long after this mount's namespace closed (tests)
+            return
+        self._slot = self._words[index * WORDS : (index + 1) * WORDS]
+        self._slot[PID] = os.getpid()
 
     # -- the hot path (one request at a time in this process) ----------------------------
     def begin(self, ds: int, row: int, started: int) -> None:
         """A read of file `row` of dataset `ds` began at `started` (perf_counter_ns)."""
-        words, at = self._words, self._at
-        words[at + TARGET] = ds << ROW_BITS | row
-        words[at + WAITING] = WAIT_DAEMON
-        words[at] = started  # last: a nonzero start says the other words are this read's
+        slot = self._slot
+        slot[TARGET] = ds << ROW_BITS | row
+        slot[WAITING] = WAIT_DAEMON
+        slot[STARTED] = started  # last: a nonzero start says the other words are this read's
 
     def waiting(self, what: int, node: int = 0) -> None:
         """The read now tries `what` (WAIT_*; `node`: the peer's index)."""
-        self._words[self._at + WAITING] = what | node << 8
+        self._slot[WAITING] = what | node << 8
 
     def end(self) -> None:
-        self._words[self._at] = 0
+        self._slot[STARTED] = 0
 
     # -- the main process's view ----------------------------------------------------------
     def outstanding(self) -> list[tuple[int, int, int, int, int]]:
@@ -140,6 +141,7 @@ class RequestSlots:
         self._words[slot * WORDS] = 0
 
     def close(self) -> None:
+        self._slot.release()
         self._words.release()
         self._mm.close()
 
