@@ -307,6 +307,37 @@ def test_problem_lines_one_per_problem_and_none_when_healthy():
         assert sum(words in line for line in lines) == 1, (words, lines)
 
 
+def test_the_rich_view_renders_the_problems(capsys):
+    from rich.console import Console
+
+    from dlfs.obs.statusview import rich_view
+
+    status = {"mountpoint": "/mnt/x", "store": "/s", "pid": 1, "log": "/l", "pooled": False,
+              "datasets": [], "health": {
+                  "stall_seconds": 10.0, "stalls_total": 1, "stalls_by_source": {"store": 1},
+                  "stalled_reads": 1, "stalled": [{"path": "ds/f", "waiting": "store",
+                                                   "seconds": 12.0, "pid": 7}]}}
+    console = Console(record=True, width=200)
+    console.print(rich_view(status))
+    text = console.export_text()
+    assert "problem: read of ds/f stalled for 12 s, waiting for store" in text
+    assert "stalls: 1 read outstanding over 10 s since mount" in text
+
+
+@pytest.mark.parametrize(("value", "ok"), [("0", True), ("2.5", True), ("-1", False),
+                                           ("nan", False), ("x", False)])
+def test_stall_seconds_flag(value, ok, dlfs_cli, tmp_path):
+    from dlfs.cli.main import build_parser
+
+    args = ["mount", str(tmp_path), "--store", str(tmp_path), "--stall-seconds", value]
+    if ok:
+        assert build_parser().parse_args(args).stall_seconds == float(value)
+    else:
+        result = dlfs_cli(*args)
+        assert result.returncode == 2 and "--stall-seconds" in result.stderr, \
+            describe_result(result)
+
+
 # -- the stager's own account ------------------------------------------------------------
 @pytest.fixture
 def dataset(tmp_path):
@@ -477,6 +508,10 @@ def test_a_store_read_slower_than_the_threshold_is_counted_and_logged_naming_the
         x := plain_status(dlfs_cli, mount)) and not any(line.startswith("problem:")
                                                         for line in x) and x)
     assert any(line.startswith("stalls: ") for line in lines), lines
+    # And the job's summary at unmount says so too.
+    result = dlfs_cli("umount", mount.path)
+    assert result.returncode == 0, describe_result(result)
+    assert any("summary: stalls: " in x for x in mount.log_text().splitlines())
 
 
 @pytest.mark.usefixtures("daemon_guard")
