@@ -20,12 +20,15 @@ import struct
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from dlfsd.slots import ProcessSlot
 
 # down until, bad copy until, times marked down, bad-copy marks, last bad (dataset, chunk),
 # why it was last marked down (UTF-8, cut short).
 _RECORD = struct.Struct("<ddqqqq120s")
 _WHY_BYTES = 120
+_MARKS_AT = 16  # the two counters (down marks, bad-copy marks) start here in a record
 
 
 class NullPeerMarks:
@@ -68,6 +71,9 @@ class PeerMarks:
         self.processes = slot.count
         self.nodes = nodes
         self._mm = mmap.mmap(-1, max(1, slot.count * nodes * _RECORD.size))
+        # Both counters of every record, to find the marked nodes at once (numpy).
+        self._counts = np.ndarray((slot.count, nodes, 2), np.int64, self._mm, _MARKS_AT,
+                                  (nodes * _RECORD.size, _RECORD.size, 8))
         self._row = slot.index
         slot.on_change(self._use_row)
 
@@ -103,7 +109,7 @@ class PeerMarks:
         """Every node any process ever marked, with its marks summed; unmarked ones left out."""
         now = time.monotonic() if now is None else now
         out = []
-        for node in range(self.nodes):
+        for node in np.flatnonzero(self._counts.any(axis=(0, 2))).tolist():
             peer = PeerHealth(node)
             newest = 0.0
             for process in range(self.processes):
@@ -112,8 +118,7 @@ class PeerMarks:
                 if rec[0] > newest:  # the reason of the latest mark (all last as long)
                     newest = rec[0]
                     peer.down_why = rec[6].rstrip(b"\0").decode(errors="replace")
-            if peer.marked:
-                out.append(peer)
+            out.append(peer)
         return out
 
     @staticmethod
@@ -133,4 +138,5 @@ class PeerMarks:
             peer.bad_ds, peer.bad_chunk = bad_ds, bad_chunk
 
     def close(self) -> None:
+        self._counts = None
         self._mm.close()
