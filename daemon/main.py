@@ -54,7 +54,8 @@ from dlfsd.lineage import die_with_parent, parent_alive
 from dlfsd.lookahead import LookAhead
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
-from dlfsd.obs.observe import ObserveConfig
+from dlfsd.obs.health import HealthWatch
+from dlfsd.obs.observe import Observability, ObserveConfig
 from dlfsd.obs.status import build_status, keep_status, write_status
 from dlfsd.ordersock import OrderService
 from dlfsd.prefetch import available_memory, prefetch_decision
@@ -371,10 +372,11 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
 class Services:
     """What the main process runs besides FUSE: staging, the peer server, the status file."""
 
-    def __init__(self, config: MountConfig, datasets: list[Dataset], stats, pool=None) -> None:
+    def __init__(self, config: MountConfig, datasets: list[Dataset], observe: Observability,
+                 pool=None) -> None:
         self.config = config
         self.datasets = datasets
-        self.stats = stats
+        self.stats = observe.stats
         self.pool = pool
         self.stager = None
         self.server = None
@@ -389,6 +391,8 @@ class Services:
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
                                              trusted=node_addresses(pool.view.nodes))
+        self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
+                                  observe.health, observe.peer_marks, pool, self.stager)
 
     def _current(self) -> bool:
         """This daemon still serves its mountpoint: no later one has written its record."""
@@ -396,8 +400,10 @@ class Services:
         return record is None or record.pid == os.getpid()
 
     def status(self) -> dict:
+        """The status file's contents; also scans for stalled reads (the status task's
+        second is the stall detector's) and publishes the health for .dlfs/metrics."""
         return build_status(self.config, self.datasets, self.stats, self.stager,
-                            self.pool, self.server)
+                            self.pool, self.server, self.health.check())
 
     def listen(self) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a
@@ -495,7 +501,7 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
     release.callback(namespace.close)
     ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
-    services = Services(config, namespace.datasets, namespace.stats, pool)
+    services = Services(config, namespace.datasets, namespace.observe, pool)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)

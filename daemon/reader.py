@@ -32,6 +32,7 @@ from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
 from dlfsd.nowait import HAVE_NOWAIT, pread_nowait
+from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.prefetch import ChunkPrefetch
 from dlfsd.throttle import pace
@@ -117,6 +118,7 @@ class SampleReader:
         self._ext_sum = d.ext_checksum_view
         self.ds = ds_index
         self.stats = NullStats()  # the Namespace sets the mount's counters
+        self.requests = NO_REQUESTS  # and the stall detector's slots (source being tried)
         self.pool = pool
         if pool is not None:
             self._cache = pool.caches[ds_index]
@@ -234,6 +236,7 @@ class SampleReader:
             if data is not None:
                 return data
         started = time.perf_counter_ns()
+        self.requests.waiting(WAIT_STORE)
         data = await self._read_store(ext, rel, length, span)
         self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
         return data
@@ -247,6 +250,7 @@ class SampleReader:
             self.stats.record_lookahead(self.ds, False)
             return None
         started = time.perf_counter_ns()
+        self.requests.waiting(WAIT_STORE)
         fd = await self._fd(self._ext_chunk[ext])
         data = await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
         if rel + length >= self._ext_len[ext]:
@@ -291,6 +295,7 @@ class SampleReader:
         chunk = self._ext_chunk[ext]
         started = time.perf_counter_ns()
         if self._cache.is_staged(chunk):
+            self.requests.waiting(WAIT_LOCAL)
             data = await self._read_local(ext, rel, length, chunk, span)
             if data is not None:
                 self._count(SOURCE_LOCAL, length, started)

@@ -44,6 +44,9 @@ class MountConfig:
     prefetch: str = "auto"  # read a chunk whole on its first sample read (dlfsd.prefetch)
     trace_capacity: int = 1 << 20  # trace records kept (oldest dropped beyond)
     summary_file: str | None = None  # final counters + text summary, written at unmount
+    # A read outstanding this long is a stall: logged once, counted, shown by `dlfs status`
+    # and .dlfs/metrics (a hung peer, a stuck store); 0: not watched.
+    stall_seconds: float = 10.0
     # -- the chunk pool (cluster mode: on when cache_dir is set) --
     cache_dir: str | None = None  # node-local NVMe directory for staged chunks
     nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us

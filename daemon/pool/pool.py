@@ -31,6 +31,8 @@ from dlfs.cluster.placement import owners
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.nodecache import is_dataset_dir
 from dlfs.store.store import Dataset
+from dlfsd.obs.peermarks import NO_PEER_MARKS, NullPeerMarks, PeerMarks
+from dlfsd.obs.stalls import NO_REQUESTS, WAIT_PEER, NullRequests, RequestSlots
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
 from dlfsd.pool.peersync import BlockingPeerClient
@@ -65,6 +67,16 @@ class ChunkPool:
         self._blocking_clients: dict[int, BlockingPeerClient] = {}
         self._down_until: dict[int, float] = {}
         self._bad_copies: dict[tuple[int, int, int], float] = {}  # (node, ds, chunk) -> until
+        # Where the marks above and the peer a read waits for are seen by the main
+        # process (dlfs status, .dlfs/metrics); set by report_to before the fork.
+        self.requests: RequestSlots | NullRequests = NO_REQUESTS
+        self.marks: PeerMarks | NullPeerMarks = NO_PEER_MARKS
+
+    def report_to(self, requests: RequestSlots | NullRequests,
+                  marks: PeerMarks | NullPeerMarks) -> None:
+        """Note the peer each read tries in `requests` (the stall detector) and every
+        peer mark in `marks` (shared memory: each process's marks are its own)."""
+        self.requests, self.marks = requests, marks
 
     def scan_caches(self, limit: int = 0) -> int:
         """Adopt chunks staged by an earlier mount; returns how many are kept.
@@ -133,6 +145,7 @@ class ChunkPool:
         `expected` (the extent's checksum); None when no peer could serve them."""
         dataset_id = self.datasets[ds].uuid
         for node in self._live_owners(ds, chunk):
+            self.requests.waiting(WAIT_PEER, node)
             try:
                 data = await self._client(node).read(dataset_id, chunk, offset, length)
             except PeerError as err:
@@ -148,6 +161,7 @@ class ChunkPool:
         may be a view of the client's buffer: valid until the next fetch."""
         dataset_id = self.datasets[ds].uuid
         for node in self._live_owners(ds, chunk):
+            self.requests.waiting(WAIT_PEER, node)
             try:
                 data = self._blocking_client(node).read(dataset_id, chunk, offset, length)
             except PeerError as err:
@@ -184,7 +198,8 @@ class ChunkPool:
                         "checksum (a bad staged copy there); reading that chunk elsewhere "
                         "for %.0f s", self.view.nodes[node].name, chunk,
                         self.datasets[ds].name, BAD_COPY_SECONDS)
-        self._bad_copies[(node, ds, chunk)] = time.monotonic() + BAD_COPY_SECONDS
+        self._bad_copies[(node, ds, chunk)] = until = time.monotonic() + BAD_COPY_SECONDS
+        self.marks.bad_copy(node, ds, chunk, until)
         return False
 
     def _blocking_client(self, node: int) -> BlockingPeerClient:
@@ -209,7 +224,8 @@ class ChunkPool:
         if self._down_until.get(node, 0.0) <= time.monotonic():
             log.warning("peer %s %s; using replicas or the store for %.0f s",
                         self.view.nodes[node].name, why, DOWN_SECONDS)
-        self._down_until[node] = time.monotonic() + DOWN_SECONDS
+        self._down_until[node] = until = time.monotonic() + DOWN_SECONDS
+        self.marks.down(node, until, why)
 
     # -- ChunkProvider for the peer server ------------------------------------------------
     def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:

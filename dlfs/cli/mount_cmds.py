@@ -128,6 +128,12 @@ def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary-file", type=_path, metavar="PATH",
                    help="at unmount, write the final I/O counters and a text summary "
                         "(JSON) to PATH, e.g. for a Slurm epilogue to keep")
+    p.add_argument("--stall-seconds", type=_stall_seconds, default=MountConfig.stall_seconds,
+                   metavar="SECONDS",
+                   help="a read outstanding this long is a stall (a hung peer, a stuck "
+                        "store): logged once with what it waits for, counted, shown by "
+                        "`dlfs status` and .dlfs/metrics (default 10; 0: not watched; off "
+                        "with --no-stats)")
     p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
     _add_lookahead_flags(p)
@@ -154,6 +160,14 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="forget an announced epoch nothing was read from for this long "
                         "(default 60: a killed job's announcement goes away)")
+
+
+def _stall_seconds(text: str) -> float:
+    """--stall-seconds: 0 (off), or a threshold like any other wait (positive, finite)."""
+    with contextlib.suppress(ValueError):
+        if float(text) == 0:
+            return 0.0
+    return _seconds(text)
 
 
 def _lookahead(text: str) -> tuple[int, int]:
@@ -300,7 +314,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         trace_capacity=args.trace_capacity, lookahead=bool(args.lookahead[0]),
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
-        lookahead_stale=args.lookahead_stale,
+        lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
 
