@@ -144,3 +144,21 @@ def status_after(mount, before: dict) -> dict:
         if s["updated"] > since:
             return s["datasets"][0]["sources"]
         time.sleep(0.1)
+
+
+def test_other_users_cannot_read_a_node_cache(mounted, three, tmp_path):
+    """The node cache outlives jobs of many users: only root (the daemons) reads it;
+    users get the bytes through their own job's mount."""
+    from sysusers import temp_user
+
+    store, _ = three
+    cache = tmp_path / "cache"
+    tmp_path.chmod(0o755)  # let the user reach the cache dir itself, so the test is its mode
+    mount = mounted(store, "--dataset", "a", "--cache-dir", str(cache))
+    wait_staged(mount)
+    [dataset] = nodecache.datasets(cache)
+    chunk = next(p for p in dataset.path.iterdir() if not p.name.startswith("."))
+    with temp_user() as user:
+        for target in (["ls", str(dataset.path)], ["cat", str(chunk)]):
+            denied = user.run(*target)
+            assert denied.returncode != 0 and "Permission denied" in denied.stderr, target
