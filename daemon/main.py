@@ -120,7 +120,9 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
         cache_root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
-    pool = ChunkPool(view, datasets, cache_root, config.peer_timeout)
+    # Rows of the shared fetch counters: the main process, the workers, the control process.
+    pool = ChunkPool(view, datasets, cache_root, config.peer_timeout,
+                     processes=config.workers + 2)
     adopted = pool.scan_caches(config.cache_limit)
     log.info("chunk pool: node %s of %d, %d replicas, cache %s (%d staged chunks reused)",
              view.me.name, len(view.nodes), view.replicas, cache_root, adopted)
@@ -363,8 +365,11 @@ class Services:
         return record is None or record.pid == os.getpid()
 
     def status(self) -> dict:
-        return build_status(self.config, self.datasets, self.stats, self.stager,
-                            self.pool, self.server)
+        status = build_status(self.config, self.datasets, self.stats, self.stager,
+                              self.pool, self.server)
+        if self.pool is not None and self.pool.share is not None:
+            status["peer_fetch"] = self.pool.fetch_counters()  # the node's, not per worker
+        return status
 
     def listen(self) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a

@@ -396,3 +396,53 @@ def test_copies_of_datasets_this_mount_does_not_use_are_reported(mounted, pool_s
     assert len(warnings) == 1, warnings
     assert "in 1 dataset directories" in warnings[0] and "293.0 KiB" in warnings[0]
     assert (stale / "00000000.chunk").exists()
+
+
+# -- one peer fetch per node ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def large_store(tmp_path_factory) -> tuple[Path, Path]:
+    """Files of several 4 MiB extents each (16 MiB chunks), whose last extent is short:
+    read sequentially, the kernel's read-ahead cuts each extent into 1 MiB requests that
+    reach different worker processes at once. Returns (source, store)."""
+    from conftest import populate_store
+
+    root = tmp_path_factory.mktemp("pool-large") / "src"
+    generate_large_files(root, 3, (14 << 20) + 12345, seed=9)
+    store = populate_store(root, tmp_path_factory.mktemp("pool-large-store") / "store", "ds",
+                           "16M", "--no-fsync")
+    return root, store
+
+
+def test_a_node_fetches_each_extent_from_its_peer_once_however_many_workers_read_it(
+        mounted, large_store, tmp_path, dlfs_cli):
+    """Four workers read large files sequentially; the peer serves each extent once.
+
+    The reading node owns every chunk too (2 replicas) but may stage none of them
+    (--cache-limit 1), so every byte comes from the holder's staged copies."""
+    source, store = large_store
+    ports = free_ports(2)
+    nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    secret = write_secret(tmp_path / "secret")
+    common = ("--nodes", nodes, "--replicas", "2", "--secret-file", str(secret))
+    holder = mounted(store, "--cache-dir", str(tmp_path / "cache-holder"), "--node", "holder",
+                     "--workers", "2", *common)
+    reader = mounted(store, "--cache-dir", str(tmp_path / "cache-reader"), "--node", "reader",
+                     "--cache-limit", "1", "--workers", "4", *common)
+    wait_staged(dlfs_cli, holder)
+    files = source_files(source)
+    for rel in files:  # one process, 1 MiB reads in file order, like `cat`
+        with open(Path(reader.path) / "ds" / rel, "rb", buffering=0) as f:
+            got = b"".join(iter(lambda f=f: f.read(1 << 20), b""))
+        assert got == (source / rel).read_bytes(), f"wrong bytes for {rel}"
+    d = Store(store).open("ds").directory
+    needed = sum(d.size(d.resolve(os.fsencode(rel))) for rel in files)
+    extents = sum(len(d.extents(d.resolve(os.fsencode(rel)))) for rel in files)
+    assert extents > 2 * len(files) and d.extent_size == 4 << 20
+    served = fresh_status(dlfs_cli, holder)["peer_server"]
+    # Once per extent: the holder sent exactly the bytes the files hold.
+    assert (served["reads_served"], served["bytes_served"]) == (extents, needed)
+    status = fresh_status(dlfs_cli, reader)
+    fetched = status["peer_fetch"]
+    assert (fetched["fetches"], fetched["fetched_bytes"]) == (extents, needed)
+    sources = status["datasets"][0]["sources"]
+    assert sources["peer"]["bytes"] == needed and sources["store"]["requests"] == 0

@@ -302,9 +302,9 @@ async def test_a_staged_copy_that_cannot_be_opened_is_read_from_the_store(datase
 
 
 async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(dataset, tmp_path):
-    """--workers 1: tasks that share one peer fetch each keep the extent; the cache's
-    byte count must not grow per task, or it fills with phantom bytes and then keeps
-    nothing (every partial read fetching the whole extent again)."""
+    """--workers 1: tasks that share one peer fetch keep the extent once (one slot of
+    the node's PeerShare, not one per task), and a later read of another part of it
+    is served from there, not fetched again."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
     with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, server, port):
@@ -321,9 +321,13 @@ async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(datase
                 for off in range(0, len(want), 16 << 10):
                     readers.start_soon(read, off)
             assert b"".join(got[off] for off in sorted(got)) == want
-            assert server.counters()["reads_served"] == len(ds.directory.extents(row))
-            cached = sum(len(data) for data in reader._peer_cache.values())
-            assert cached > 0 and reader._peer_cache_bytes == cached
+            extents = len(ds.directory.extents(row))
+            assert server.counters()["reads_served"] == extents
+            counts = reader_pool.fetch_counters()
+            assert counts["fetches"] == counts["stored"] == extents
+            assert bytes(await reader.read(row, 4096, 100)) == want[4096:4196]
+            assert server.counters()["reads_served"] == extents  # from the slot
+            assert reader_pool.fetch_counters()["shared_reads"] == 1
             await reader_pool.aclose()
         finally:
             reader.close()

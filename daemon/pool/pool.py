@@ -9,7 +9,10 @@ A peer whose bytes of a chunk fail their checksum has a bad copy of that
 chunk (a flipped bit on its NVMe; the protocol itself is authenticated and
 length-checked): only that chunk is read elsewhere, for BAD_COPY_SECONDS,
 while the peer keeps serving its other chunks; it finds and re-stages the
-copy when its own readers touch it. The pool is also the peer server's
+copy when its own readers touch it. Whole extents fetched from peers, and the
+fetches under way, are shared by all the daemon's processes (PeerShare): a
+node asks a peer once per extent, however many workers read parts of it. The
+pool is also the peer server's
 ChunkProvider: it serves byte ranges of staged chunks, a request for an owned
 chunk not staged yet moves that chunk to the front of the staging queue, and
 a copy the server cannot read is evicted and staged again.
@@ -33,6 +36,7 @@ from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.store import Dataset
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
+from dlfsd.pool.peershare import PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.pool.stager import DemandChannel
 
@@ -49,7 +53,9 @@ class ChunkPool:
     """Placement, local caches and peer clients for the mounted datasets."""
 
     def __init__(self, view: ClusterView, datasets: list[Dataset], cache_root: Path,
-                 peer_timeout: float = 5.0) -> None:
+                 peer_timeout: float = 5.0, processes: int = 1) -> None:
+        """`processes`: how many of the daemon's processes may read from peers (main,
+        workers, the control process), for the shared fetch counters' rows."""
         self.view = view
         self.datasets = datasets
         self.peer_timeout = peer_timeout
@@ -67,6 +73,14 @@ class ChunkPool:
         self._blocking_clients: dict[int, BlockingPeerClient] = {}
         self._down_until: dict[int, float] = {}
         self._bad_copies: dict[tuple[int, int, int], float] = {}  # (node, ds, chunk) -> until
+        # Shared by the forked workers, so made now; only where there are peers to read.
+        self.share: PeerShare | None = None
+        if len(view.nodes) > 1 and datasets:
+            # A waiter gives a fetch as long as the fetch may take: each other owner in
+            # turn, up to its timeout, plus a second.
+            wait = peer_timeout * max(1, view.replicas - 1) + 1.0
+            self.share = PeerShare(max(d.directory.extent_size for d in datasets), wait,
+                                   processes)
 
     def scan_caches(self, limit: int = 0) -> int:
         """Adopt chunks staged by an earlier mount; returns how many are kept.
@@ -127,6 +141,8 @@ class ChunkPool:
             client.close()
         for cache in self.caches:
             cache.close()
+        if self.share is not None:
+            self.share.close()
         self.demand.close()
 
     # -- reads from peers ------------------------------------------------------------
@@ -174,9 +190,16 @@ class ChunkPool:
         what = "unavailable" if isinstance(err, PeerUnavailable) else "refused a read"
         self._mark_down(node, f"{what} ({err})")
 
+    def fetch_counters(self) -> dict[str, int]:
+        """The node's peer fetches (every process's): what came from peers, what was
+        shared between processes instead of fetched again (`dlfs status`)."""
+        return self.share.counters() if self.share is not None else {}
+
     def _accept(self, node: int, ds: int, chunk: int, data: bytes | memoryview, length: int,
                 expected: int) -> bool:
         """Peer bytes count only if they match the manifest checksum."""
+        if self.share is not None:
+            self.share.count_fetch(len(data))
         if len(data) == length and checksum(data) == expected:
             return True
         if len(data) != length:  # the clients check lengths; a peer this broken is down
