@@ -446,3 +446,76 @@ def test_a_node_fetches_each_extent_from_its_peer_once_however_many_workers_read
     assert (fetched["fetches"], fetched["fetched_bytes"]) == (extents, needed)
     sources = status["datasets"][0]["sources"]
     assert sources["peer"]["bytes"] == needed and sources["store"]["requests"] == 0
+
+
+# -- bad copies heal at once ----------------------------------------------------------------
+def flip_byte(path: Path, pos: int) -> bytes:
+    """Flip one byte of a staged copy behind the daemon's back (bit rot); returns it."""
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return byte
+
+
+def a_held_file(store: Path, source: Path, names: list[str], holder: int) -> tuple[Path, int]:
+    """A one-extent file in a chunk only node `holder` owns: (its path in the source, the
+    position of its bytes in that chunk's staged copy)."""
+    d = Store(store).open("ds").directory
+    share = expected_shares(store, names, 1)[holder]
+    for rel in source_files(source):
+        exts = d.extents(d.resolve(os.fsencode(rel)))
+        if len(exts) == 1 and int(d.ext_chunk_view[exts[0]]) in share:
+            return rel, CHUNK_HEADER_SIZE + int(d.ext_offset_view[exts[0]])
+    pytest.fail(f"node {names[holder]} owns no chunk with a one-extent file")
+
+
+def held_copy(cache: Path, store: Path, rel: Path) -> Path:
+    d = Store(store).open("ds").directory
+    chunk = int(d.ext_chunk_view[d.extents(d.resolve(os.fsencode(rel)))[0]])
+    return next(cache.glob(f"*/{chunk:08d}.chunk"))
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Make the next read of a file through the mount reach the daemon again."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_copy_that_went_bad_after_its_check_is_reported_and_restaged_at_once(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    """The holder's own reader checked the extent, then a byte of its copy flipped. A
+    peer that reads it gets wrong bytes, reads the store instead and reports the range;
+    the holder re-checks, evicts and re-stages the copy within seconds (it used to serve
+    it for the rest of the job), and serves right bytes again."""
+    cluster = Cluster(mounted, pool_store, tmp_path, 2)
+    holder, reader = cluster.mounts  # the reader has two workers: the blocking client
+    for mount in cluster.mounts:
+        wait_staged(dlfs_cli, mount)
+    rel, pos = a_held_file(pool_store, pool_source, cluster.names, 0)
+    want = (pool_source / rel).read_bytes()
+    assert (Path(holder.path) / "ds" / rel).read_bytes() == want  # checked there
+    copy = held_copy(cluster.caches[0], pool_store, rel)
+    inode = copy.stat().st_ino
+    byte = flip_byte(copy, pos + 5)
+    via_reader = Path(reader.path) / "ds" / rel
+    assert via_reader.read_bytes() == want  # the peer's bytes failed: from the store
+    wait_new_copy(copy, inode, timeout=30)
+    with open(copy, "rb") as f:
+        f.seek(pos + 5)
+        assert f.read(1) == byte
+    served = fresh_status(dlfs_cli, holder)["peer_server"]
+    assert served["reports_confirmed"] >= 1 and served["protocol_errors"] == 0
+    assert "reported it" in reader.log_text() and "evicted, staging it again" in holder.log_text()
+    # The worker that got the bad bytes avoids that copy for 2 s; then the holder serves
+    # the file again (right bytes: the reader checks them).
+    deadline = time.monotonic() + 30
+    while fresh_status(dlfs_cli, holder)["peer_server"]["reads_served"] == served["reads_served"]:
+        assert time.monotonic() < deadline, "the holder never served the file again"
+        drop_from_page_cache(via_reader)
+        assert via_reader.read_bytes() == want
+        time.sleep(0.2)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from conftest import until
 
 from dlfs.cluster.nodes import ClusterView, Node
 from dlfs.store.format import CHUNK_HEADER_SIZE
@@ -195,7 +196,8 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
 async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, tmp_path):
     """Bytes from a peer that fail their checksum mean a bad staged copy of that chunk
     there (a flipped bit), not a bad peer: that chunk is read from the store, the peer's
-    other chunks still come from the peer."""
+    other chunks still come from the peer, and the peer is told (REPORT, by the trio
+    client of --workers 1) and re-stages that copy."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
     in_chunk = small_files_by_chunk(ds, src)
@@ -228,6 +230,12 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
         assert server.counters()["reads_served"] == 1 and sources() == (0, 2)
         await read(in_chunk[good][0])  # another chunk of the same peer: from the peer
         assert server.counters()["reads_served"] == 2 and sources() == (1, 2)
+        # The reader reported the range; the holder found its copy bad there, evicted it
+        # and asked its stager for it again (its own readers had never touched it).
+        assert await until(lambda: server.counters()["reports_confirmed"] == 1, 10)
+        assert not holder.caches[0].is_staged(bad)
+        demanded = os.read(holder.demand.read_fd, 4096)
+        assert (0, bad) in set(DemandChannel.RECORD.iter_unpack(demanded))
         await reader_pool.aclose()
     reader.close()
     reader_pool.close()

@@ -21,6 +21,15 @@ without blocking into one reused buffer, then one sendmsg of head and
 payload). One that must wait for the disk goes to a small pool of disk
 threads and the loop serves other peers meanwhile: waiting on each disk
 read in turn would serialize every peer's reads at a queue depth of one.
+
+Bad copies: a staged copy can go bad after it was checked (bit rot, a
+truncated file), and peers would be served its wrong bytes for as long as it
+lives. A peer whose bytes failed their checksum sends a REPORT of the range
+(protocol version 2); the server checks those extents of its copy on a disk
+thread and evicts and re-stages a bad copy at once. Reports are rate limited
+here too (REPORT_CHECKS_PER_SECOND, and one check per chunk per
+REPORT_COOLDOWN), so a peer, or a rotting disk, cannot keep the disk threads
+busy hashing.
 """
 
 from __future__ import annotations
@@ -40,13 +49,16 @@ from typing import Protocol
 from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
 from dlfsd.pool import protocol
 from dlfsd.pool.admission import Admission, RefusalLog, plain_ip
-from dlfsd.pool.protocol import FrameDecoder, Message, ProtocolError
+from dlfsd.pool.protocol import BadRange, FrameDecoder, Message, ProtocolError
+from dlfsd.throttle import TokenBucket
 
 log = logging.getLogger("dlfsd.pool.peer")
 
 _RECV = 256 * 1024
 _SWEEP = 0.25  # seconds between timeout checks
 _GOODBYE = 1.0  # seconds a closing connection may take to read our last message
+REPORT_CHECKS_PER_SECOND = 10.0  # re-checks of reported ranges, all peers together
+REPORT_COOLDOWN = 2.0  # seconds a chunk just checked for a report is not checked again
 
 
 class BlockingChunkProvider(Protocol):
@@ -55,6 +67,11 @@ class BlockingChunkProvider(Protocol):
     def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
         """(open fd, position of the chunk's data in it) of the staged copy, or None
         if it is not staged here. May block (it may open the file)."""
+
+    def check_copy(self, dataset_id: bytes, chunk: int, offset: int,
+                   length: int) -> bool | None:
+        """Check the extents of the staged copy a reported range overlaps; evict a bad
+        copy. True if evicted, False if it checks out, None if nothing is staged. Blocks."""
 
     def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         """The staged copy could not be read through `fd` (-1: could not be opened):
@@ -87,7 +104,11 @@ class PeerLoopServer:
     _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
                  "auth_failures", "protocol_errors", "reads_served", "reads_missed",
                  "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
-                 "replies_waited")  # replies that had to wait for the peer to read
+                 "replies_waited",  # replies that had to wait for the peer to read
+                 # REPORTs: checked and bad (evicted), checked and good (or not staged),
+                 # out of bounds, dropped by the rate limits
+                 "reports_received", "reports_confirmed", "reports_unconfirmed",
+                 "reports_refused", "reports_dropped")
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
@@ -111,6 +132,10 @@ class PeerLoopServer:
         self._disk = concurrent.futures.ThreadPoolExecutor(
             disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
         self._finished: collections.deque = collections.deque()  # disk reads done
+        self._checked: collections.deque = collections.deque()  # reports checked
+        self._report_budget = TokenBucket(REPORT_CHECKS_PER_SECOND,
+                                          int(REPORT_CHECKS_PER_SECOND))
+        self._reported: dict[tuple[bytes, int], float] = {}  # (dataset, chunk) -> when
         self._failed_chunks: set[tuple[bytes, int]] = set()  # logged once each
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
@@ -283,9 +308,12 @@ class PeerLoopServer:
     def _handle(self, conn: _Conn, msg: Message) -> None:
         try:
             if conn.state == "ready":
-                if msg["t"] != protocol.READ:
+                if msg["t"] == protocol.READ:
+                    self._reply_to(conn, msg)
+                elif msg["t"] == protocol.REPORT:
+                    self._on_report(conn, conn.handshake.check_report(msg))
+                else:
                     raise ProtocolError(f"unexpected {msg['t']} message after the handshake")
-                self._reply_to(conn, msg)
             elif conn.state == "hello":
                 reply = conn.handshake.challenge_for(msg)
                 conn.state = "auth"
@@ -343,6 +371,60 @@ class PeerLoopServer:
         future = self._disk.submit(_pread_exact, fd, length, pos)
         future.add_done_callback(lambda f: self._disk_done(conn, request_id, chunk, dataset_id,
                                                            fd, f))
+
+    # -- reports of bad copies ----------------------------------------------------------
+    def _on_report(self, conn: _Conn, bad: BadRange) -> None:
+        """A peer got bytes of `bad` that failed their checksum: check those extents of
+        our copy on a disk thread, within the rate limits (no reply either way)."""
+        self._count("reports_received")
+        limit = self.provider.chunk_limit(bad.dataset_id, bad.chunk)
+        if protocol.read_bounds_problem(limit, bad.offset, bad.length) is not None:
+            self._count("reports_refused")
+            return
+        if not self._report_allowed(bad):
+            self._count("reports_dropped")
+            return
+        future = self._disk.submit(self.provider.check_copy, bad.dataset_id, bad.chunk,
+                                   bad.offset, bad.length)
+        future.add_done_callback(lambda f: self._report_done(conn.peer, bad, f))
+
+    def _report_allowed(self, bad: BadRange) -> bool:
+        """One check per chunk per REPORT_COOLDOWN (a reading node's workers each report
+        the same copy), and REPORT_CHECKS_PER_SECOND in all."""
+        now = time.monotonic()
+        key = (bad.dataset_id, bad.chunk)
+        if self._reported.get(key, 0.0) > now - REPORT_COOLDOWN:
+            return False
+        if not self._report_budget.take():
+            return False
+        if len(self._reported) >= 1024:  # forget what is past its cooldown
+            self._reported = {k: t for k, t in self._reported.items()
+                              if t > now - REPORT_COOLDOWN}
+        self._reported[key] = now
+        return True
+
+    def _report_done(self, peer: str, bad: BadRange, future) -> None:
+        """In a disk thread: hand the check's result to the loop thread."""
+        self._checked.append((peer, bad, future))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"r")
+
+    def _report_checked(self, peer: str, bad: BadRange, future) -> None:
+        where = (f"chunk {bad.chunk} of dataset {bad.dataset_id.hex()} ({bad.length} bytes "
+                 f"at {bad.offset})")
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None:
+            self._count("reports_unconfirmed")
+            log.error("peer %s reported %s bad; checking our copy failed: %r", peer, where,
+                      error)
+        elif future.result():
+            self._count("reports_confirmed")
+            log.error("peer %s got bytes of %s that fail their checksum: our staged copy is "
+                      "bad there; evicted, staging it again", peer, where)
+        else:
+            self._count("reports_unconfirmed")
+            log.warning("peer %s reported %s bad; our copy checks out there (or is gone); "
+                        "kept", peer, where)
 
     def _read_failed(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
                      error: Exception, fd: int = -1) -> None:
@@ -405,6 +487,8 @@ class PeerLoopServer:
         with contextlib.suppress(OSError):
             while self._wake_r.recv(4096):
                 pass
+        while self._checked:
+            self._report_checked(*self._checked.popleft())
         while self._finished:
             conn, request_id, chunk, dataset_id, fd, future = self._finished.popleft()
             conn.waiting = False
