@@ -357,7 +357,8 @@ class Services:
                 from dlfsd.pool.peerserver import PeerLoopServer
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
-                                             trusted=node_addresses(pool.view.nodes))
+                                             trusted=node_addresses(pool.view.nodes),
+                                             verify_served=config.verify_served)
 
     def _current(self) -> bool:
         """This daemon still serves its mountpoint: no later one has written its record."""

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pagecache import drop_pages, missing_pages, require
 
+from dlfs.store.format import checksum
 from dlfsd.pool import protocol
 from dlfsd.pool.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
 from dlfsd.pool.peerserver import PeerLoopServer
@@ -28,6 +29,7 @@ SECRET = b"job-secret-0123456789abcdef"
 DATASET = os.urandom(16)
 CHUNKS = [os.urandom(4 << 20), os.urandom(7)]
 NOT_STAGED = 2
+CHUNK_1_SUM = checksum(CHUNKS[1])
 
 
 HEADER = 64  # bytes before a chunk's data in its staged file (like a chunk header)
@@ -40,9 +42,10 @@ class Provider:
     def __init__(self, directory) -> None:
         self.reads = 0
         self.failed_copies: list[tuple[bytes, int]] = []
-        # Checking copies: what the server asks when peers report bad bytes.
+        # Checking copies: what the server asks when peers report or it verifies served bytes.
         self.copy_is_bad = True  # what check_copy finds
         self.checked_copies: list[tuple[int, int, int]] = []
+        self.served_ok = False  # chunk 1's extent was checked as this copy served it
         self.fds, self.paths = [], []
         for i, data in enumerate(CHUNKS):
             path = directory / f"chunk{i}"
@@ -72,6 +75,15 @@ class Provider:
     def check_copy(self, dataset_id, chunk, offset, length):
         self.checked_copies.append((chunk, offset, length))
         return self.copy_is_bad
+
+    def serve_check(self, dataset_id, chunk, offset, length):
+        """Chunk 1 (7 bytes) is one extent; its checksum is CHUNK_1_SUM, until served once."""
+        if chunk != 1 or (offset, length) != (0, len(CHUNKS[1])) or self.served_ok:
+            return None
+        return 0, CHUNK_1_SUM
+
+    def served_checked(self, dataset_id, chunk, ext):
+        self.served_ok = True
 
 
 @pytest.fixture
@@ -469,6 +481,41 @@ def test_a_report_that_does_not_prove_itself_closes_the_connection(server, how):
         assert counter_reaches(server, "reports_confirmed", 1)
     assert len(server.provider.checked_copies) == (1 if how == "replayed" else 0)
     good_read(server)
+
+
+@pytest.mark.parametrize("where", ["page cache", "disk"])
+def test_verify_served_checks_an_extent_the_first_time_only(tmp_path, where):
+    """Bytes in the page cache are checked in the loop, bytes read from the disk on the
+    disk thread; either way a bad extent is not served and its copy is evicted."""
+    provider = Provider(tmp_path)
+    server = PeerLoopServer(SECRET, provider, "server", verify_served=True)
+    port = server.start("127.0.0.1", 0)
+    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", port, timeout=2)
+    try:
+        for _ in range(3):
+            assert client.read(DATASET, 1, 0, 7) == CHUNKS[1]
+        assert client.read(DATASET, 0, 0, 100) == CHUNKS[0][:100]  # not one extent: as is
+        assert server.counters()["served_checks"] == 1
+        provider.served_ok = False  # a new copy: checked again, and now it is bad
+        with open(provider.paths[1], "r+b") as f:
+            f.seek(HEADER + 3)
+            f.write(b"\xff" if CHUNKS[1][3] != 0xFF else b"\x00")
+        if where == "disk":
+            require(tmp_path, "page residency")
+            os.sync()
+            drop_pages([provider.paths[1]])
+            assert missing_pages(provider.paths[1]), "the copy stayed in the page cache"
+        with pytest.raises(PeerMiss):  # FAIL io-error: the reader goes elsewhere
+            client.read(DATASET, 1, 0, 7)
+    finally:
+        client.close()
+        server.stop()
+        provider.close()
+    counts = server.counters()
+    assert (counts["served_checks"], counts["served_bad"]) == (2, 1)
+    assert counts["reads_from_disk"] == (1 if where == "disk" else 0)
+    assert counts["bytes_served"] == 3 * 7 + 100  # the bad bytes never left
+    assert provider.failed_copies == [(DATASET, 1)]  # evict and re-stage it
 
 
 def test_the_report_budget_allows_a_burst_then_its_rate():

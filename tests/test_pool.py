@@ -356,6 +356,7 @@ def test_mount_refuses_a_secret_others_can_read(mounted, pool_store, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "a=127.0.0.1:7001"], "need --cache-dir"),
+    (["--verify-served"], "need --cache-dir"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:70000"], "bad port"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,a=127.0.0.1:7002"], "listed twice"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,b=127.0.0.1:7001", "--node", "a"],
@@ -519,3 +520,24 @@ def test_a_copy_that_went_bad_after_its_check_is_reported_and_restaged_at_once(
         drop_from_page_cache(via_reader)
         assert via_reader.read_bytes() == want
         time.sleep(0.2)
+
+
+def test_verify_served_never_lets_a_bad_copy_out(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    """With --verify-served the holder checks each extent the first time its copy serves
+    it: a flip after its own reader's check is caught there, no peer sees wrong bytes."""
+    cluster = Cluster(mounted, pool_store, tmp_path, 2, extra=("--verify-served",))
+    holder, reader = cluster.mounts
+    for mount in cluster.mounts:
+        wait_staged(dlfs_cli, mount)
+    rel, pos = a_held_file(pool_store, pool_source, cluster.names, 0)
+    assert (Path(holder.path) / "ds" / rel).read_bytes() == (pool_source / rel).read_bytes()
+    copy = held_copy(cluster.caches[0], pool_store, rel)
+    inode = copy.stat().st_ino
+    flip_byte(copy, pos)
+    assert (Path(reader.path) / "ds" / rel).read_bytes() == (pool_source / rel).read_bytes()
+    wait_new_copy(copy, inode, timeout=30)
+    served = fresh_status(dlfs_cli, holder)["peer_server"]
+    assert served["served_bad"] == 1 and served["served_checks"] >= 1
+    assert "fail their checksum" not in reader.log_text()  # no wrong byte crossed
+    read_and_compare(reader, pool_source, source_files(pool_source))

@@ -29,7 +29,9 @@ lives. A peer whose bytes failed their checksum sends a REPORT of the range
 thread and evicts and re-stages a bad copy at once. Reports are rate limited
 here too (REPORT_CHECKS_PER_SECOND, and one check per chunk per
 REPORT_COOLDOWN), so a peer, or a rotting disk, cannot keep the disk threads
-busy hashing.
+busy hashing. With `verify_served` (--verify-served) the server also checks
+each extent the first time the current copy serves it: wrong bytes then
+never leave this node, at the cost of hashing each extent once per copy.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import threading
 import time
 from typing import Protocol
 
+from dlfs.store.format import checksum
 from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
 from dlfsd.pool import protocol
 from dlfsd.pool.admission import Admission, RefusalLog, plain_ip
@@ -72,6 +75,14 @@ class BlockingChunkProvider(Protocol):
                    length: int) -> bool | None:
         """Check the extents of the staged copy a reported range overlaps; evict a bad
         copy. True if evicted, False if it checks out, None if nothing is staged. Blocks."""
+
+    def serve_check(self, dataset_id: bytes, chunk: int, offset: int,
+                    length: int) -> tuple[int, int] | None:
+        """(extent, checksum) if this READ is a whole extent the current copy has not
+        served yet (--verify-served), else None."""
+
+    def served_checked(self, dataset_id: bytes, chunk: int, ext: int) -> None:
+        """That extent checked out: not again for this copy."""
 
     def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         """The staged copy could not be read through `fd` (-1: could not be opened):
@@ -108,14 +119,16 @@ class PeerLoopServer:
                  # REPORTs: checked and bad (evicted), checked and good (or not staged),
                  # out of bounds, dropped by the rate limits
                  "reports_received", "reports_confirmed", "reports_unconfirmed",
-                 "reports_refused", "reports_dropped")
+                 "reports_refused", "reports_dropped",
+                 "served_checks", "served_bad")  # --verify-served
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
                  max_connections: int = 256, disk_threads: int = 4,
-                 trusted: frozenset[str] | None = None) -> None:
+                 trusted: frozenset[str] | None = None, verify_served: bool = False) -> None:
         """`trusted`: the addresses of the job's nodes (None: treat every address so);
-        see dlfsd.pool.admission for what strangers may do."""
+        see dlfsd.pool.admission for what strangers may do. `verify_served`: check
+        each extent the first time the current copy serves it."""
         self._secret = protocol.check_secret(secret)
         self.provider = provider
         self.node_name = node_name
@@ -133,6 +146,7 @@ class PeerLoopServer:
             disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
         self._finished: collections.deque = collections.deque()  # disk reads done
         self._checked: collections.deque = collections.deque()  # reports checked
+        self.verify_served = verify_served
         self._report_budget = TokenBucket(REPORT_CHECKS_PER_SECOND,
                                           int(REPORT_CHECKS_PER_SECOND))
         self._reported: dict[tuple[bytes, int], float] = {}  # (dataset, chunk) -> when
@@ -344,6 +358,9 @@ class PeerLoopServer:
                 self._send(conn, protocol.encode(protocol.fail(request_id, problem)))
                 return
             staged = self.provider.staged_file(dataset_id, chunk)
+            check = None
+            if staged is not None and self.verify_served:
+                check = self.provider.serve_check(dataset_id, chunk, offset, length)
         except Exception as error:
             self._read_failed(conn, request_id, chunk, dataset_id, error)
             return
@@ -361,6 +378,10 @@ class PeerLoopServer:
                 self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
                 return
             if cached:
+                if check is not None and not self._checks_out(dataset_id, chunk, check, view):
+                    self._read_failed(conn, request_id, chunk, dataset_id,
+                                      BadCopyError(check[0]), fd)
+                    return
                 self._serve(conn, request_id, view)
                 return
         # Not all in the page cache: a disk thread reads it while this loop serves others
@@ -370,7 +391,19 @@ class PeerLoopServer:
         self._unwatch(conn)  # nothing more from this peer until this reply is out
         future = self._disk.submit(_pread_exact, fd, length, pos)
         future.add_done_callback(lambda f: self._disk_done(conn, request_id, chunk, dataset_id,
-                                                           fd, f))
+                                                           fd, check, f))
+
+    def _checks_out(self, dataset_id: bytes, chunk: int, check: tuple[int, int],
+                    payload) -> bool:
+        """--verify-served: the bytes of an extent about to be served for the first time
+        from this copy match its checksum (then it is not checked again)."""
+        ext, expected = check
+        self._count("served_checks")
+        if checksum(payload) == expected:
+            self.provider.served_checked(dataset_id, chunk, ext)
+            return True
+        self._count("served_bad")
+        return False
 
     # -- reports of bad copies ----------------------------------------------------------
     def _on_report(self, conn: _Conn, bad: BadRange) -> None:
@@ -477,9 +510,9 @@ class PeerLoopServer:
 
     # -- reads that wait for the disk -------------------------------------------------------
     def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes, fd: int,
-                   future) -> None:
+                   check: tuple[int, int] | None, future) -> None:
         """In a disk thread: hand the result to the loop thread."""
-        self._finished.append((conn, request_id, chunk, dataset_id, fd, future))
+        self._finished.append((conn, request_id, chunk, dataset_id, fd, check, future))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"d")
 
@@ -490,16 +523,19 @@ class PeerLoopServer:
         while self._checked:
             self._report_checked(*self._checked.popleft())
         while self._finished:
-            conn, request_id, chunk, dataset_id, fd, future = self._finished.popleft()
+            conn, request_id, chunk, dataset_id, fd, check, future = self._finished.popleft()
             conn.waiting = False
             if conn.sock not in self._conns or future.cancelled():
                 continue
             self._guarded_call(conn, self._answer_disk_read, conn, request_id, chunk,
-                               dataset_id, fd, future)
+                               dataset_id, fd, check, future)
 
     def _answer_disk_read(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
-                          fd: int, future) -> None:
+                          fd: int, check: tuple[int, int] | None, future) -> None:
         error = future.exception()
+        if error is None and check is not None \
+                and not self._checks_out(dataset_id, chunk, check, future.result()):
+            error = BadCopyError(check[0])
         if error is None:
             self._serve(conn, request_id, future.result())
         else:
@@ -580,6 +616,14 @@ class PeerLoopServer:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.sock)
         conn.sock.close()
+
+
+class BadCopyError(OSError):
+    """--verify-served: an extent of the staged copy failed its checksum before it was
+    served (an OSError: the copy's fault, so it is evicted as an unreadable one is)."""
+
+    def __init__(self, ext: int) -> None:
+        super().__init__(f"extent {ext} fails its checksum (checked before serving it)")
 
 
 def _pread_exact(fd: int, length: int, pos: int) -> bytes:

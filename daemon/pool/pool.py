@@ -20,7 +20,8 @@ however many workers read parts of it.
 The pool is also the peer server's ChunkProvider: it serves byte ranges of
 staged chunks, a request for an owned chunk not staged yet moves that chunk
 to the front of the staging queue, a copy the server cannot read is evicted
-and staged again, and it checks the ranges peers report bad.
+and staged again, and it checks copies: a reported range, an extent before
+it is first served (--verify-served).
 
 Client connections belong to one trio run in one process; forked workers
 call `after_fork` and open their own.
@@ -87,6 +88,7 @@ class ChunkPool:
         # (node, ds, chunk) -> (avoid until, times found bad in a row)
         self._bad_copies: dict[tuple[int, int, int], tuple[float, int]] = {}
         self._reports = TokenBucket(REPORTS_PER_SECOND, REPORT_BURST)
+        self._checked: list[bytearray | None] = [None] * len(datasets)  # see serve_check
         self._chunk_extents: list[list[int] | None] = [None] * len(datasets)  # extents_in
         # Shared by the forked workers, so made now; only where there are peers to read.
         self.share: PeerShare | None = None
@@ -300,7 +302,7 @@ class ChunkPool:
         ds = self._by_id.get(dataset_id)
         return ds is not None and self.evict_copy(ds, chunk, fd)
 
-    # -- checking copies: reports of peers ------------------------------------------------
+    # -- checking copies: reports of peers, --verify-served --------------------------------
     def extents_in(self, ds: int, chunk: int, offset: int, length: int):
         """The extents of a chunk that overlap its data range [offset, offset+length):
         a range of extent indices (dlfs.store.layout packs a chunk's extents back to
@@ -349,6 +351,34 @@ class ChunkPool:
             if len(data) != length or checksum(data) != d.ext_checksum_view[ext]:
                 return False
         return True
+
+    def serve_check(self, dataset_id: bytes, chunk: int, offset: int,
+                    length: int) -> tuple[int, int] | None:
+        """--verify-served: (extent, expected checksum) if a READ of this range is one
+        whole extent the current staged copy has not served since it was staged; None
+        if there is nothing to check (served before, or not one extent)."""
+        ds = self._by_id[dataset_id]
+        gen = self.caches[ds].generation(chunk)
+        if not gen:
+            return None
+        exts = self.extents_in(ds, chunk, offset, length)
+        d = self.datasets[ds].directory
+        if len(exts) != 1:
+            return None
+        ext = int(exts[0])
+        if d.ext_offset_view[ext] != offset or d.ext_length_view[ext] != length:
+            return None
+        checked = self._checked[ds]
+        if checked is None:  # one byte per extent: the copy generation it was checked in
+            checked = self._checked[ds] = bytearray(len(d.ext_offset_view))
+        if checked[ext] == gen:
+            return None
+        return ext, int(d.ext_checksum_view[ext])
+
+    def served_checked(self, dataset_id: bytes, chunk: int, ext: int) -> None:
+        """The extent checked out as the current copy served it: not again for this copy."""
+        ds = self._by_id[dataset_id]
+        self._checked[ds][ext] = self.caches[ds].generation(chunk)
 
     def evict_copy(self, ds: int, chunk: int, fd: int) -> bool:
         """Drop the staged copy read through `fd`, which failed, and if this node owns
