@@ -347,6 +347,7 @@ class Services:
         self.pool = pool
         self.stager = None
         self.server = None
+        self.scrubber = None
         if pool is not None:
             from dlfsd.pool.stager import Stager
 
@@ -359,6 +360,10 @@ class Services:
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
                                              trusted=node_addresses(pool.view.nodes),
                                              verify_served=config.verify_served)
+            if config.scrub_rate:
+                from dlfsd.pool.scrub import Scrubber
+
+                self.scrubber = Scrubber(pool, config.scrub_rate)
 
     def _current(self) -> bool:
         """This daemon still serves its mountpoint: no later one has written its record."""
@@ -370,6 +375,8 @@ class Services:
                               self.pool, self.server)
         if self.pool is not None and self.pool.share is not None:
             status["peer_fetch"] = self.pool.fetch_counters()  # the node's, not per worker
+        if self.scrubber is not None:
+            status["scrub"] = self.scrubber.counters()
         return status
 
     def listen(self) -> None:
@@ -394,6 +401,8 @@ class Services:
             async with trio.open_nursery() as nursery:
                 if self.stager is not None:
                     nursery.start_soon(self.stager.run)
+                if self.scrubber is not None:
+                    nursery.start_soon(self.scrubber.run)
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint),
                                    self.status, self._current)
                 task_status.started()

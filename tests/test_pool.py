@@ -357,6 +357,7 @@ def test_mount_refuses_a_secret_others_can_read(mounted, pool_store, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "a=127.0.0.1:7001"], "need --cache-dir"),
     (["--verify-served"], "need --cache-dir"),
+    (["--scrub-rate", "1M"], "need --cache-dir"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:70000"], "bad port"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,a=127.0.0.1:7002"], "listed twice"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,b=127.0.0.1:7001", "--node", "a"],
@@ -541,3 +542,22 @@ def test_verify_served_never_lets_a_bad_copy_out(
     assert served["served_bad"] == 1 and served["served_checks"] >= 1
     assert "fail their checksum" not in reader.log_text()  # no wrong byte crossed
     read_and_compare(reader, pool_source, source_files(pool_source))
+
+
+def test_scrub_finds_a_flipped_byte_in_a_copy_nobody_reads(
+        mounted, pool_store, tmp_path, dlfs_cli):
+    cache = tmp_path / "cache"
+    mount = mounted(pool_store, "--cache-dir", str(cache), "--scrub-rate", "16M")
+    wait_staged(dlfs_cli, mount)
+    copy = sorted(cache.glob("*/*.chunk"))[1]
+    inode = copy.stat().st_ino
+    byte = flip_byte(copy, CHUNK_HEADER_SIZE + 1000)
+    wait_new_copy(copy, inode, timeout=60)
+    with open(copy, "rb") as f:
+        f.seek(CHUNK_HEADER_SIZE + 1000)
+        assert f.read(1) == byte
+    scrub = fresh_status(dlfs_cli, mount)["scrub"]
+    assert scrub["bad_copies"] == 1 and scrub["checked_bytes"] > 0
+    assert "scrub: extent" in mount.log_text()
+    sources = fresh_sources(dlfs_cli, mount)
+    assert sources["local"]["requests"] == sources["store"]["requests"] == 0  # nobody read

@@ -21,7 +21,7 @@ The pool is also the peer server's ChunkProvider: it serves byte ranges of
 staged chunks, a request for an owned chunk not staged yet moves that chunk
 to the front of the staging queue, a copy the server cannot read is evicted
 and staged again, and it checks copies: a reported range, an extent before
-it is first served (--verify-served).
+it is first served (--verify-served), a copy the scrub reads.
 
 Client connections belong to one trio run in one process; forked workers
 call `after_fork` and open their own.
@@ -302,7 +302,7 @@ class ChunkPool:
         ds = self._by_id.get(dataset_id)
         return ds is not None and self.evict_copy(ds, chunk, fd)
 
-    # -- checking copies: reports of peers, --verify-served --------------------------------
+    # -- checking copies: reports of peers, --verify-served, the scrub ----------------------
     def extents_in(self, ds: int, chunk: int, offset: int, length: int):
         """The extents of a chunk that overlap its data range [offset, offset+length):
         a range of extent indices (dlfs.store.layout packs a chunk's extents back to
