@@ -80,9 +80,9 @@ class Provider:
         """Chunk 1 (7 bytes) is one extent; its checksum is CHUNK_1_SUM, until served once."""
         if chunk != 1 or (offset, length) != (0, len(CHUNKS[1])) or self.served_ok:
             return None
-        return 0, CHUNK_1_SUM
+        return 0, CHUNK_1_SUM, 1
 
-    def served_checked(self, dataset_id, chunk, ext):
+    def served_checked(self, dataset_id, ext, gen):
         self.served_ok = True
 
 

@@ -340,3 +340,25 @@ async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(datase
         finally:
             reader.close()
             reader_pool.close()
+
+
+def test_verify_served_checks_each_extent_once_per_staged_copy(dataset, tmp_path):
+    """--verify-served's bookkeeping in the pool: an extent of chunk 0 is to be checked
+    until it checked out in this copy; a copy staged anew is checked again; a range that
+    is not one whole extent is not checked (readers only ask for whole extents)."""
+    ds, _ = dataset
+    pool, stager = pool_with_chunk_0_staged(ds, tmp_path / "cache")
+    d = ds.directory
+    ext = int(pool.extents_in(0, 0, 0, 1)[0])
+    offset, length = int(d.ext_offset_view[ext]), int(d.ext_length_view[ext])
+    check = pool.serve_check(ds.uuid, 0, offset, length)
+    assert check is not None and check[:2] == (ext, int(d.ext_checksum_view[ext]))
+    assert pool.serve_check(ds.uuid, 0, offset, length - 1) is None
+    pool.served_checked(ds.uuid, ext, check[2])
+    assert pool.serve_check(ds.uuid, 0, offset, length) is None
+    pool.caches[0].evict(0)
+    assert pool.serve_check(ds.uuid, 0, offset, length) is None  # not staged: nothing served
+    stager._copy(0, 0, bytearray())
+    again = pool.serve_check(ds.uuid, 0, offset, length)
+    assert again is not None and again[2] != check[2]
+    pool.close()

@@ -77,12 +77,12 @@ class BlockingChunkProvider(Protocol):
         copy. True if evicted, False if it checks out, None if nothing is staged. Blocks."""
 
     def serve_check(self, dataset_id: bytes, chunk: int, offset: int,
-                    length: int) -> tuple[int, int] | None:
-        """(extent, checksum) if this READ is a whole extent the current copy has not
-        served yet (--verify-served), else None."""
+                    length: int) -> tuple[int, int, int] | None:
+        """(extent, checksum, copy generation) if this READ is a whole extent the current
+        copy has not served yet (--verify-served), else None."""
 
-    def served_checked(self, dataset_id: bytes, chunk: int, ext: int) -> None:
-        """That extent checked out: not again for this copy."""
+    def served_checked(self, dataset_id: bytes, ext: int, gen: int) -> None:
+        """That extent checked out in that copy: not again for it."""
 
     def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         """The staged copy could not be read through `fd` (-1: could not be opened):
@@ -378,7 +378,7 @@ class PeerLoopServer:
                 self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
                 return
             if cached:
-                if check is not None and not self._checks_out(dataset_id, chunk, check, view):
+                if check is not None and not self._checks_out(dataset_id, check, view):
                     self._read_failed(conn, request_id, chunk, dataset_id,
                                       BadCopyError(check[0]), fd)
                     return
@@ -393,14 +393,13 @@ class PeerLoopServer:
         future.add_done_callback(lambda f: self._disk_done(conn, request_id, chunk, dataset_id,
                                                            fd, check, f))
 
-    def _checks_out(self, dataset_id: bytes, chunk: int, check: tuple[int, int],
-                    payload) -> bool:
+    def _checks_out(self, dataset_id: bytes, check: tuple[int, int, int], payload) -> bool:
         """--verify-served: the bytes of an extent about to be served for the first time
         from this copy match its checksum (then it is not checked again)."""
-        ext, expected = check
+        ext, expected, gen = check
         self._count("served_checks")
         if checksum(payload) == expected:
-            self.provider.served_checked(dataset_id, chunk, ext)
+            self.provider.served_checked(dataset_id, ext, gen)
             return True
         self._count("served_bad")
         return False
@@ -510,7 +509,7 @@ class PeerLoopServer:
 
     # -- reads that wait for the disk -------------------------------------------------------
     def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes, fd: int,
-                   check: tuple[int, int] | None, future) -> None:
+                   check: tuple[int, int, int] | None, future) -> None:
         """In a disk thread: hand the result to the loop thread."""
         self._finished.append((conn, request_id, chunk, dataset_id, fd, check, future))
         with contextlib.suppress(OSError):
@@ -531,10 +530,10 @@ class PeerLoopServer:
                                dataset_id, fd, check, future)
 
     def _answer_disk_read(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
-                          fd: int, check: tuple[int, int] | None, future) -> None:
+                          fd: int, check: tuple[int, int, int] | None, future) -> None:
         error = future.exception()
         if error is None and check is not None \
-                and not self._checks_out(dataset_id, chunk, check, future.result()):
+                and not self._checks_out(dataset_id, check, future.result()):
             error = BadCopyError(check[0])
         if error is None:
             self._serve(conn, request_id, future.result())

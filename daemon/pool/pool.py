@@ -353,10 +353,10 @@ class ChunkPool:
         return True
 
     def serve_check(self, dataset_id: bytes, chunk: int, offset: int,
-                    length: int) -> tuple[int, int] | None:
-        """--verify-served: (extent, expected checksum) if a READ of this range is one
-        whole extent the current staged copy has not served since it was staged; None
-        if there is nothing to check (served before, or not one extent)."""
+                    length: int) -> tuple[int, int, int] | None:
+        """--verify-served: (extent, expected checksum, copy generation) if a READ of
+        this range is one whole extent the current staged copy has not served since it
+        was staged; None if there is nothing to check (served before, not one extent)."""
         ds = self._by_id[dataset_id]
         gen = self.caches[ds].generation(chunk)
         if not gen:
@@ -373,12 +373,12 @@ class ChunkPool:
             checked = self._checked[ds] = bytearray(len(d.ext_offset_view))
         if checked[ext] == gen:
             return None
-        return ext, int(d.ext_checksum_view[ext])
+        return ext, int(d.ext_checksum_view[ext]), gen
 
-    def served_checked(self, dataset_id: bytes, chunk: int, ext: int) -> None:
-        """The extent checked out as the current copy served it: not again for this copy."""
-        ds = self._by_id[dataset_id]
-        self._checked[ds][ext] = self.caches[ds].generation(chunk)
+    def served_checked(self, dataset_id: bytes, ext: int, gen: int) -> None:
+        """The extent checked out as copy generation `gen` served it (the one serve_check
+        named: a copy staged anew since is checked on its own): not again for it."""
+        self._checked[self._by_id[dataset_id]][ext] = gen
 
     def evict_copy(self, ds: int, chunk: int, fd: int) -> bool:
         """Drop the staged copy read through `fd`, which failed, and if this node owns
