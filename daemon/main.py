@@ -123,7 +123,9 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
         cache_root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
-    pool = ChunkPool(view, datasets, cache_root, config.peer_timeout)
+    # Rows of the shared fetch counters: the main process, the workers, the control process.
+    pool = ChunkPool(view, datasets, cache_root, config.peer_timeout,
+                     processes=config.workers + 2)
     pool.cache_limit = limit_for_node(config, pool)
     adopted = pool.scan_caches(pool.cache_limit)
     log.info("chunk pool: node %s of %d, %d replicas, peer port %s:%d, cache %s (%d staged "
@@ -380,6 +382,7 @@ class Services:
         self.pool = pool
         self.stager = None
         self.server = None
+        self.scrubber = None
         if pool is not None:
             from dlfsd.pool.stager import Stager
 
@@ -390,7 +393,12 @@ class Services:
                 from dlfsd.pool.peerserver import PeerLoopServer
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
-                                             trusted=node_addresses(pool.view.nodes))
+                                             trusted=node_addresses(pool.view.nodes),
+                                             verify_served=config.verify_served)
+            if config.scrub_rate:
+                from dlfsd.pool.scrub import Scrubber
+
+                self.scrubber = Scrubber(pool, config.scrub_rate)
         self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
                                   observe.health, observe.peer_marks, pool, self.stager)
 
@@ -402,8 +410,13 @@ class Services:
     def status(self) -> dict:
         """The status file's contents; also scans for stalled reads (the status task's
         second is the stall detector's) and publishes the health for .dlfs/metrics."""
-        return build_status(self.config, self.datasets, self.stats, self.stager,
-                            self.pool, self.server, self.health.check())
+        status = build_status(self.config, self.datasets, self.stats, self.stager,
+                              self.pool, self.server, self.health.check())
+        if self.pool is not None and self.pool.share is not None:
+            status["peer_fetch"] = self.pool.fetch_counters()  # the node's, not per worker
+        if self.scrubber is not None:
+            status["scrub"] = self.scrubber.counters()
+        return status
 
     def listen(self) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a
@@ -427,6 +440,8 @@ class Services:
             async with trio.open_nursery() as nursery:
                 if self.stager is not None:
                     nursery.start_soon(self.stager.run)
+                if self.scrubber is not None:
+                    nursery.start_soon(self.scrubber.run)
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint),
                                    self.status, self._current)
                 task_status.started()

@@ -58,6 +58,9 @@ class MountConfig:
     stage_jobs: int = 2  # chunks copied from the store at once
     peer_timeout: float = 5.0  # seconds per peer call before trying elsewhere
     store_bandwidth: int = 0  # bytes/s per store read stream; only to model a slow store
+    # The peer server checks each extent the first time the current copy serves it.
+    verify_served: bool = False
+    scrub_rate: int = 0  # bytes/s the staged copies are re-read and checked at (0: never)
     # -- the look-ahead (dlfsd.lookahead): reads announced epochs ahead of the readers --
     lookahead: bool = True  # listen for samplers' announcements (off: --lookahead 0)
     lookahead_samples: int = 256  # samples fetched ahead of the readers, at most

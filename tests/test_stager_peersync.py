@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 from conftest import chunked_dataset, until
-from peerfakes import DATASET, SECRET, FileProvider
+from peerfakes import DATASET, SECRET, FileProvider, version_1_server
 
 from dlfsd.pool import protocol
 from dlfsd.pool import stager as stager_module
@@ -277,3 +277,24 @@ def test_clients_of_one_process_share_one_receive_buffer(start_peer):
     finally:
         a.close()
         b.close()
+
+
+async def test_a_version_1_peer_is_read_in_version_1_and_told_no_reports(nursery):
+    """An older daemon of the job refuses protocol version 2: the client connects again
+    speaking version 1, keeps to it, and sends it no REPORT (version 1 has none)."""
+    chunk = os.urandom(5000)
+    hellos: list[int] = []
+    port = await serve_fake(nursery, lambda stream, number: version_1_server(stream, hellos,
+                                                                              chunk))
+    client = blocking_client(port)
+    try:
+        for offset in (0, 100):
+            got = await trio.to_thread.run_sync(client.read, DATASET, 0, offset, 1000)
+            assert bytes(got) == chunk[offset : offset + 1000]
+        assert not client.report(protocol.BadRange(DATASET, 0, 0, 1000))
+        client.close()  # a new connection starts in version 1 right away
+        assert bytes(await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 10)) == \
+            chunk[:10]
+    finally:
+        client.close()
+    assert hellos == [2, 1, 1]

@@ -60,6 +60,10 @@ class ChunkCache:
     def is_staged(self, chunk: int) -> bool:
         return self._state[chunk] != 0
 
+    def generation(self, chunk: int) -> int:
+        """The current copy's generation (1-255, new at every publish), 0 if none."""
+        return self._state[chunk]
+
     def staged_mask(self) -> np.ndarray:
         return self._view != 0
 

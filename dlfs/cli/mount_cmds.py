@@ -216,6 +216,13 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="chunks copied from the store at once (default 2)")
     g.add_argument("--peer-timeout", type=_seconds, default=5.0,
                    help="seconds before a silent peer is skipped (default 5)")
+    g.add_argument("--verify-served", action="store_true",
+                   help="check each extent against its checksum the first time this node "
+                        "serves it to a peer from its staged copy (a copy gone bad since "
+                        "it was staged is re-staged before a peer sees it)")
+    g.add_argument("--scrub-rate", type=_size, metavar="BYTES/S",
+                   help="re-read the staged copies in the background at this rate, e.g. "
+                        "64M, and re-stage any that went bad (default: off)")
     g.add_argument("--store-bandwidth", type=_size, help=argparse.SUPPRESS)  # benchmarks only
     g.add_argument("--slurm", action="store_true",
                    help="inside a Slurm job or prolog: --nodes and --node from the job's "
@@ -281,11 +288,11 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
 
     nodes = node_items(args)
     wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit
-                      or args.node_cache_limit)
+                      or args.node_cache_limit or args.verify_served or args.scrub_rate)
     if wants_pool and not args.cache_dir:
-        raise UsageError("--nodes, --node, --secret-file, --cache-limit and --node-cache-limit "
-                         "need --cache-dir "
-                         "(the node-local directory chunks are staged into)")
+        raise UsageError("--nodes, --node, --secret-file, --cache-limit, --node-cache-limit, "
+                         "--verify-served and --scrub-rate need --cache-dir (the node-local "
+                         "directory chunks are staged into)")
     if not args.cache_dir:
         return {}
     view = resolve_cluster(tuple(nodes), args.node, args.replicas, args.secret_file)
@@ -295,7 +302,8 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
                 secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
                 cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
                 node_cache_limit=args.node_cache_limit or 0,
-                peer_timeout=args.peer_timeout)
+                peer_timeout=args.peer_timeout, verify_served=args.verify_served,
+                scrub_rate=args.scrub_rate or 0)
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:
