@@ -287,12 +287,19 @@ def _node_cache_conf(site: Site, **more: str) -> Path:
 
 
 def _read_script(site: Site, name: str, before_read: str = "") -> Path:
-    """A job that, on every node, runs `before_read` in its mount, then lists sha256 sums."""
+    """A job that, on every node, runs `before_read` in its mount, then lists sha256 sums.
+
+    It first waits until every node's mount is up: a node's step may start before
+    another node's prolog has mounted (its reads of that peer's chunks then go to the
+    store, which these tests count)."""
     script = site.out(name)
     mount = f"{site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME"
+    all_up = (f"for i in $(seq 300); do n=0; for d in {site.base}/mnt/$SLURM_JOB_ID/*; do "
+              "mountpoint -q $d && n=$((n+1)); done; [ $n -ge $SLURM_JOB_NUM_NODES ] && "
+              "break; sleep 0.1; done;")
     script.write_text(
         "#!/bin/bash\n"
-        f"srun -l bash -c 'M={mount}; {before_read} cd $M/ds && "
+        f"srun -l bash -c '{all_up} M={mount}; {before_read} cd $M/ds && "
         "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum "
         f"> {site.base}/out/$SLURM_JOB_ID-$SLURMD_NODENAME.sums'\n")
     return script
