@@ -82,6 +82,18 @@ def test_lookup_of_absent_name_is_minus_one(tree, missing):
                 assert d.lookup(d.resolve(path), missing) == -1
 
 
+@settings(max_examples=100, deadline=None)
+@given(tree=trees(), missing=names, data=st.data())
+def test_resolve_many_answers_as_resolve_path_by_path(tree, missing, data):
+    """The bulk lookup a sampler's registration uses: every path of the tree, absent
+    ones, paths through files and symlinks, and slashes doubled or at the ends."""
+    d = build_directory(tree.values(), 4096)
+    paths = list(tree) + [p + b"/" + missing if p else missing for p in tree]
+    paths += [b"/" + p + b"/" for p in tree] + [p.replace(b"/", b"//") for p in tree]
+    paths = data.draw(st.permutations(paths))
+    assert d.resolve_many(paths).tolist() == [d.resolve(p) for p in paths]
+
+
 @settings(max_examples=50, deadline=None)
 @given(tree=trees())
 def test_manifest_round_trip_preserves_everything(tree):
