@@ -134,7 +134,7 @@ class SampleDirectory:
         """Parent row (the root is its own parent)."""
         if row == 0:
             return 0
-        return int(np.searchsorted(self.arrays["child_start"], row, side="right")) - 1
+        return _last_at_most(self.arrays["child_start"], row)
 
     def path(self, row: int) -> bytes:
         """Path of a row relative to the dataset root, e.g. b'train/cat/001.jpg'."""
@@ -167,7 +167,12 @@ class SampleDirectory:
         return np.flatnonzero((self.arrays["mode"] & 0o170000) == stat.S_IFREG)
 
     def row_of_extent(self, extent: int) -> int:
-        return int(np.searchsorted(self.arrays["ext_start"], extent, side="right")) - 1
+        return _last_at_most(self.arrays["ext_start"], extent)
+
+    def parents(self, rows: np.ndarray) -> np.ndarray:
+        """Parent row of each of `rows` (the root's is itself), in one call."""
+        found = np.searchsorted(self.arrays["child_start"], rows, side="right") - 1
+        return np.where(np.asarray(rows) == 0, 0, found)
 
     def extents_by_chunk(self, chunk_count: int) -> tuple[np.ndarray, np.ndarray]:
         """(order, bounds): extents of chunk c are order[bounds[c]:bounds[c + 1]].
@@ -202,6 +207,16 @@ class SampleDirectory:
         arrays = dict(self.arrays)
         arrays["ext_checksum"] = np.asarray(checksums, dtype=np.uint64)
         return SampleDirectory(arrays, self.names, self.links, self.extent_size)
+
+
+def _last_at_most(ascending: np.ndarray, value: int) -> int:
+    """Index of the last element <= `value` in an ascending array, in O(log n).
+
+    `value` is made the array's own dtype first: numpy searches a uint32 array for a
+    Python int by converting the whole array to int64 first, an O(n) copy per call that
+    made populate quadratic in the number of files (path() of every file).
+    """
+    return int(ascending.searchsorted(ascending.dtype.type(value), side="right")) - 1
 
 
 def display_path(raw: bytes) -> str:
