@@ -26,7 +26,7 @@ import numpy as np
 
 from dlfs.errors import DlfsError, UsageError
 from dlfs.progress import byte_progress
-from dlfs.store.directory import SampleDirectory, build_directory, chunk_lengths, display_path
+from dlfs.store.directory import SampleDirectory, chunk_lengths, display_path
 from dlfs.store.format import (
     CHUNK_DIR,
     DEFAULT_CHUNK_SIZE,
@@ -141,7 +141,7 @@ def plan_populate(source: Path, store: Store, name: str, options: PopulateOption
     if scan.vanished:
         log.warning("%d entries were deleted while the source was scanned and are not "
                     "packed: %s", len(scan.vanished), _some_paths(scan.vanished))
-    directory = build_directory(scan.entries, options.chunk_size)
+    directory = scan.directory(options.chunk_size)
     stats = _stats(directory, len(scan.skipped),
                    display_path(os.fsencode(os.path.abspath(source))))
     # The temp dir is named before it exists, so cleanup never misses it.
