@@ -27,6 +27,7 @@ from dlfs.store.directory import SampleDirectory, chunk_lengths
 from dlfs.store.populate import (
     PopulateOptions,
     PopulatePlan,
+    default_jobs,
     interrupted_outcome,
     plan_populate,
     publish_dataset,
@@ -85,6 +86,8 @@ def mpi_populate(source: Path, store: Store, name: str,
     rank = comm.Get_rank()
     if rank != 0:
         options = replace(options, progress=False)  # one progress bar: rank 0's share
+    if options.jobs is None:  # the ranks on one node share its cores
+        options = replace(options, jobs=default_jobs(_ranks_on_this_node(mpi, comm)))
 
     made: list[PopulatePlan] = []  # rank 0: the plan whose temporary directory it makes
     try:
@@ -96,6 +99,15 @@ def mpi_populate(source: Path, store: Store, name: str,
             raise
         shutil.rmtree(made[0].tmp, ignore_errors=True)
         raise KeyboardInterrupt(interrupted_outcome(store, made[0])) from None
+
+
+def _ranks_on_this_node(mpi, comm) -> int:
+    """How many ranks of the job run on this node (they share its memory)."""
+    local = comm.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        return local.Get_size()
+    finally:
+        local.Free()
 
 
 def _write_and_publish(mpi, comm, source: Path, store: Store, plan: PopulatePlan,

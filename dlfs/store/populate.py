@@ -40,10 +40,26 @@ log = logging.getLogger(__name__)
 
 
 
+# Worker processes when --jobs is not given: one per core, at most this many (each
+# has up to packer.AHEAD reads in flight already; more only on request).
+MAX_DEFAULT_JOBS = 16
+
+
+def default_jobs(sharing: int = 1) -> int:
+    """Worker processes of a populate by default: the cores this process may run on,
+    shared among `sharing` populates on the node (MPI ranks), at most MAX_DEFAULT_JOBS.
+    Processes, not threads: the per-file work holds the GIL (dlfs.store.packer)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_JOBS, cores // max(1, sharing)))
+
+
 @dataclass(frozen=True)
 class PopulateOptions:
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    jobs: int = 4
+    jobs: int | None = None  # None: default_jobs()
     force: bool = False
     fsync: bool = True
     progress: bool | None = None  # None: only when stderr is a terminal
@@ -53,7 +69,7 @@ def check_options(options: PopulateOptions) -> None:
     if not MIN_CHUNK_SIZE <= options.chunk_size <= MAX_CHUNK_SIZE:
         raise UsageError(f"--chunk-size must be between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE} "
                          f"bytes, got {options.chunk_size}")
-    if options.jobs < 1:
+    if options.jobs is not None and options.jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {options.jobs}")
 
 
@@ -203,8 +219,8 @@ def write_chunks(source: Path, tmp: Path, directory: SampleDirectory, dataset_uu
     and only their extents' checksums are set (the others stay zero): how MPI
     ranks share the work. The copying itself is dlfs.store.packer's.
     """
-    return copy_extents(source, tmp, directory, dataset_uuid, options.jobs, options.fsync,
-                        options.progress, chunks)
+    return copy_extents(source, tmp, directory, dataset_uuid, options.jobs or default_jobs(),
+                        options.fsync, options.progress, chunks)
 
 
 def _write_file(path: Path, data: bytes, fsync: bool) -> None:
