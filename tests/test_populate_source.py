@@ -94,6 +94,25 @@ def test_file_rewritten_in_place_at_the_same_size_is_caught(source, tmp_path):
         _copy(source, plan)
 
 
+def test_file_grown_keeping_its_mtime_is_caught(source, tmp_path):
+    plan = _plan(source, tmp_path)
+    path = source / "big.bin"
+    before = os.stat(path).st_mtime_ns
+    with open(path, "ab") as f:
+        f.write(b"more")
+    os.utime(path, ns=(0, before))
+    with pytest.raises(DlfsError, match=r"changed while packing: .*big\.bin"):
+        _copy(source, plan)
+
+
+def test_directory_deleted_while_packing_is_named(source, tmp_path):
+    plan = _plan(source, tmp_path)
+    (source / "d" / "sample.bin").unlink()
+    (source / "d").rmdir()
+    with pytest.raises(DlfsError, match=r"source directory .*/d was deleted while packing"):
+        _copy(source, plan)
+
+
 def test_unchanged_source_packs_with_the_same_checks(source, tmp_path):
     """The checks pass on a stable tree, a source given through a symlink included."""
     link = tmp_path / "src-link"
