@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if "populate@base" in wanted and not args.baseline:
             p.error("populate@base needs --baseline DIR")
     args.variants = tuple(wanted)
+    if args.baseline and not (args.baseline / "dlfs" / "store" / "populate.py").is_file():
+        p.error(f"--baseline {args.baseline}: no dlfs checkout there (dlfs/store/populate.py)")
     return args
 
 
@@ -146,14 +148,17 @@ def run_variant(variant: str, src: Path, out: Path, extra: list[str],
     if variant.startswith("populate"):
         argv = [*DLFS, "populate", str(src), "--store", str(out / "store"), "--name", "ds",
                 *extra]
-        env = None
+        env, cwd = None, None
         if variant == "populate-nofsync":
             argv.append("--no-fsync")
         elif variant == "populate@base":
+            # `python -m` puts the working directory first on sys.path: run it in the
+            # baseline, or the dlfs of the directory the bench was started in is timed
             argv = [sys.executable, "-m", "dlfs.cli.main", *argv[len(DLFS):]]
-            env = {**os.environ, "PYTHONPATH": str(baseline)}
+            env = {**os.environ, "PYTHONPATH": str(baseline.resolve())}
+            cwd = baseline
         started = time.perf_counter()
-        result = subprocess.run(argv, env=env, capture_output=True, text=True)
+        result = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
         took = time.perf_counter() - started
         if result.returncode != 0:
             raise RuntimeError(f"{variant} failed ({result.returncode}): {result.stderr.strip()}")
@@ -163,6 +168,14 @@ def run_variant(variant: str, src: Path, out: Path, extra: list[str],
     if variant == "tar+sync":
         sync()
     return time.perf_counter() - started
+
+
+def baseline_module(baseline: Path) -> str:
+    """The populate module the baseline runs really import (printed, to be sure)."""
+    return subprocess.run(
+        [sys.executable, "-c", "import dlfs.store.populate as p; print(p.__file__)"],
+        cwd=baseline, env={**os.environ, "PYTHONPATH": str(baseline.resolve())},
+        capture_output=True, text=True, check=True).stdout.strip()
 
 
 def spread(values: list[float]) -> str:
@@ -189,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tree: {files:,} files, {mib:,.1f} MiB (mean {total / files / 1024:.2f} KiB), "
               f"made in {time.perf_counter() - started:.0f} s; populate args: {extra or '-'}; "
               f"{'cold (page cache dropped before each run)' if args.cold else 'warm source'}"
-              + (f"; baseline: {args.baseline}" if args.baseline else ""))
+              + (f"; baseline: {baseline_module(args.baseline)}" if args.baseline else ""))
         out = work / "out"
         times: dict[str, list[float]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
