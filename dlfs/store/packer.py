@@ -479,7 +479,7 @@ class _Forked:
     def __enter__(self) -> _Forked:
         try:
             for _ in range(self.count):
-                self.workers.append(self._fork())
+                self._fork()
         except BaseException:
             self._stop(kill=True)
             raise
@@ -488,32 +488,37 @@ class _Forked:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self._stop(kill=exc_type is not None)
 
-    def _fork(self) -> _Worker:
+    def _fork(self) -> None:
         tasks_r, tasks_w = os.pipe()
         replies_r, replies_w = os.pipe()
-        try:
-            with stop_signals_blocked():
+        # Signals wait until the child is on the books, so an interrupt right after the
+        # fork still stops and reaps it.
+        with stop_signals_blocked():
+            try:
                 pid = os.fork()
-                if pid == 0:  # never returns
-                    _worker_main(self.copier, tasks_r, replies_w,
-                                 [fd for w in self.workers for fd in (w.tasks_w, w.replies_r)]
-                                 + [tasks_w, replies_r])
-        except BaseException:
-            for fd in (tasks_r, tasks_w, replies_r, replies_w):
-                os.close(fd)
-            raise
-        os.close(tasks_r)
-        os.close(replies_w)
-        worker = _Worker(pid, tasks_w, replies_r)
-        self._selector.register(replies_r, selectors.EVENT_READ, worker)
-        return worker
+            except BaseException:
+                for fd in (tasks_r, tasks_w, replies_r, replies_w):
+                    os.close(fd)
+                raise
+            if pid == 0:  # never returns
+                _worker_main(self.copier, tasks_r, replies_w,
+                             [fd for w in self.workers for fd in (w.tasks_w, w.replies_r)]
+                             + [tasks_w, replies_r])
+            os.close(tasks_r)
+            os.close(replies_w)
+            worker = _Worker(pid, tasks_w, replies_r)
+            self.workers.append(worker)
+            self._selector.register(replies_r, selectors.EVENT_READ, worker)
 
     def has_room(self) -> bool:
         return any(w.pending < TASKS_PER_WORKER for w in self.workers)
 
     def submit(self, task: int) -> None:
         worker = min(self.workers, key=lambda w: w.pending)
-        os.write(worker.tasks_w, _TASK.pack(task))
+        try:
+            os.write(worker.tasks_w, _TASK.pack(task))
+        except BrokenPipeError:  # it died since its last reply
+            raise self._died(worker) from None
         worker.pending += 1
 
     def finished(self) -> list[int]:
@@ -524,8 +529,7 @@ class _Forked:
                 worker: _Worker = key.data
                 data = os.read(worker.replies_r, 1 << 16)
                 if not data:
-                    raise DlfsError(f"populate worker process {worker.pid} died "
-                                    f"({self._reap(worker)}); nothing was published")
+                    raise self._died(worker)
                 worker.received += data
                 done += self._replies(worker)
         return done
@@ -545,12 +549,14 @@ class _Forked:
         worker.received = buf
         return done
 
-    def _reap(self, worker: _Worker) -> str:
-        _, status = os.waitpid(worker.pid, 0)
+    def _died(self, worker: _Worker) -> DlfsError:
+        """The error for a worker gone without a word (killed, out of memory): reaped."""
+        pid = worker.pid
+        _, status = os.waitpid(pid, 0)
         worker.pid = 0
-        if os.WIFSIGNALED(status):
-            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-        return f"exit status {os.waitstatus_to_exitcode(status)}"
+        how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+               if os.WIFSIGNALED(status) else f"exit status {os.waitstatus_to_exitcode(status)}")
+        return DlfsError(f"populate worker process {pid} died ({how}); nothing was published")
 
     def _stop(self, kill: bool) -> None:
         """No more tasks (a worker exits at the end of its pipe); after a failure or an
