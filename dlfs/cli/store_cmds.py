@@ -54,7 +54,7 @@ def _add_populate(subs: Subparsers) -> None:
     p.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE,
                    help="chunk file size, e.g. 64M (default), 256M, 1G")
     p.add_argument("-j", "--jobs", type=_positive, default=PopulateOptions.jobs,
-                   help="worker processes reading the source (default: one per core, at "
+                   help="worker processes reading the source (default: two per core, at "
                         "most 16, shared by the MPI ranks of a node; more can help on a "
                         "parallel file system with high latency)")
     p.add_argument("--force", action="store_true", help="replace an existing dataset NAME")

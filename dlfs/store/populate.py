@@ -38,22 +38,24 @@ from dlfs.store.store import Dataset, Store, check_dataset_name, fsync_path, man
 
 log = logging.getLogger(__name__)
 
-
-
-# Worker processes when --jobs is not given: one per core, at most this many (each
+# Worker processes when --jobs is not given: two per core, at most this many (each
 # has up to packer.AHEAD reads in flight already; more only on request).
 MAX_DEFAULT_JOBS = 16
 
 
 def default_jobs(sharing: int = 1) -> int:
-    """Worker processes of a populate by default: the cores this process may run on,
-    shared among `sharing` populates on the node (MPI ranks), at most MAX_DEFAULT_JOBS.
-    Processes, not threads: the per-file work holds the GIL (dlfs.store.packer)."""
+    """Worker processes of a populate by default: two per core this process may run on,
+    the cores shared among `sharing` populates on the node (MPI ranks), at most
+    MAX_DEFAULT_JOBS. Processes, not threads: the per-file work holds the GIL
+    (dlfs.store.packer). Two per core, because a worker spends part of its time
+    blocked (a source read the disk has not delivered, a page-cache write held up by
+    writeback): measured on 2 cores with the page cache dropped, 4 workers copied
+    200,000 x 2.5 KB files 10% faster than 2, and 20,000 x 110 KiB 10-50% faster."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_JOBS, cores // max(1, sharing)))
+    return max(1, min(MAX_DEFAULT_JOBS, 2 * cores // max(1, sharing)))
 
 
 @dataclass(frozen=True)
