@@ -8,9 +8,10 @@ process can do any of them. The bytes are those of a serial copy (docs/FORMAT.md
 
 Why processes and not threads: for tiny files the work is per file Python calls
 (open, read, fstat, close, checksum) that hold the GIL, so threads ran one at a
-time. `jobs` worker processes are forked once; each gets task numbers over a
-pipe and answers with one short message per task (the checksums go straight
-into a shared anonymous mapping). One worker (or one task) runs inline, no fork.
+time. `jobs` worker processes (dlfs.store.workers) are forked once; each gets
+task numbers over a pipe and answers with one short message per task (the
+checksums go straight into a shared anonymous mapping). One worker (or one
+task) runs inline, no fork.
 
 Why files are opened ahead: reading a file that is not cached waits for the
 disk, one file at a time. A worker opens up to AHEAD files of its task and asks
@@ -31,12 +32,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import pickle
-import selectors
-import signal
 import stat
-import struct
-import traceback
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +43,6 @@ import xxhash
 
 from dlfs.errors import DlfsError
 from dlfs.progress import byte_progress
-from dlfs.signals import stop_signals_blocked, unblock_stop_signals
 from dlfs.store.directory import SampleDirectory, chunk_lengths, display_path
 from dlfs.store.format import (
     CHUNK_DIR,
@@ -56,6 +51,7 @@ from dlfs.store.format import (
     chunk_filename,
     pack_chunk_header,
 )
+from dlfs.store.workers import worker_pool
 
 # A task: consecutive extents of one chunk whose starts lie in one TASK_BYTES window
 # of it (so at most TASK_BYTES + one extent of data), at most TASK_EXTENTS of them.
@@ -63,16 +59,12 @@ TASK_BYTES = 8 << 20
 TASK_EXTENTS = 1024
 # Files of a task opened and announced to the kernel before the first is read.
 AHEAD = 64
-# Tasks a worker holds at once: the next one is there when it finishes one.
-TASKS_PER_WORKER = 2
 # Directory descriptors a worker keeps open (rows of one directory are contiguous).
 DIR_FDS = 32
 
 # Never blocks on a fifo swapped in since the scan; no effect on regular files.
 SOURCE_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_OPEN_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_TASK = struct.Struct("<q")
-_REPLY = struct.Struct("<qI")  # task, length of the pickled error that follows (0: done)
 
 
 @dataclass(frozen=True)
@@ -137,18 +129,18 @@ def _run_tasks(copier: ExtentCopier, tasks: Tasks, directory: SampleDirectory,
     workers = min(jobs, len(tasks))
     left = np.bincount(tasks.chunk, minlength=len(chunk_lengths(directory)))
     # Fork first: no threads yet (progress bar, fsyncs) to be copied half-way.
-    with (_Forked(copier, workers) if workers > 1 else _Inline(copier)) as runner, \
+    with worker_pool(copier, workers) as pool, \
             ChunkFiles(copier.chunk_dir, dataset_uuid, chunk_lengths(directory), fsync) as files, \
             byte_progress(description, int(tasks.nbytes.sum()), progress) as advance:
         chunk_of, nbytes = tasks.chunk.tolist(), tasks.nbytes.tolist()
         sent = done = 0
         while done < len(tasks):
-            while sent < len(tasks) and runner.has_room():
+            while sent < len(tasks) and pool.has_room():
                 if sent == 0 or chunk_of[sent] != chunk_of[sent - 1]:
                     files.create(chunk_of[sent])
-                runner.submit(sent)
+                pool.submit(sent, sent)
                 sent += 1
-            for task in runner.finished():
+            for task, _ in pool.finished():
                 done += 1
                 advance(nbytes[task])
                 chunk = chunk_of[task]
@@ -428,215 +420,3 @@ def _sync_and_close(fd: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _Inline:
-    """Tasks done in this process, one at a time, when they are collected."""
-
-    def __init__(self, copier: ExtentCopier) -> None:
-        self.copier = copier
-        self._next: int | None = None
-
-    def __enter__(self) -> _Inline:
-        self.copier.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.copier.stop()
-
-    def has_room(self) -> bool:
-        return self._next is None
-
-    def submit(self, task: int) -> None:
-        self._next = task
-
-    def finished(self) -> list[int]:
-        task, self._next = self._next, None
-        assert task is not None
-        self.copier.run(task)
-        return [task]
-
-
-@dataclass
-class _Worker:
-    pid: int
-    tasks_w: int  # task numbers to the worker
-    replies_r: int  # replies from it
-    pending: int = 0
-    received: bytes = b""
-
-
-class _Forked:
-    """`count` forked worker processes doing tasks; a failed task's exception is raised
-    here. Leaving stops them (at once after a failure or an interrupt) and reaps them."""
-
-    def __init__(self, copier: ExtentCopier, count: int) -> None:
-        self.copier = copier
-        self.count = count
-        self.workers: list[_Worker] = []
-        self._selector = selectors.DefaultSelector()
-
-    def __enter__(self) -> _Forked:
-        try:
-            for _ in range(self.count):
-                self._fork()
-        except BaseException:
-            self._stop(kill=True)
-            raise
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self._stop(kill=exc_type is not None)
-
-    def _fork(self) -> None:
-        tasks_r, tasks_w = os.pipe()
-        replies_r, replies_w = os.pipe()
-        # Signals wait until the child is on the books, so an interrupt right after the
-        # fork still stops and reaps it.
-        with stop_signals_blocked():
-            try:
-                pid = os.fork()
-            except BaseException:
-                for fd in (tasks_r, tasks_w, replies_r, replies_w):
-                    os.close(fd)
-                raise
-            if pid == 0:  # never returns
-                _worker_main(self.copier, tasks_r, replies_w,
-                             [fd for w in self.workers for fd in (w.tasks_w, w.replies_r)]
-                             + [tasks_w, replies_r])
-            os.close(tasks_r)
-            os.close(replies_w)
-            worker = _Worker(pid, tasks_w, replies_r)
-            self.workers.append(worker)
-            self._selector.register(replies_r, selectors.EVENT_READ, worker)
-
-    def has_room(self) -> bool:
-        return any(w.pending < TASKS_PER_WORKER for w in self.workers)
-
-    def submit(self, task: int) -> None:
-        worker = min(self.workers, key=lambda w: w.pending)
-        try:
-            os.write(worker.tasks_w, _TASK.pack(task))
-        except BrokenPipeError:  # it died since its last reply
-            raise self._died(worker) from None
-        worker.pending += 1
-
-    def finished(self) -> list[int]:
-        """Tasks done since the last call (waits for at least one)."""
-        done: list[int] = []
-        while not done:
-            for key, _ in self._selector.select():
-                worker: _Worker = key.data
-                data = os.read(worker.replies_r, 1 << 16)
-                if not data:
-                    raise self._died(worker)
-                worker.received += data
-                done += self._replies(worker)
-        return done
-
-    def _replies(self, worker: _Worker) -> list[int]:
-        done = []
-        buf = worker.received
-        while len(buf) >= _REPLY.size:
-            task, size = _REPLY.unpack_from(buf)
-            if len(buf) < _REPLY.size + size:
-                break
-            if size:
-                raise _unpickle_error(buf[_REPLY.size:_REPLY.size + size])
-            buf = buf[_REPLY.size:]
-            worker.pending -= 1
-            done.append(task)
-        worker.received = buf
-        return done
-
-    def _died(self, worker: _Worker) -> DlfsError:
-        """The error for a worker gone without a word (killed, out of memory): reaped."""
-        pid = worker.pid
-        _, status = os.waitpid(pid, 0)
-        worker.pid = 0
-        how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-               if os.WIFSIGNALED(status) else f"exit status {os.waitstatus_to_exitcode(status)}")
-        return DlfsError(f"populate worker process {pid} died ({how}); nothing was published")
-
-    def _stop(self, kill: bool) -> None:
-        """No more tasks (a worker exits at the end of its pipe); after a failure or an
-        interrupt, SIGTERM too, not waiting for tasks under way. Then reap them all, so
-        nothing writes into the temporary directory once it is removed."""
-        for worker in self.workers:
-            os.close(worker.tasks_w)
-            if kill and worker.pid:
-                os.kill(worker.pid, signal.SIGTERM)
-        for worker in self.workers:
-            if worker.pid:
-                os.waitpid(worker.pid, 0)
-                worker.pid = 0
-            self._selector.unregister(worker.replies_r)
-            os.close(worker.replies_r)
-        self.workers = []
-        self._selector.close()
-
-
-def _worker_main(copier: ExtentCopier, tasks_r: int, replies_w: int,
-                 not_ours: list[int]) -> None:
-    """A forked worker: do the tasks that come down the pipe until it ends. Never returns
-    into the caller's stack (os._exit), whatever happens."""
-    code = 1
-    try:
-        for fd in not_ours:  # the parent's ends: their pipes must end when the parent goes
-            os.close(fd)
-        # Ctrl-C reaches the whole process group: the parent stops us (SIGTERM).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
-        unblock_stop_signals()
-        copier.start()
-        while True:
-            message = _read_exactly(tasks_r, _TASK.size)
-            if not message:
-                break
-            (task,) = _TASK.unpack(message)
-            error = b""
-            try:
-                copier.run(task)
-            except BaseException as err:  # reported to the parent, which raises it
-                error = _pickle_error(err)
-            _write_all(replies_w, _REPLY.pack(task, len(error)) + error)
-        copier.stop()
-        code = 0
-    except BaseException:  # the parent sees the pipe end and says so
-        pass
-    finally:
-        os._exit(code)
-
-
-def _pickle_error(err: BaseException) -> bytes:
-    """DlfsError (the source) and OSError (the store) travel as themselves; anything
-    else is a bug, sent as its traceback."""
-    if isinstance(err, DlfsError | OSError):
-        try:
-            return pickle.dumps(err)
-        except Exception:  # an unpicklable one goes as its traceback
-            pass
-    return pickle.dumps(RuntimeError("populate worker failed: "
-                                     + "".join(traceback.format_exception(err))))
-
-
-def _unpickle_error(data: bytes) -> BaseException:
-    return pickle.loads(data)  # from our own child over a private pipe
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        more = os.read(fd, size - len(data))
-        if not more:
-            return b""
-        data += more
-    return data
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
