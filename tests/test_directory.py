@@ -123,9 +123,11 @@ def test_invalid_trees_are_rejected(bad):
         build_directory([SourceEntry(b"", DIR, 0, 0), *bad], 4096)
 
 
-def test_scan_of_a_real_tree_equals_building_from_its_entries(edge_tree):
-    """The scan lays rows out as it walks; building from an independent walk's entries
-    (os.walk, sorted by build_directory) must give the very same arrays."""
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_scan_of_a_real_tree_equals_building_from_its_entries(edge_tree, jobs):
+    """The scan lays rows out as it walks (with `jobs` processes listing directories);
+    building from an independent walk's entries (os.walk, sorted by build_directory)
+    must give the very same arrays."""
     import os
 
     from dlfs.store.scan import scan_tree
@@ -140,7 +142,7 @@ def test_scan_of_a_real_tree_equals_building_from_its_entries(edge_tree):
             if entry is not None:
                 entries.append(entry)
     expected = build_directory(entries, 4096)
-    scanned = scan_tree(edge_tree.root).directory(4096)
+    scanned = scan_tree(edge_tree.root, jobs).directory(4096)
     assert (scanned.names, scanned.links) == (expected.names, expected.links)
     for key, array in expected.arrays.items():
         assert np.array_equal(scanned.arrays[key], array), key

@@ -22,11 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trees import make_small_tree
 
+from dlfs.errors import DlfsError, NotFoundError
 from dlfs.store.directory import SourceEntry, build_directory
 from dlfs.store.format import CHUNK_HEADER_SIZE, MAX_EXTENT_SIZE, chunk_path
 from dlfs.store.packer import TASK_BYTES, TASK_EXTENTS, plan_tasks
 from dlfs.store.populate import PopulateOptions, populate
 from dlfs.store.store import Store
+from dlfs.store.workers import worker_pool
 
 SPARSE_FILES = 16
 SPARSE_SIZE = 64 << 20  # 1 GiB of holes: seconds of copying, no disk for the source
@@ -56,6 +58,71 @@ def test_tasks_cover_every_extent_once_inside_one_chunk(sizes, chunk_size, keep)
             assert n == length[a:b].sum()  # back to back: one pwrite lands them all
             assert offset[b - 1] + length[b - 1] - offset[a] == n
             assert b - a <= TASK_EXTENTS and n <= TASK_BYTES + MAX_EXTENT_SIZE
+
+
+# -- the pool: requests, replies and errors across the fork -----------------------------------
+class Echo:
+    """A job for the pool: replies with (its pid, the request) or raises what it is told."""
+
+    def start(self) -> None:
+        self.started = os.getpid()
+
+    def run(self, request):
+        kind, value = request
+        if kind == "dlfs":
+            raise NotFoundError(value)
+        if kind == "os":
+            raise OSError(28, "No space left on device", value)
+        if kind == "bug":
+            raise ZeroDivisionError(value)
+        return self.started, value
+
+    def stop(self) -> None:
+        pass
+
+
+def _all_replies(pool, requests):
+    replies, sent = {}, 0
+    while len(replies) < len(requests):
+        while sent < len(requests) and pool.has_room():
+            pool.submit(sent, requests[sent])
+            sent += 1
+        for tag, reply in pool.finished():
+            assert tag not in replies
+            replies[tag] = reply
+    return [replies[i] for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_every_request_is_answered_once_with_its_own_reply(count):
+    big = os.urandom(3 << 20)  # bigger than a pipe holds: comes back in pieces
+    requests = [("echo", i) for i in range(50)] + [("echo", big)]
+    with worker_pool(Echo(), count) as pool:
+        replies = _all_replies(pool, requests)
+    assert [value for _, value in replies] == [value for _, value in requests]
+    pids = {pid for pid, _ in replies}
+    if count == 1:
+        assert pids == {os.getpid()}
+    else:
+        assert os.getpid() not in pids and 1 < len(pids) <= count
+        assert not any(pid_alive(pid) for pid in pids), "reaped on leaving"
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_failed_request_raises_its_error_in_the_caller(count):
+    """Source errors (DlfsError) and store errors (OSError) as themselves; a bug in a
+    worker as a RuntimeError carrying its traceback (inline: the bug itself)."""
+    bug = (ZeroDivisionError, "1/0") if count == 1 else (RuntimeError, "ZeroDivisionError")
+    for request, kind, text in ((("dlfs", "source not found: /x"), NotFoundError, "/x"),
+                                (("os", "/store/c.chunk"), OSError, "/store/c.chunk"),
+                                (("bug", "1/0"), *bug)):
+        with pytest.raises(kind) as caught, worker_pool(Echo(), count) as pool:
+            _all_replies(pool, [("echo", 1), request, ("echo", 2)])
+        if kind is OSError:
+            assert (caught.value.errno, caught.value.filename) == (28, text)
+        else:
+            assert text in str(caught.value)
+        assert isinstance(caught.value, DlfsError) == (kind is NotFoundError)
 
 
 # -- the same bytes, one process or several ------------------------------------------------

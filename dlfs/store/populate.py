@@ -132,7 +132,7 @@ def plan_populate(source: Path, store: Store, name: str, options: PopulateOption
     if store.exists(name):
         store.check_unmounted(name, "replace")
 
-    scan = scan_tree(source)
+    scan = scan_tree(source, options.jobs or default_jobs())
     if scan.skipped:
         log.warning("skipped %d special files (sockets, fifos, devices): %s",
                     len(scan.skipped), _some_paths(scan.skipped))
