@@ -141,7 +141,8 @@ def mounts_under(path: Path) -> list[str]:
     """Mount points at or below `path` (from /proc/self/mounts)."""
     prefix = os.path.realpath(path)
     found = []
-    with open("/proc/self/mounts") as f:
+    # Another user's mount point may name itself in bytes that are not UTF-8.
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
         for line in f:
             target = line.split()[1].replace("\\040", " ")
             if target == prefix or target.startswith(prefix + "/"):

@@ -1,4 +1,4 @@
-"""Random reads of ~110 KiB files whose chunks live on a peer vs on the local node.
+"""Random reads of ~110 KiB files (or --file-size) whose chunks live on a peer vs locally.
 
 One store, one dataset (dlfs.sampledata.generate_tree). Two set-ups, mounted
 fresh for every measurement and alternating each round:
@@ -12,7 +12,10 @@ Each side reads one shuffled epoch (every file once, --workers processes,
 dlfs.workload.shuffled_epoch) after the page cache was dropped ("cold": the
 staged chunk files come from disk) and one more on a fresh mount without a
 drop ("hot": chunk files in the page cache, FUSE cache empty). The counters
-(`dlfs status`) confirm where the bytes came from.
+(`dlfs status`) confirm where the bytes came from, and on the remote side
+how many bytes the holder sent for the bytes read: large files (--file-size
+16M) are read in 1 MiB requests that several of the reading daemon's workers
+serve at once, and it must still fetch each extent from the peer once.
 
 Both daemons of the remote set-up share this machine's CPUs, where on a
 cluster the holder is another node. So the CPU time per file is printed too:
@@ -24,12 +27,14 @@ Target (issue #3): remote/local files/s >= 0.7.
 examples (from the repository root, as root):
   .venv/bin/python bench/pool_read.py --quick
   .venv/bin/python bench/pool_read.py --files 20000 --rounds 3
+  .venv/bin/python bench/pool_read.py --files 64 --file-size 16M --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from pathlib import Path
 
 from _common import (
@@ -45,9 +50,10 @@ from _common import (
     print_table,
     print_targets,
     run_main,
+    size_arg,
     workdir,
 )
-from _pool import free_ports, source_counts, wait_staged, write_secret
+from _pool import free_ports, source_counts, status, wait_staged, write_secret
 
 from dlfs.sampledata import generate_tree
 from dlfs.workload import shuffled_epoch
@@ -57,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
     add_common_args(p)
     p.add_argument("--files", type=int, default=10_000, help="files (default 10000; --quick 1000)")
+    p.add_argument("--file-size", type=size_arg, default=110 << 10,
+                   help="mean file size (default 110K; lognormally spread)")
     p.add_argument("--workers", type=int, default=4, help="reader processes (default 4)")
     p.add_argument("--mount-args", default="", help="extra `dlfs mount` arguments for both sides")
     args = p.parse_args(argv)
@@ -102,14 +110,28 @@ def measure(side: str, ctx, paths: list[str], nbytes: int, workers: int, seed: i
             if r.bytes != nbytes:
                 raise RuntimeError(f"{side} read {r.bytes} bytes, expected {nbytes}")
             counts = source_counts(mp)
+            sent = _served(holder) if holder else 0
         results.setdefault((side, temp), []).append(r.files_per_s)
         results.setdefault((side, temp, "cpu"), []).append(cpu[0] + cpu[1])
         where = ", ".join(f"{k} {v['bytes'] / (1 << 20):.0f} MiB" for k, v in counts.items()
                           if v["bytes"])
         holder_cpu = f", holder daemon {cpu[2]:.0f}" if holder else ""
+        if holder:
+            holder_cpu += f"; holder sent {sent / nbytes:.2f}x the bytes read"
+            results.setdefault((side, temp, "sent"), []).append(sent / nbytes)
         print(f"  {side:<6} {temp:<4} {r.files_per_s:9,.0f} files/s {r.mib_per_s:8,.1f} MiB/s"
               f"   (from {where}; CPU us/file: daemon {cpu[0]:.0f}, readers {cpu[1]:.0f}"
               f"{holder_cpu})", flush=True)
+
+
+def _served(holder: Path) -> int:
+    """Bytes the holder's peer server has sent, from a status written after now."""
+    since = time.time()
+    while True:
+        s = status(holder)
+        if s["updated"] > since:
+            return s["peer_server"]["bytes_served"]
+        time.sleep(0.1)
 
 
 def _cpu(reader: Path, holder: Path | None) -> tuple[float, float, float]:
@@ -122,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     extra = args.mount_args.split()
     with workdir(args.workdir, args.keep, "pool-read") as work:
-        summary = generate_tree(work / "src", args.files, 110 << 10, seed=1)
+        summary = generate_tree(work / "src", args.files, args.file_size, seed=1)
         paths = [str(p.relative_to(work / "src")) for p in summary.paths]
         took = populate(work / "src", work / "store", "ds", ["--no-fsync"])
         print(f"{args.files:,} files, {summary.bytes / (1 << 20):,.1f} MiB; populate {took:.1f} s;"
@@ -152,9 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         print_table(("chunk files", "local us/file", "remote us/file", "local/remote"),
                     cpu_rows, title="CPU of the reading node only (daemon + readers; "
                                     "for information, no target)")
+        print("holder bytes sent / bytes read (remote side): "
+              + ", ".join(f"{temp} {_spread(results[('remote', temp, 'sent')])}"
+                          for temp in ("cold", "hot")))
         print_targets([Target("cold remote/local files/s", ratios["cold"], ">=", 0.7),
                        Target("hot remote/local files/s", ratios["hot"], ">=", 0.7)], args.quick)
     return 0
+
+
+def _spread(values: list[float]) -> str:
+    """min/median/max of a few rounds."""
+    return f"{min(values):.2f}/{median(values):.2f}/{max(values):.2f}"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ the look-ahead, not the other way round):
   is asked into the page cache (fadvise WILLNEED, asynchronous);
 - a chunk this node owns but has not staged: demanded from the stager (so it
   stages in first-use order), and the extent is read from the store as below;
-- a chunk only peers own: left to the peers (see "not done" in docs/ORDER.md);
+- a chunk only peers own: the first live owner is asked for one byte of the
+  extent (a probe: a staged copy answers it, an unstaged one answers MISS and
+  the owner stages the chunk next). Staged there: left to the peer, which
+  serves it on demand (remembered per chunk, not asked again). Staged nowhere:
+  the readers would go to the store anyway, so it is read ahead as below;
 - otherwise the store: the whole extent is read (one paced stream per thread
   with a throttled store) and checked against its checksum; the extent is
   then marked STORE_OK | AHEAD in the readers' shared state, so the reader
@@ -47,6 +51,8 @@ import numpy as np
 from dlfs.errors import DlfsError
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfsd.namespace import Namespace
+from dlfsd.pool.peer import PeerError, PeerMiss
+from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.reader import AHEAD, STORE_OK, TAKEN, SampleReader, open_chunk
 from dlfsd.throttle import pace
 
@@ -56,13 +62,14 @@ MAX_STREAMS = 64  # announcements followed at once (ranks x DataLoaders of one n
 MAX_REGISTRATIONS = 32
 STALE_SECONDS = 60.0
 _TICK = 0.002  # seconds between scheduler passes when nothing changed
+_BATCH = 8  # samples per fetch task beyond the front of the window
 
 # Counters (int64, written by the control process only; read by `.dlfs/` renders).
 (ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
- FETCH_ERRORS, SKIPPED_PEER) = range(8)
+ FETCH_ERRORS, SKIPPED_PEER, PEER_PROBES) = range(9)
 COUNTER_NAMES = ("announcements", "samples_prefetched", "bytes_prefetched",
                  "chunks_demanded", "streams_dropped_stale", "streams_dropped_full",
-                 "fetch_errors", "extents_left_to_peers")
+                 "fetch_errors", "extents_left_to_peers", "peer_probes")
 
 
 @dataclass
@@ -112,6 +119,9 @@ class LookAhead:
         self._fds: dict[tuple[int, int], int] = {}
         self._fd_lock = threading.Lock()
         self._demanded: set[tuple[int, int]] = set()  # this announcement's, sent once
+        self._peer_staged: set[tuple[int, int]] = set()  # chunks an owner peer serves
+        self._probe_lock = threading.Lock()  # peer clients share one receive buffer
+        self._probe_clients: dict[int, BlockingPeerClient] = {}
         self._by_name = {r.dataset.name.encode(): k for k, r in enumerate(namespace.readers)}
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
@@ -138,6 +148,10 @@ class LookAhead:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+        with self._probe_lock:
+            for client in self._probe_clients.values():
+                client.close()
+            self._probe_clients.clear()
 
     def close(self) -> None:
         """Drop the views of the readers' state (before the Namespace closes it)."""
@@ -222,6 +236,7 @@ class LookAhead:
                 self.counters[DROPPED_FULL] += 1
             self.counters[ANNOUNCED] += 1
             self._demanded.clear()
+            self._peer_staged.clear()  # copies come and go between epochs
             self._flag_map[0] = 1
             self._lock.notify_all()
         return int(stream.rows.size)
@@ -278,6 +293,7 @@ class LookAhead:
             self._drop(s, finished=s.low >= s.rows.size)
             return False
         submitted = False
+        batch: list[tuple[int, int]] = []
         while (s.next < s.rows.size and s.next - s.low < self.samples
                and s.ends[s.next] - s.ends[s.low] < self.nbytes
                and self._inflight < 2 * self.streams):
@@ -285,7 +301,15 @@ class LookAhead:
             s.next += 1
             if self._taken(s, pos):
                 continue  # a reader got there first
-            self._submit(int(s.ds[pos]), int(s.rows[pos]))
+            batch.append((int(s.ds[pos]), int(s.rows[pos])))
+            # Near the readers one sample per task (they are needed first, in parallel);
+            # further ahead a few per task: a task per sample costs the control process
+            # more CPU than a warm page-cache read costs the reader.
+            if len(batch) >= (1 if s.next - s.low < 2 * self.streams else _BATCH):
+                self._submit(batch)
+                batch, submitted = [], True
+        if batch:
+            self._submit(batch)
             submitted = True
         return submitted
 
@@ -299,12 +323,20 @@ class LookAhead:
                 log.info("look-ahead: dropped epoch %d of registration %d (nothing read for "
                          "%.0f s)", s.key[1], s.key[0], self.stale_seconds)
 
-    def _submit(self, ds: int, row: int) -> None:
+    def _submit(self, batch: list[tuple[int, int]]) -> None:
         with self._lock:
             self._inflight += 1
-        self._executor.submit(self._fetch_sample, ds, row)
+        self._executor.submit(self._fetch_batch, batch)
 
     # -- the fetch threads -----------------------------------------------------------
+    def _fetch_batch(self, batch: list[tuple[int, int]]) -> None:
+        try:
+            for ds, row in batch:
+                self._fetch_sample(ds, row)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
     def _fetch_sample(self, ds: int, row: int) -> None:
         try:
             reader = self.ns.readers[ds]
@@ -316,9 +348,6 @@ class LookAhead:
         except Exception as err:  # the reader will meet (and report) the same problem
             self._count(FETCH_ERRORS)
             log.debug("look-ahead fetch of dataset %d row %d failed: %s", ds, row, err)
-        finally:
-            with self._lock:
-                self._inflight -= 1
 
     def _count(self, counter: int) -> None:
         with self._lock:
@@ -343,7 +372,8 @@ class LookAhead:
                     return length
             if self.pool.owned[ds][chunk]:
                 self._demand(ds, chunk)
-            elif self.pool.remote_owners[ds][chunk]:
+            elif self.pool.remote_owners[ds][chunk] and self._peer_serves(
+                    ds, chunk, int(reader.ext_offsets[ext])):
                 self._count(SKIPPED_PEER)
                 return 0
         fd = self._store_fd(reader, ds, chunk)
@@ -359,6 +389,36 @@ class LookAhead:
             return 0  # the reader reads it itself, and reports it
         state[ext] |= STORE_OK | AHEAD
         return length
+
+    def _peer_serves(self, ds: int, chunk: int, offset: int) -> bool:
+        """Whether an owner peer has the chunk staged (then the readers get it from there).
+        Asks the first owner that answers for one byte; a MISS makes that owner stage
+        the chunk next. No answer at all: False (the readers would use the store)."""
+        if (ds, chunk) in self._peer_staged:
+            return True
+        dataset_id = self.pool.datasets[ds].uuid
+        for node in self.pool.remote_owners[ds][chunk]:
+            self._count(PEER_PROBES)
+            try:
+                with self._probe_lock:
+                    self._probe_client(node).read(dataset_id, chunk, offset, 1)
+            except PeerMiss:
+                return False
+            except PeerError:
+                continue  # down or refusing: the next owner, else the store
+            self._peer_staged.add((ds, chunk))
+            return True
+        return False
+
+    def _probe_client(self, node: int):
+        client = self._probe_clients.get(node)
+        if client is None:
+            view = self.pool.view
+            peer = view.nodes[node]
+            client = BlockingPeerClient(view.secret, view.me.name, peer.host, peer.port,
+                                        timeout=self.pool.peer_timeout)
+            self._probe_clients[node] = client
+        return client
 
     def _demand(self, ds: int, chunk: int) -> None:
         if (ds, chunk) not in self._demanded:

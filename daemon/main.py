@@ -42,6 +42,8 @@ from dlfs.runtime import (
 )
 from dlfs.signals import STOP_SIGNALS, stop_signals_blocked
 from dlfs.sizes import format_size
+from dlfs.store import nodecache
+from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
 from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.fuse import fusewire as fw
@@ -52,7 +54,8 @@ from dlfsd.lineage import die_with_parent, parent_alive
 from dlfsd.lookahead import LookAhead
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
-from dlfsd.obs.observe import ObserveConfig
+from dlfsd.obs.health import HealthWatch
+from dlfsd.obs.observe import Observability, ObserveConfig
 from dlfsd.obs.status import build_status, keep_status, write_status
 from dlfsd.ordersock import OrderService
 from dlfsd.prefetch import available_memory, prefetch_decision
@@ -120,10 +123,14 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
         cache_root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
-    pool = ChunkPool(view, datasets, cache_root, config.peer_timeout)
-    adopted = pool.scan_caches(config.cache_limit)
-    log.info("chunk pool: node %s of %d, %d replicas, cache %s (%d staged chunks reused)",
-             view.me.name, len(view.nodes), view.replicas, cache_root, adopted)
+    # Rows of the shared fetch counters: the main process, the workers, the control process.
+    pool = ChunkPool(view, datasets, cache_root, config.peer_timeout,
+                     processes=config.workers + 2)
+    pool.cache_limit = limit_for_node(config, pool)
+    adopted = pool.scan_caches(pool.cache_limit)
+    log.info("chunk pool: node %s of %d, %d replicas, peer port %s:%d, cache %s (%d staged "
+             "chunks reused)", view.me.name, len(view.nodes), view.replicas, view.me.host,
+             view.me.port, cache_root, adopted)
     dirs, nbytes = pool.foreign_copies()
     if dirs:
         log.warning("cache dir %s also holds %s in %d dataset directories this mount does "
@@ -131,6 +138,35 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
                     "count against no --cache-limit: delete those no mount uses", cache_root,
                     format_size(nbytes), dirs)
     return pool
+
+
+def limit_for_node(config: MountConfig, pool) -> int:
+    """This mount's --cache-limit under the node-wide --node-cache-limit: datasets earlier
+    jobs left are removed, least recently used first, until this mount's share fits
+    beside what stays (never one a running mount uses: dlfs.store.nodecache); the
+    mount then stages at most what is left. 0: no limit."""
+    if not config.node_cache_limit:
+        return config.cache_limit
+    ours = {cache.dir.name for cache in pool.caches}
+    others = [d for d in nodecache.datasets(Path(config.cache_dir)) if d.uuid not in ours]
+    share = sum(int(d.chunk_lengths[owned].sum()) + CHUNK_HEADER_SIZE * int(owned.sum())
+                for d, owned in zip(pool.datasets, pool.owned, strict=True))  # on disk
+    want = min(share, config.cache_limit or share, config.node_cache_limit)
+    budget = max(config.node_cache_limit - want, 0)
+    for victim in nodecache.select_for_pruning(others, to_size=budget):
+        if nodecache.remove(victim):
+            log.info("node cache limit: removed dataset %s (%s, last used %s) from %s",
+                     victim.uuid, format_size(victim.bytes), time.ctime(victim.last_used),
+                     config.cache_dir)
+    left = sum(d.bytes for d in nodecache.datasets(Path(config.cache_dir))
+               if d.uuid not in ours)
+    room = max(config.node_cache_limit - left, 1)
+    if room < want:
+        log.warning("node cache limit %s: %s held by datasets other mounts use or that "
+                    "could not be removed; this mount stages at most %s of its %s share",
+                    format_size(config.node_cache_limit), format_size(left),
+                    format_size(room), format_size(share))
+    return min(config.cache_limit, room) if config.cache_limit else room
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -338,24 +374,33 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
 class Services:
     """What the main process runs besides FUSE: staging, the peer server, the status file."""
 
-    def __init__(self, config: MountConfig, datasets: list[Dataset], stats, pool=None) -> None:
+    def __init__(self, config: MountConfig, datasets: list[Dataset], observe: Observability,
+                 pool=None) -> None:
         self.config = config
         self.datasets = datasets
-        self.stats = stats
+        self.stats = observe.stats
         self.pool = pool
         self.stager = None
         self.server = None
+        self.scrubber = None
         if pool is not None:
             from dlfsd.pool.stager import Stager
 
             self.stager = Stager(datasets, pool.caches, pool.owned, pool.demand,
-                                 jobs=config.stage_jobs, cache_limit=config.cache_limit,
+                                 jobs=config.stage_jobs, cache_limit=pool.cache_limit,
                                  store_rate=config.store_bandwidth)
             if len(pool.view.nodes) > 1:
                 from dlfsd.pool.peerserver import PeerLoopServer
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
-                                             trusted=node_addresses(pool.view.nodes))
+                                             trusted=node_addresses(pool.view.nodes),
+                                             verify_served=config.verify_served)
+            if config.scrub_rate:
+                from dlfsd.pool.scrub import Scrubber
+
+                self.scrubber = Scrubber(pool, config.scrub_rate)
+        self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
+                                  observe.health, observe.peer_marks, pool, self.stager)
 
     def _current(self) -> bool:
         """This daemon still serves its mountpoint: no later one has written its record."""
@@ -363,8 +408,15 @@ class Services:
         return record is None or record.pid == os.getpid()
 
     def status(self) -> dict:
-        return build_status(self.config, self.datasets, self.stats, self.stager,
-                            self.pool, self.server)
+        """The status file's contents; also scans for stalled reads (the status task's
+        second is the stall detector's) and publishes the health for .dlfs/metrics."""
+        status = build_status(self.config, self.datasets, self.stats, self.stager,
+                              self.pool, self.server, self.health.check())
+        if self.pool is not None and self.pool.share is not None:
+            status["peer_fetch"] = self.pool.fetch_counters()  # the node's, not per worker
+        if self.scrubber is not None:
+            status["scrub"] = self.scrubber.counters()
+        return status
 
     def listen(self) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a
@@ -388,6 +440,8 @@ class Services:
             async with trio.open_nursery() as nursery:
                 if self.stager is not None:
                     nursery.start_soon(self.stager.run)
+                if self.scrubber is not None:
+                    nursery.start_soon(self.scrubber.run)
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint),
                                    self.status, self._current)
                 task_status.started()
@@ -462,7 +516,7 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
     release.callback(namespace.close)
     ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
-    services = Services(config, namespace.datasets, namespace.stats, pool)
+    services = Services(config, namespace.datasets, namespace.observe, pool)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)

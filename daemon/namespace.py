@@ -119,8 +119,11 @@ class Namespace:
             self.observe.stats, self.observe.trace, self.observe.control)
         self._counting = self.stats.enabled
         self._tracing = self.trace.flag  # [0] is 1 while tracing (shared by all processes)
+        self._requests = self.observe.requests  # the stall detector's slots
         for k, reader in enumerate(self.readers):
-            reader.stats, reader.ds = self.stats, k
+            reader.stats, reader.ds, reader.requests = self.stats, k, self._requests
+        if pool is not None:
+            self.observe.watch_pool(pool)
         self._dirs = [d.directory for d in self.datasets]
         self._bases: list[int] = []
         base = FIRST_DATASET_INODE
@@ -347,7 +350,11 @@ class Namespace:
         if tracing:
             self.stats.request_sources = 0
         started = perf_counter_ns()
-        data = await self.readers[k].read(row, offset, size)
+        self._requests.begin(k, row, started)
+        try:
+            data = await self.readers[k].read(row, offset, size)
+        finally:
+            self._requests.end()
         latency = perf_counter_ns() - started
         self.stats.record_read(k, row, offset, len(data), latency)
         if tracing:

@@ -23,7 +23,6 @@ import mmap
 import os
 import resource
 import time
-from collections import OrderedDict
 
 import trio
 
@@ -32,7 +31,9 @@ from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
 from dlfsd.nowait import HAVE_NOWAIT, pread_nowait
+from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
+from dlfsd.pool.peershare import extent_key
 from dlfsd.prefetch import ChunkPrefetch
 from dlfsd.throttle import pace
 
@@ -49,7 +50,6 @@ STORE_LOADING = 8  # a worker process is loading and checking the store copy rig
 AHEAD = 16  # the look-ahead read the store copy into the page cache and checked it
 TAKEN = 32  # a reader read this extent since the look-ahead was told of it
 LOADING_WAIT = 2.0  # seconds a worker waits for another one's load before loading itself
-PEER_CACHE_BYTES = 64 << 20  # per process: whole extents fetched for partial reads
 #: Reads at least this large of verified bytes may be answered as a FileSpan (the
 #: worker splices them into its reply). Measured on re-reads of verified files with
 #: the chunk files cached: 1 MiB reads +30% (2,150 -> 2,800 MiB/s); 512 KiB -8%,
@@ -117,14 +117,14 @@ class SampleReader:
         self._ext_sum = d.ext_checksum_view
         self.ds = ds_index
         self.stats = NullStats()  # the Namespace sets the mount's counters
+        self.requests = NO_REQUESTS  # and the stall detector's slots (source being tried)
         self.pool = pool
         if pool is not None:
             self._cache = pool.caches[ds_index]
             self._remote = pool.remote_owners[ds_index]
             self._owned = memoryview(pool.owned[ds_index].view("u1"))
             self._by_chunk = d.extents_by_chunk(dataset.chunk_count)
-        self._peer_cache: OrderedDict[int, bytes] = OrderedDict()
-        self._peer_cache_bytes = 0
+            self._share = pool.share
         self._prefetch = ChunkPrefetch(
             dataset.chunk_count, dataset.chunk_size, d.extent_size, self._ext_chunk,
             self._ext_off, self._ext_len, dataset.chunk_path) if prefetch else None
@@ -234,6 +234,7 @@ class SampleReader:
             if data is not None:
                 return data
         started = time.perf_counter_ns()
+        self.requests.waiting(WAIT_STORE)
         data = await self._read_store(ext, rel, length, span)
         self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
         return data
@@ -247,6 +248,7 @@ class SampleReader:
             self.stats.record_lookahead(self.ds, False)
             return None
         started = time.perf_counter_ns()
+        self.requests.waiting(WAIT_STORE)
         fd = await self._fd(self._ext_chunk[ext])
         data = await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
         if rel + length >= self._ext_len[ext]:
@@ -291,6 +293,7 @@ class SampleReader:
         chunk = self._ext_chunk[ext]
         started = time.perf_counter_ns()
         if self._cache.is_staged(chunk):
+            self.requests.waiting(WAIT_LOCAL)
             data = await self._read_local(ext, rel, length, chunk, span)
             if data is not None:
                 self._count(SOURCE_LOCAL, length, started)
@@ -363,36 +366,30 @@ class SampleReader:
             self._state[e] &= ~LOCAL_OK & 0xFF
 
     async def _read_peer(self, ext: int, rel: int, length: int, chunk: int, lasting: bool):
-        """The whole extent from an owner (checked by the pool), kept for partial reads."""
+        """From an owner: the node fetches the whole extent once (checked by the pool) and
+        keeps it where its other processes find it (PeerShare) for their partial reads."""
         whole = self._ext_len[ext]
-        data = self._peer_cache.get(ext)
+        key = extent_key(self.ds, ext)
+        if self.inline_io:  # a worker process: one request at a time, blocking calls
+            return self._share.read_blocking(
+                key, rel, length, lasting, self.pool.fetch_blocking, self.ds, chunk,
+                self._ext_off[ext], whole, self._ext_sum[ext])
+        data = self._share.copy_out(key, rel, length, lasting=True)  # tasks interleave
         if data is None:
-            if self.inline_io:  # a worker process: one request at a time, blocking calls
-                data = self.pool.fetch_blocking(self.ds, chunk, self._ext_off[ext], whole,
-                                                self._ext_sum[ext])
-            else:
-                data = await self._single_flight(("peer", ext), self.pool.fetch, self.ds, chunk,
-                                                 self._ext_off[ext], whole, self._ext_sum[ext])
-            if data is None:
-                return None
-            if length < whole or lasting:  # `data` may be the client's buffer: copy
-                data = bytes(data)
-            if length < whole:
-                self._remember_peer_extent(ext, data)
-        else:
-            self._peer_cache.move_to_end(ext)
-        return _slice(data, rel, length)
+            data = await self._single_flight(("peer", ext), self._fetch_peer, ext, chunk,
+                                             length < whole)
+            if data is not None:
+                data = _slice(data, rel, length)  # bytes from the trio client: they last
+        return data
 
-    def _remember_peer_extent(self, ext: int, data: bytes) -> None:
-        # Several tasks that shared one fetch (--workers 1) each remember it: count once.
-        replaced = self._peer_cache.pop(ext, None)
-        if replaced is not None:
-            self._peer_cache_bytes -= len(replaced)
-        self._peer_cache[ext] = data
-        self._peer_cache_bytes += len(data)
-        while self._peer_cache_bytes > PEER_CACHE_BYTES:
-            _, old = self._peer_cache.popitem(last=False)
-            self._peer_cache_bytes -= len(old)
+    async def _fetch_peer(self, ext: int, chunk: int, partial: bool) -> bytes | None:
+        """--workers 1: one task fetches, the others of the flight share its result; a
+        partial read keeps the extent for the reads of its other parts."""
+        data = await self.pool.fetch(self.ds, chunk, self._ext_off[ext], self._ext_len[ext],
+                                     self._ext_sum[ext])
+        if data is not None and partial:
+            self._share.store(extent_key(self.ds, ext), data)
+        return data
 
     async def _single_flight(self, key: tuple[str, int], load, *args):
         """Run `load(*args)` once for concurrent callers with the same key; all of them

@@ -44,6 +44,9 @@ class MountConfig:
     prefetch: str = "auto"  # read a chunk whole on its first sample read (dlfsd.prefetch)
     trace_capacity: int = 1 << 20  # trace records kept (oldest dropped beyond)
     summary_file: str | None = None  # final counters + text summary, written at unmount
+    # A read outstanding this long is a stall: logged once, counted, shown by `dlfs status`
+    # and .dlfs/metrics (a hung peer, a stuck store); 0: not watched.
+    stall_seconds: float = 10.0
     # -- the chunk pool (cluster mode: on when cache_dir is set) --
     cache_dir: str | None = None  # node-local NVMe directory for staged chunks
     nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us
@@ -51,9 +54,13 @@ class MountConfig:
     replicas: int = 1  # owners per chunk
     secret_file: str | None = None  # per-job secret (mode 0600) peers authenticate with
     cache_limit: int = 0  # bytes of staged chunks at most (0: no limit)
+    node_cache_limit: int = 0  # bytes the whole cache dir may hold, all datasets (0: none)
     stage_jobs: int = 2  # chunks copied from the store at once
     peer_timeout: float = 5.0  # seconds per peer call before trying elsewhere
     store_bandwidth: int = 0  # bytes/s per store read stream; only to model a slow store
+    # The peer server checks each extent the first time the current copy serves it.
+    verify_served: bool = False
+    scrub_rate: int = 0  # bytes/s the staged copies are re-read and checked at (0: never)
     # -- the look-ahead (dlfsd.lookahead): reads announced epochs ahead of the readers --
     lookahead: bool = True  # listen for samplers' announcements (off: --lookahead 0)
     lookahead_samples: int = 256  # samples fetched ahead of the readers, at most

@@ -57,6 +57,12 @@ def shuffled_epoch(paths: list[str], workers: int = 2, seed: int = 0) -> EpochRe
     """Read every path once, in a seeded random order, split across worker processes."""
     order = list(paths)
     random.Random(seed).shuffle(order)
+    return ordered_epoch(order, workers)
+
+
+def ordered_epoch(order: list[str], workers: int = 2) -> EpochResult:
+    """Read the paths in `order` (a sampler's), worker w taking every workers-th one from
+    position w: how a DataLoader's workers share a sampler's order."""
     shards = [order[i::workers] for i in range(workers)]
     ctx = mp.get_context("fork")
     # ProcessPoolExecutor, not Pool: a reader that dies raises instead of hanging.

@@ -62,3 +62,40 @@ class FileProvider:
     def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         self.failed_copies.append((dataset_id, chunk))
         return False  # this stand-in cannot evict: the copy stays broken
+
+
+async def version_1_server(stream, hellos: list[int], chunk: bytes) -> None:
+    """One connection of a daemon that speaks protocol version 1 only (an older DLFS
+    in the same job): it refuses any other HELLO with ERR version, as version 1 did, and
+    serves READs of `chunk`. `hellos` collects the versions offered; a REPORT (which
+    version 1 has not) ends the connection and is recorded as -1."""
+    from dlfsd.pool import protocol
+
+    decoder = protocol.FrameDecoder()
+    pending: list[dict] = []
+
+    async def message() -> dict | None:
+        while not pending:
+            data = await stream.receive_some()
+            if not data:
+                return None
+            pending.extend(decoder.feed(data))
+        return pending.pop(0)
+
+    hello = await message()
+    hellos.append(hello["v"])
+    if hello["v"] != 1:
+        await stream.send_all(protocol.encode(protocol.err(
+            protocol.ERR_VERSION, f"node old speaks protocol version 1, not {hello['v']}")))
+        return
+    nonce = protocol.new_nonce()
+    await stream.send_all(protocol.encode(protocol.challenge(
+        nonce, protocol.server_proof(SECRET, hello["nonce"], nonce))))
+    await message()  # AUTH
+    await stream.send_all(protocol.encode(protocol.ok()))
+    while (request := await message()) is not None:
+        if request["t"] != protocol.READ:
+            hellos.append(-1)
+            return
+        payload = chunk[request["off"] : request["off"] + request["len"]]
+        await stream.send_all(protocol.encode(protocol.data(request["id"], payload)))

@@ -88,3 +88,25 @@ def test_a_superseded_copy_keeps_its_descriptor_until_close(cache):
     cache.close()
     with pytest.raises(OSError):
         os.fstat(old_fd)
+
+
+def test_a_scan_leaves_another_live_daemons_copy_in_progress(cache):
+    """A node cache is shared by the node's daemons: a mount's scan removes temporary
+    copies whose writer is gone, never one another daemon is writing right now."""
+    import subprocess
+    import sys
+
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        name = cache.temp_path(0).name.rsplit(".", 1)[0]
+        live_copy = cache.dir / f"{name}.{writer.pid}"
+        dead_copy = cache.dir / f"{name}.{dead.pid}"
+        for path in (live_copy, dead_copy):
+            path.write_bytes(b"half a chunk")
+        assert cache.scan() == 0
+        assert live_copy.exists() and not dead_copy.exists()
+    finally:
+        writer.kill()
+        writer.wait()

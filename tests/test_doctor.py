@@ -137,3 +137,17 @@ def test_a_pools_node_list_and_secret_are_checked(dlfs_cli, tmp_path):
     checks = lines_of(result)
     assert checks["nodes"].startswith("FAIL") and "'c'" in checks["nodes"], checks["nodes"]
     assert checks["secret file"].startswith("FAIL") and "chmod 600" in checks["secret file"]
+
+
+def test_a_slurm_port_range_reports_the_ports_in_use(dlfs_cli):
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))  # held while the doctor runs: inside the range it checks
+        sock.listen()
+        busy = sock.getsockname()[1]
+        base = max(1024, busy - 5)
+        result = dlfs_cli("doctor", "--port", str(base), "--port-span", "20")
+    line = lines_of(result)[f"ports {base}-{base + 19}"]
+    assert line.startswith("ok") and str(busy) in line and "in use" in line
+    result = dlfs_cli("doctor", "--port", "65530", "--port-span", "20")
+    assert result.returncode == 1
+    assert lines_of(result)["ports 65530-65535"].startswith("FAIL")

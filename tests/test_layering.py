@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("namespace and reader", ["dlfsd.namespace", "dlfsd.reader", "dlfsd.prefetch",
                               "dlfsd.lookahead", "dlfsd.ordersock"]),
     ("fuse adapters", ["dlfsd.fuse"]),
-    ("daemon lifecycle", ["dlfsd.main", "dlfsd.commit", "dlfsd.__main__"]),
+    ("daemon lifecycle", ["dlfsd.main", "dlfsd.commit", "dlfsd.warmup", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other
     # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
     # the shell that registers them.
@@ -43,7 +43,9 @@ LAYERS: list[tuple[str, list[str]]] = [
 ]
 # The launcher sits above the daemon it launches, but it starts it as a process
 # (dlfs.launch); the one import across is `mount --foreground` becoming the daemon.
-LAUNCHER_MAY_IMPORT = {("dlfs.cli.mountctl", "dlfsd.main")}
+LAUNCHER_MAY_IMPORT = {("dlfs.cli.mountctl", "dlfsd.main"),
+                       # `dlfs warmup` runs the daemon's stager in the foreground, no mount
+                       ("dlfs.cli.warmup_cmds", "dlfsd.warmup")}
 
 
 def _module_name(package: str, path: Path) -> str:

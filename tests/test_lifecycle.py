@@ -623,6 +623,22 @@ def test_a_committed_mount_stays_once_the_pipe_is_closed(dlfs_cli, sysproc, smal
         leave_nothing_at(sysproc, mp)
 
 
+def wait_until_sigterm_is_handled(pid: int, timeout: float = 20.0) -> None:
+    bit = 1 << (signal.SIGTERM - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        masks = {}
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("SigBlk", "SigIgn", "SigCgt"):
+                    masks[key] = int(value, 16)
+        if any(m & bit for m in masks.values()):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"daemon {pid} never took over SIGTERM")
+
+
 def test_a_second_ctrl_c_does_not_cut_short_stopping_a_hung_daemon(monkeypatch, sysproc,
                                                                    small_store, tmp_path):
     """`dlfs mount` gives up on a daemon (Ctrl-C) that does not answer SIGTERM (stopped
@@ -632,19 +648,33 @@ def test_a_second_ctrl_c_does_not_cut_short_stopping_a_hung_daemon(monkeypatch, 
     import threading
 
     spawned: list[int] = []
+    second: list[threading.Timer] = []
+    fired = threading.Event()
+
+    def second_ctrl_c() -> None:
+        fired.set()
+        os.kill(os.getpid(), signal.SIGINT)
 
     def hang_then_ctrl_c_twice(proc: subprocess.Popen) -> None:
         spawned.append(proc.pid)
+        # A daemon still on SIGTERM's default action would be killed at once even while
+        # stopped (the kernel makes a fatal signal kill a stopped process): hang it only
+        # once it handles, blocks or ignores SIGTERM, as a daemon past its start does.
+        wait_until_sigterm_is_handled(proc.pid)
         os.killpg(proc.pid, signal.SIGSTOP)  # hung: SIGTERM stays pending
         os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C (held until Popen is done)
-        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the second
+        second.append(threading.Timer(1.0, second_ctrl_c))
+        second[0].start()
 
     mp = tmp_path / "mnt"
     try:
         mount_interrupted(monkeypatch, small_store, mp, hang_then_ctrl_c_twice)
+        assert fired.is_set(), "the mount gave up before the second Ctrl-C: nothing tested"
         assert spawned and not sysproc.pid_alive(spawned[0]), "the hung daemon was left"
         assert sysproc.fstype_at(mp) is None
     finally:
+        for timer in second:  # never let a late Ctrl-C reach the next test
+            timer.cancel()
         for pid in spawned:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)

@@ -153,3 +153,31 @@ def test_dlfs_stats_shows_the_lookahead(mounted, la_store):
     assert out.returncode == 0, out.stderr
     assert "look-ahead: 1 epochs announced" in out.stdout
     assert f"missed {FILES - stats(mount)['mount']['lookahead']['hits']}" in out.stdout
+
+
+def test_in_a_pool_extents_no_peer_has_staged_are_read_ahead_from_the_store(
+        mounted, tmp_path):
+    """Two nodes, R=1, staging slowed down: samples whose chunks the other node owns but
+    has not staged yet are probed there (MISS), then fetched ahead from the store; every
+    byte read through the announcing node is the source's."""
+    from test_pool import Cluster, pool_source_tree
+
+    source = pool_source_tree(tmp_path / "src")
+    from conftest import populate_store
+
+    store = populate_store(source, tmp_path / "store", "ds", "256K", "--no-fsync")
+    pool = Cluster(mounted, store, tmp_path, 2, extra=("--store-bandwidth", "2M",
+                                                    "--stage-jobs", "1"))
+    mount = pool.mounts[1]  # a node with worker processes
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    paths = [str(mount.path / "ds" / p.relative_to(source)) for p in files]
+    client = connect(paths)
+    assert client.locality().node_count == 2
+    client.announce(0, np.arange(len(paths)))
+    assert wait_for(lambda: client.status()["counters"]["peer_probes"] > 0, 60)
+    for path, want in zip(paths, files, strict=True):
+        data = open(path, "rb").read()  # noqa: SIM115
+        assert hashlib.sha256(data).digest() == hashlib.sha256(want.read_bytes()).digest()
+    counters = stats(mount)
+    assert counters["lookahead"]["bytes_prefetched"] > 0
+    assert counters["mount"]["lookahead"]["hits"] > 0

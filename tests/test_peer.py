@@ -19,7 +19,7 @@ import time
 
 import pytest
 import trio
-from peerfakes import DATASET, SECRET, FileProvider
+from peerfakes import DATASET, SECRET, FileProvider, version_1_server
 
 from dlfsd.pool import protocol
 from dlfsd.pool.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
@@ -308,10 +308,12 @@ async def test_read_instead_of_auth_closes_the_connection(peer):
     await assert_serves_a_good_client(peer)
 
 
-async def test_unknown_version_gets_err_version(peer):
+@pytest.mark.parametrize("version", [protocol.PROTOCOL_VERSION + 1,
+                                     protocol.MIN_PROTOCOL_VERSION - 1])
+async def test_unknown_version_gets_err_version(peer, version):
     stream = await raw_connect(peer)
     await stream.send_all(protocol.encode(protocol.hello("future", protocol.new_nonce(),
-                                                         version=2)))
+                                                         version=version)))
     replies = await receive_until_closed(stream)
     assert [(m["t"], m["code"]) for m in replies] == [(protocol.ERR, protocol.ERR_VERSION)]
     assert peer.count("protocol_errors") == 1
@@ -670,3 +672,23 @@ async def test_blocking_client_late_prefix_does_not_buy_the_body_a_new_timeout(n
         await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 1000)
     assert trio.current_time() - start < 5.0  # before the body was even sent
     client.close()
+
+
+async def test_the_trio_client_speaks_version_1_to_a_version_1_peer(nursery):
+    """As the blocking client (test_stager_peersync): refused in version 2, it connects
+    again in version 1, keeps to it, and reports nothing there."""
+    chunk = os.urandom(5000)
+    hellos: list[int] = []
+
+    async def old_daemon(stream: trio.SocketStream) -> None:
+        await version_1_server(stream, hellos, chunk)
+
+    port = await serve_fake(nursery, old_daemon)
+    client = PeerClient(SECRET, "reader", "127.0.0.1", port, timeout=2, connections=1)
+    try:
+        assert await client.read(DATASET, 0, 10, 1000) == chunk[10:1010]
+        assert not await client.report(protocol.BadRange(DATASET, 0, 0, 1000))
+        assert await client.read(DATASET, 0, 0, 10) == chunk[:10]
+    finally:
+        await client.aclose()
+    assert hellos == [2, 1]

@@ -18,15 +18,18 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pagecache import drop_pages, missing_pages, require
 
+from dlfs.store.format import checksum
 from dlfsd.pool import protocol
 from dlfsd.pool.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
 from dlfsd.pool.peerserver import PeerLoopServer
 from dlfsd.pool.peersync import BlockingPeerClient
+from dlfsd.throttle import TokenBucket
 
 SECRET = b"job-secret-0123456789abcdef"
 DATASET = os.urandom(16)
 CHUNKS = [os.urandom(4 << 20), os.urandom(7)]
 NOT_STAGED = 2
+CHUNK_1_SUM = checksum(CHUNKS[1])
 
 
 HEADER = 64  # bytes before a chunk's data in its staged file (like a chunk header)
@@ -39,6 +42,10 @@ class Provider:
     def __init__(self, directory) -> None:
         self.reads = 0
         self.failed_copies: list[tuple[bytes, int]] = []
+        # Checking copies: what the server asks when peers report or it verifies served bytes.
+        self.copy_is_bad = True  # what check_copy finds
+        self.checked_copies: list[tuple[int, int, int]] = []
+        self.served_ok = False  # chunk 1's extent was checked as this copy served it
         self.fds, self.paths = [], []
         for i, data in enumerate(CHUNKS):
             path = directory / f"chunk{i}"
@@ -64,6 +71,19 @@ class Provider:
     def staged_copy_failed(self, dataset_id, chunk, fd):
         self.failed_copies.append((dataset_id, chunk))
         return False
+
+    def check_copy(self, dataset_id, chunk, offset, length):
+        self.checked_copies.append((chunk, offset, length))
+        return self.copy_is_bad
+
+    def serve_check(self, dataset_id, chunk, offset, length):
+        """Chunk 1 (7 bytes) is one extent; its checksum is CHUNK_1_SUM, until served once."""
+        if chunk != 1 or (offset, length) != (0, len(CHUNKS[1])) or self.served_ok:
+            return None
+        return 0, CHUNK_1_SUM, 1
+
+    def served_checked(self, dataset_id, ext, gen):
+        self.served_ok = True
 
 
 @pytest.fixture
@@ -115,14 +135,17 @@ def until_closed(sock: socket.socket) -> list[dict]:
     return protocol.FrameDecoder().feed(received)
 
 
-def raw_handshake(sock: socket.socket, secret: bytes = SECRET) -> None:
+def raw_handshake(sock: socket.socket, secret: bytes = SECRET,
+                  version: int = protocol.PROTOCOL_VERSION) -> protocol.ClientHandshake:
+    """Returns the client's side, whose nonces prove REPORTs on this connection."""
     decoder = protocol.FrameDecoder()
-    nonce = protocol.new_nonce()
-    sock.sendall(protocol.encode(protocol.hello("raw", nonce)))
+    shake = protocol.ClientHandshake(secret, "raw", version)
+    sock.sendall(protocol.encode(shake.hello()))
     (challenge,) = decoder.feed(sock.recv(65536))
-    sock.sendall(protocol.encode(protocol.auth(protocol.client_proof(
-        secret, challenge["nonce"], nonce))))
-    assert decoder.feed(sock.recv(65536)) == [protocol.ok()]
+    sock.sendall(protocol.encode(shake.auth_for(challenge)))
+    (ok,) = decoder.feed(sock.recv(65536))
+    shake.finish(ok)
+    return shake
 
 
 def test_blocking_client_reads_exact_ranges_and_errors_keep_the_connection(server):
@@ -400,3 +423,107 @@ def test_truncated_staged_copy_is_a_failure_not_short_data(server):
         client.close()
     assert server.counters()["bytes_served"] == 1000 + 7  # nothing short went out
     assert server.provider.failed_copies == [(DATASET, 0)]  # told to stop using that copy
+
+
+# -- reports of bad copies, --verify-served ---------------------------------------------------
+def test_a_reported_range_is_checked_once_per_chunk_however_many_report_it(server):
+    """The reading node's workers each report the copy they got bad bytes from: one check
+    (on a disk thread); reports out of bounds are refused; none stops the serving."""
+    clients = [BlockingPeerClient(SECRET, f"w{i}", "127.0.0.1", server.port, timeout=2)
+               for i in range(3)]
+    try:
+        for client in clients:
+            assert client.read(DATASET, 0, 0, 10) == CHUNKS[0][:10]
+            assert client.report(protocol.BadRange(DATASET, 0, 0, 1 << 20))
+        assert clients[0].report(protocol.BadRange(DATASET, 1, 0, 99))  # beyond its 7 bytes
+        assert counter_reaches(server, "reports_received", 4)
+        assert counter_reaches(server, "reports_confirmed", 1)
+        counts = server.counters()
+        assert (counts["reports_dropped"], counts["reports_refused"]) == (2, 1)
+        assert server.provider.checked_copies == [(0, 0, 1 << 20)]
+        assert clients[1].read(DATASET, 1, 0, 7) == CHUNKS[1]  # the connection serves on
+    finally:
+        for client in clients:
+            client.close()
+    assert server.counters()["protocol_errors"] == 0
+
+
+def test_a_copy_that_checks_out_is_kept(server, caplog):
+    server.provider.copy_is_bad = False
+    client = BlockingPeerClient(SECRET, "w", "127.0.0.1", server.port, timeout=2)
+    try:
+        client.read(DATASET, 0, 0, 10)
+        assert client.report(protocol.BadRange(DATASET, 0, 0, 4096))
+        assert counter_reaches(server, "reports_unconfirmed", 1)
+    finally:
+        client.close()
+    assert "checks out" in caplog.text and server.counters()["reports_confirmed"] == 0
+
+
+@pytest.mark.parametrize("how", ["forged", "replayed", "version 1"])
+def test_a_report_that_does_not_prove_itself_closes_the_connection(server, how):
+    sock = raw(server)
+    shake = raw_handshake(sock, version=1 if how == "version 1" else 2)
+    bad = protocol.BadRange(DATASET, 0, 0, 4096)
+    if how == "version 1":  # a version 1 connection has no REPORT: anything like it is wrong
+        report = {"t": protocol.REPORT, "n": 1, "ds": DATASET, "chunk": 0, "off": 0,
+                  "len": 4096, "proof": bytes(32)}
+    elif how == "forged":
+        report = dict(shake.report(bad), proof=bytes(32))
+    else:
+        report = shake.report(bad)
+        sock.sendall(protocol.encode(report))
+    sock.sendall(protocol.encode(report))
+    replies = until_closed(sock)
+    assert [(m["t"], m["code"]) for m in replies] == [(protocol.ERR, protocol.ERR_PROTOCOL)]
+    assert counter_reaches(server, "protocol_errors", 1)
+    if how == "replayed":  # the first one counted
+        assert counter_reaches(server, "reports_confirmed", 1)
+    assert len(server.provider.checked_copies) == (1 if how == "replayed" else 0)
+    good_read(server)
+
+
+@pytest.mark.parametrize("where", ["page cache", "disk"])
+def test_verify_served_checks_an_extent_the_first_time_only(tmp_path, where):
+    """Bytes in the page cache are checked in the loop, bytes read from the disk on the
+    disk thread; either way a bad extent is not served and its copy is evicted."""
+    provider = Provider(tmp_path)
+    server = PeerLoopServer(SECRET, provider, "server", verify_served=True)
+    port = server.start("127.0.0.1", 0)
+    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", port, timeout=2)
+    try:
+        for _ in range(3):
+            assert client.read(DATASET, 1, 0, 7) == CHUNKS[1]
+        assert client.read(DATASET, 0, 0, 100) == CHUNKS[0][:100]  # not one extent: as is
+        assert server.counters()["served_checks"] == 1
+        provider.served_ok = False  # a new copy: checked again, and now it is bad
+        with open(provider.paths[1], "r+b") as f:
+            f.seek(HEADER + 3)
+            f.write(b"\xff" if CHUNKS[1][3] != 0xFF else b"\x00")
+        if where == "disk":
+            require(tmp_path, "page residency")
+            os.sync()
+            drop_pages([provider.paths[1]])
+            assert missing_pages(provider.paths[1]), "the copy stayed in the page cache"
+        with pytest.raises(PeerMiss):  # FAIL io-error: the reader goes elsewhere
+            client.read(DATASET, 1, 0, 7)
+    finally:
+        client.close()
+        server.stop()
+        provider.close()
+    counts = server.counters()
+    assert (counts["served_checks"], counts["served_bad"]) == (2, 1)
+    assert counts["reads_from_disk"] == (1 if where == "disk" else 0)
+    assert counts["bytes_served"] == 3 * 7 + 100  # the bad bytes never left
+    assert provider.failed_copies == [(DATASET, 1)]  # evict and re-stage it
+
+
+def test_the_report_budget_allows_a_burst_then_its_rate():
+    """What both sides limit reports with (the client per process, the server in all)."""
+    bucket = TokenBucket(rate=20.0, burst=3)
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    deadline = time.monotonic() + 5
+    while not bucket.take():  # a token comes back within 1/20 s; bounded, not timed
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not bucket.take()

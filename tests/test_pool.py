@@ -30,13 +30,16 @@ pytestmark = pytest.mark.usefixtures("daemon_guard")
 
 
 # -- fixtures and helpers -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool_source(tmp_path_factory) -> Path:
+def pool_source_tree(root: Path) -> Path:
     """~600 small samples plus a few files that span several extents and chunks."""
-    root = tmp_path_factory.mktemp("pool") / "src"
     generate_tree(root / "train", 600, 20 * 1024, files_per_dir=200, seed=7)
     generate_large_files(root / "big", 3, 900 * 1024, seed=8)
     return root
+
+
+@pytest.fixture(scope="module")
+def pool_source(tmp_path_factory) -> Path:
+    return pool_source_tree(tmp_path_factory.mktemp("pool") / "src")
 
 
 @pytest.fixture(scope="module")
@@ -356,6 +359,8 @@ def test_mount_refuses_a_secret_others_can_read(mounted, pool_store, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "a=127.0.0.1:7001"], "need --cache-dir"),
+    (["--verify-served"], "need --cache-dir"),
+    (["--scrub-rate", "1M"], "need --cache-dir"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:70000"], "bad port"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,a=127.0.0.1:7002"], "listed twice"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,b=127.0.0.1:7001", "--node", "a"],
@@ -396,3 +401,166 @@ def test_copies_of_datasets_this_mount_does_not_use_are_reported(mounted, pool_s
     assert len(warnings) == 1, warnings
     assert "in 1 dataset directories" in warnings[0] and "293.0 KiB" in warnings[0]
     assert (stale / "00000000.chunk").exists()
+
+
+# -- one peer fetch per node ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def large_store(tmp_path_factory) -> tuple[Path, Path]:
+    """Files of several 4 MiB extents each (16 MiB chunks), whose last extent is short:
+    read sequentially, the kernel's read-ahead cuts each extent into 1 MiB requests that
+    reach different worker processes at once. Returns (source, store)."""
+    from conftest import populate_store
+
+    root = tmp_path_factory.mktemp("pool-large") / "src"
+    generate_large_files(root, 3, (14 << 20) + 12345, seed=9)
+    store = populate_store(root, tmp_path_factory.mktemp("pool-large-store") / "store", "ds",
+                           "16M", "--no-fsync")
+    return root, store
+
+
+def test_a_node_fetches_each_extent_from_its_peer_once_however_many_workers_read_it(
+        mounted, large_store, tmp_path, dlfs_cli):
+    """Four workers read large files sequentially; the peer serves each extent once.
+
+    The reading node owns every chunk too (2 replicas) but may stage none of them
+    (--cache-limit 1), so every byte comes from the holder's staged copies."""
+    source, store = large_store
+    ports = free_ports(2)
+    nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    secret = write_secret(tmp_path / "secret")
+    common = ("--nodes", nodes, "--replicas", "2", "--secret-file", str(secret))
+    holder = mounted(store, "--cache-dir", str(tmp_path / "cache-holder"), "--node", "holder",
+                     "--workers", "2", *common)
+    reader = mounted(store, "--cache-dir", str(tmp_path / "cache-reader"), "--node", "reader",
+                     "--cache-limit", "1", "--workers", "4", *common)
+    wait_staged(dlfs_cli, holder)
+    files = source_files(source)
+    for rel in files:  # one process, 1 MiB reads in file order, like `cat`
+        with open(Path(reader.path) / "ds" / rel, "rb", buffering=0) as f:
+            got = b"".join(iter(lambda f=f: f.read(1 << 20), b""))
+        assert got == (source / rel).read_bytes(), f"wrong bytes for {rel}"
+    d = Store(store).open("ds").directory
+    needed = sum(d.size(d.resolve(os.fsencode(rel))) for rel in files)
+    extents = sum(len(d.extents(d.resolve(os.fsencode(rel)))) for rel in files)
+    assert extents > 2 * len(files) and d.extent_size == 4 << 20
+    served = fresh_status(dlfs_cli, holder)["peer_server"]
+    # Once per extent: the holder sent exactly the bytes the files hold.
+    assert (served["reads_served"], served["bytes_served"]) == (extents, needed)
+    status = fresh_status(dlfs_cli, reader)
+    fetched = status["peer_fetch"]
+    assert (fetched["fetches"], fetched["fetched_bytes"]) == (extents, needed)
+    sources = status["datasets"][0]["sources"]
+    assert sources["peer"]["bytes"] == needed and sources["store"]["requests"] == 0
+
+
+# -- bad copies heal at once ----------------------------------------------------------------
+def flip_byte(path: Path, pos: int) -> bytes:
+    """Flip one byte of a staged copy behind the daemon's back (bit rot); returns it."""
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return byte
+
+
+def a_held_file(store: Path, source: Path, names: list[str], holder: int) -> tuple[Path, int]:
+    """A one-extent file in a chunk only node `holder` owns: (its path in the source, the
+    position of its bytes in that chunk's staged copy)."""
+    d = Store(store).open("ds").directory
+    share = expected_shares(store, names, 1)[holder]
+    for rel in source_files(source):
+        exts = d.extents(d.resolve(os.fsencode(rel)))
+        if len(exts) == 1 and int(d.ext_chunk_view[exts[0]]) in share:
+            return rel, CHUNK_HEADER_SIZE + int(d.ext_offset_view[exts[0]])
+    pytest.fail(f"node {names[holder]} owns no chunk with a one-extent file")
+
+
+def held_copy(cache: Path, store: Path, rel: Path) -> Path:
+    d = Store(store).open("ds").directory
+    chunk = int(d.ext_chunk_view[d.extents(d.resolve(os.fsencode(rel)))[0]])
+    return next(cache.glob(f"*/{chunk:08d}.chunk"))
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Make the next read of a file through the mount reach the daemon again."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_copy_that_went_bad_after_its_check_is_reported_and_restaged_at_once(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    """The holder's own reader checked the extent, then a byte of its copy flipped. A
+    peer that reads it gets wrong bytes, reads the store instead and reports the range;
+    the holder re-checks, evicts and re-stages the copy within seconds (it used to serve
+    it for the rest of the job), and serves right bytes again."""
+    cluster = Cluster(mounted, pool_store, tmp_path, 2)
+    holder, reader = cluster.mounts  # the reader has two workers: the blocking client
+    for mount in cluster.mounts:
+        wait_staged(dlfs_cli, mount)
+    rel, pos = a_held_file(pool_store, pool_source, cluster.names, 0)
+    want = (pool_source / rel).read_bytes()
+    assert (Path(holder.path) / "ds" / rel).read_bytes() == want  # checked there
+    copy = held_copy(cluster.caches[0], pool_store, rel)
+    inode = copy.stat().st_ino
+    byte = flip_byte(copy, pos + 5)
+    via_reader = Path(reader.path) / "ds" / rel
+    assert via_reader.read_bytes() == want  # the peer's bytes failed: from the store
+    wait_new_copy(copy, inode, timeout=30)
+    with open(copy, "rb") as f:
+        f.seek(pos + 5)
+        assert f.read(1) == byte
+    served = fresh_status(dlfs_cli, holder)["peer_server"]
+    assert served["reports_confirmed"] >= 1 and served["protocol_errors"] == 0
+    assert "reported it" in reader.log_text() and "evicted, staging it again" in holder.log_text()
+    # The worker that got the bad bytes avoids that copy for 2 s; then the holder serves
+    # the file again (right bytes: the reader checks them).
+    deadline = time.monotonic() + 30
+    while fresh_status(dlfs_cli, holder)["peer_server"]["reads_served"] == served["reads_served"]:
+        assert time.monotonic() < deadline, "the holder never served the file again"
+        drop_from_page_cache(via_reader)
+        assert via_reader.read_bytes() == want
+        time.sleep(0.2)
+
+
+def test_verify_served_never_lets_a_bad_copy_out(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    """With --verify-served the holder checks each extent the first time its copy serves
+    it: a flip after its own reader's check is caught there, no peer sees wrong bytes."""
+    cluster = Cluster(mounted, pool_store, tmp_path, 2, extra=("--verify-served",))
+    holder, reader = cluster.mounts
+    for mount in cluster.mounts:
+        wait_staged(dlfs_cli, mount)
+    rel, pos = a_held_file(pool_store, pool_source, cluster.names, 0)
+    assert (Path(holder.path) / "ds" / rel).read_bytes() == (pool_source / rel).read_bytes()
+    copy = held_copy(cluster.caches[0], pool_store, rel)
+    inode = copy.stat().st_ino
+    flip_byte(copy, pos)
+    assert (Path(reader.path) / "ds" / rel).read_bytes() == (pool_source / rel).read_bytes()
+    wait_new_copy(copy, inode, timeout=30)
+    served = fresh_status(dlfs_cli, holder)["peer_server"]
+    assert served["served_bad"] == 1 and served["served_checks"] >= 1
+    assert "fail their checksum" not in reader.log_text()  # no wrong byte crossed
+    read_and_compare(reader, pool_source, source_files(pool_source))
+
+
+def test_scrub_finds_a_flipped_byte_in_a_copy_nobody_reads(
+        mounted, pool_store, tmp_path, dlfs_cli):
+    cache = tmp_path / "cache"
+    mount = mounted(pool_store, "--cache-dir", str(cache), "--scrub-rate", "16M")
+    wait_staged(dlfs_cli, mount)
+    copy = sorted(cache.glob("*/*.chunk"))[1]
+    inode = copy.stat().st_ino
+    byte = flip_byte(copy, CHUNK_HEADER_SIZE + 1000)
+    wait_new_copy(copy, inode, timeout=60)
+    with open(copy, "rb") as f:
+        f.seek(CHUNK_HEADER_SIZE + 1000)
+        assert f.read(1) == byte
+    scrub = fresh_status(dlfs_cli, mount)["scrub"]
+    assert scrub["bad_copies"] == 1 and scrub["checked_bytes"] > 0
+    assert "scrub: extent" in mount.log_text()
+    sources = fresh_sources(dlfs_cli, mount)
+    assert sources["local"]["requests"] == sources["store"]["requests"] == 0  # nobody read

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from conftest import until
 
 from dlfs.cluster.nodes import ClusterView, Node
 from dlfs.store.format import CHUNK_HEADER_SIZE
@@ -195,7 +196,8 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
 async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, tmp_path):
     """Bytes from a peer that fail their checksum mean a bad staged copy of that chunk
     there (a flipped bit), not a bad peer: that chunk is read from the store, the peer's
-    other chunks still come from the peer."""
+    other chunks still come from the peer, and the peer is told (REPORT, by the trio
+    client of --workers 1) and re-stages that copy."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
     in_chunk = small_files_by_chunk(ds, src)
@@ -228,6 +230,12 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
         assert server.counters()["reads_served"] == 1 and sources() == (0, 2)
         await read(in_chunk[good][0])  # another chunk of the same peer: from the peer
         assert server.counters()["reads_served"] == 2 and sources() == (1, 2)
+        # The reader reported the range; the holder found its copy bad there, evicted it
+        # and asked its stager for it again (its own readers had never touched it).
+        assert await until(lambda: server.counters()["reports_confirmed"] == 1, 10)
+        assert not holder.caches[0].is_staged(bad)
+        demanded = os.read(holder.demand.read_fd, 4096)
+        assert (0, bad) in set(DemandChannel.RECORD.iter_unpack(demanded))
         await reader_pool.aclose()
     reader.close()
     reader_pool.close()
@@ -302,9 +310,9 @@ async def test_a_staged_copy_that_cannot_be_opened_is_read_from_the_store(datase
 
 
 async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(dataset, tmp_path):
-    """--workers 1: tasks that share one peer fetch each keep the extent; the cache's
-    byte count must not grow per task, or it fills with phantom bytes and then keeps
-    nothing (every partial read fetching the whole extent again)."""
+    """--workers 1: tasks that share one peer fetch keep the extent once (one slot of
+    the node's PeerShare, not one per task), and a later read of another part of it
+    is served from there, not fetched again."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
     with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, server, port):
@@ -321,10 +329,36 @@ async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(datase
                 for off in range(0, len(want), 16 << 10):
                     readers.start_soon(read, off)
             assert b"".join(got[off] for off in sorted(got)) == want
-            assert server.counters()["reads_served"] == len(ds.directory.extents(row))
-            cached = sum(len(data) for data in reader._peer_cache.values())
-            assert cached > 0 and reader._peer_cache_bytes == cached
+            extents = len(ds.directory.extents(row))
+            assert server.counters()["reads_served"] == extents
+            counts = reader_pool.fetch_counters()
+            assert counts["fetches"] == counts["stored"] == extents
+            assert bytes(await reader.read(row, 4096, 100)) == want[4096:4196]
+            assert server.counters()["reads_served"] == extents  # from the slot
+            assert reader_pool.fetch_counters()["shared_reads"] == 1
             await reader_pool.aclose()
         finally:
             reader.close()
             reader_pool.close()
+
+
+def test_verify_served_checks_each_extent_once_per_staged_copy(dataset, tmp_path):
+    """--verify-served's bookkeeping in the pool: an extent of chunk 0 is to be checked
+    until it checked out in this copy; a copy staged anew is checked again; a range that
+    is not one whole extent is not checked (readers only ask for whole extents)."""
+    ds, _ = dataset
+    pool, stager = pool_with_chunk_0_staged(ds, tmp_path / "cache")
+    d = ds.directory
+    ext = int(pool.extents_in(0, 0, 0, 1)[0])
+    offset, length = int(d.ext_offset_view[ext]), int(d.ext_length_view[ext])
+    check = pool.serve_check(ds.uuid, 0, offset, length)
+    assert check is not None and check[:2] == (ext, int(d.ext_checksum_view[ext]))
+    assert pool.serve_check(ds.uuid, 0, offset, length - 1) is None
+    pool.served_checked(ds.uuid, ext, check[2])
+    assert pool.serve_check(ds.uuid, 0, offset, length) is None
+    pool.caches[0].evict(0)
+    assert pool.serve_check(ds.uuid, 0, offset, length) is None  # not staged: nothing served
+    stager._copy(0, 0, bytearray())
+    again = pool.serve_check(ds.uuid, 0, offset, length)
+    assert again is not None and again[2] != check[2]
+    pool.close()

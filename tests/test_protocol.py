@@ -31,6 +31,8 @@ EVERY_MESSAGE = [
     protocol.data(7, b"x" * protocol.MAX_READ),
     protocol.miss(8),
     protocol.fail(9, protocol.FAIL_OUT_OF_RANGE),
+    {"t": protocol.REPORT, "n": 1, "ds": DATASET, "chunk": 3, "off": 4096, "len": 100,
+     "proof": b"r" * 32},
 ]
 
 
@@ -244,3 +246,74 @@ def test_data_frame_head_refuses_what_the_wire_cannot_carry():
         protocol.data_frame_head(0, protocol.MAX_READ + 1)
     with pytest.raises(protocol.ProtocolError):
         protocol.data_frame_head(-1, 10)
+
+
+# -- versions and REPORT (version 2) ------------------------------------------------------
+SECRET = b"s" * 32
+BAD = protocol.BadRange(DATASET, 7, 4096, 1 << 20)
+
+
+def shake_hands(client_version: int = protocol.PROTOCOL_VERSION,
+                secret: bytes = SECRET) -> tuple[protocol.ClientHandshake,
+                                                 protocol.ServerHandshake]:
+    """A whole handshake between the two sans-I/O sides."""
+    client = protocol.ClientHandshake(secret, "client", client_version)
+    server = protocol.ServerHandshake(secret, "server")
+    challenge = decode_all(protocol.encode(server.challenge_for(client.hello())))[0]
+    client.finish(server.accept(client.auth_for(challenge)))
+    return client, server
+
+
+def test_a_version_2_server_speaks_to_version_1_and_2_clients_and_refuses_others():
+    for version in (1, 2):
+        client, server = shake_hands(version)
+        assert server.version == version and client.reports == (version >= 2)
+    for version in (0, protocol.PROTOCOL_VERSION + 1):
+        server = protocol.ServerHandshake(SECRET, "server")
+        with pytest.raises(protocol.HandshakeRefused) as refused:
+            server.challenge_for(protocol.hello("c", NONCE, version))
+        assert refused.value.reply["code"] == protocol.ERR_VERSION
+
+
+def test_a_refused_version_is_told_apart_from_other_refusals():
+    with pytest.raises(protocol.VersionRefused):
+        protocol.expect(protocol.err(protocol.ERR_VERSION, "speaks 1"), protocol.CHALLENGE)
+    with pytest.raises(protocol.HandshakeFailed) as failed:
+        protocol.expect(protocol.err(protocol.ERR_AUTH, "no"), protocol.CHALLENGE)
+    assert not isinstance(failed.value, protocol.VersionRefused)
+
+
+def test_a_report_checks_out_once_on_its_own_connection_only():
+    client, server = shake_hands()
+    first, second = client.report(BAD), client.report(BAD)
+    assert first["n"] == 1 and second["n"] == 2 and first["proof"] != second["proof"]
+    assert server.check_report(decode_all(protocol.encode(first))[0]) == BAD
+    with pytest.raises(ProtocolError, match="replayed"):
+        server.check_report(first)
+    assert server.check_report(second) == BAD
+    _, other = shake_hands()  # same secret, other nonces: another connection's proof fails
+    with pytest.raises(ProtocolError, match="wrong proof"):
+        other.check_report(client.report(BAD))
+
+
+@pytest.mark.parametrize("field, value", [("chunk", 8), ("off", 0), ("len", 1),
+                                          ("ds", bytes(16))])
+def test_a_report_whose_range_was_changed_fails_its_proof(field, value):
+    client, server = shake_hands()
+    msg = dict(client.report(BAD), **{field: value})
+    with pytest.raises(ProtocolError, match="wrong proof"):
+        server.check_report(msg)
+
+
+def test_a_report_needs_version_2_and_the_secret():
+    client, server = shake_hands(client_version=1)
+    with pytest.raises(ProtocolError):
+        client.report(BAD)
+    forged = {"t": protocol.REPORT, "n": 1, "ds": DATASET, "chunk": 7, "off": 4096,
+              "len": 1 << 20, "proof": bytes(32)}
+    with pytest.raises(ProtocolError, match="version 1"):
+        server.check_report(forged)
+    outsider, _ = shake_hands(secret=b"o" * 32)
+    _, server = shake_hands()
+    with pytest.raises(ProtocolError, match="wrong proof"):
+        server.check_report(outsider.report(BAD))

@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from sysusers import temp_user
 from trees import make_small_tree
 
 from dlfs.cluster.slurm import derive_job_secret, expand_hostlist
+from dlfs.store.store import Store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -273,3 +276,132 @@ def test_secret_and_mount_belong_to_the_job_user(site):
             site.cluster.cmd("scancel", job, check=False)
             site.cluster.wait_finished(job)
         _assert_cleaned(site, job, [node])
+
+
+# -- the node cache outlives the job; several jobs share a node ------------------------
+
+def _node_cache_conf(site: Site, **more: str) -> Path:
+    cache = site.base / "nodecache"
+    site.conf(DLFS_CACHE=f"{cache}/%n", DLFS_PORT_SPAN="6400", DLFS_REPLICAS="1", **more)
+    return cache
+
+
+def _read_script(site: Site, name: str, before_read: str = "") -> Path:
+    """A job that, on every node, runs `before_read` in its mount, then lists sha256 sums.
+
+    It first waits until every node's mount is up: a node's step may start before
+    another node's prolog has mounted (its reads of that peer's chunks then go to the
+    store, which these tests count)."""
+    script = site.out(name)
+    mount = f"{site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME"
+    all_up = (f"for i in $(seq 300); do n=0; for d in {site.base}/mnt/$SLURM_JOB_ID/*; do "
+              "mountpoint -q $d && n=$((n+1)); done; [ $n -ge $SLURM_JOB_NUM_NODES ] && "
+              "break; sleep 0.1; done;")
+    script.write_text(
+        "#!/bin/bash\n"
+        f"srun -l bash -c '{all_up} M={mount}; {before_read} cd $M/ds && "
+        "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum "
+        f"> {site.base}/out/$SLURM_JOB_ID-$SLURMD_NODENAME.sums'\n")
+    return script
+
+
+def _store_bytes(site: Site, job: str, node: str) -> int:
+    summary = json.loads(site.log(job, node).with_suffix(".summary.json").read_text())
+    return summary["datasets"]["ds"]["sources"]["store"]["bytes"]
+
+
+WAIT_STAGED = """
+import json, subprocess, sys, time
+deadline = time.monotonic() + 90
+while time.monotonic() < deadline:  # until this node staged its whole share
+    out = subprocess.run([sys.argv[1], "status", sys.argv[2], "--json"],
+                         capture_output=True, text=True).stdout
+    staging = json.loads(out)["datasets"][0]["staging"] if out else {}
+    if staging and staging["staged_chunks"] == staging["owned_chunks"]:
+        sys.exit(0)
+    time.sleep(0.2)
+sys.exit("not staged in 90 s")
+"""
+
+
+def _wait_staged_step(site: Site) -> str:
+    script = site.out("wait_staged.py")
+    script.write_text(WAIT_STAGED)
+    return f"{sys.executable} {script} {DLFS[0]} $M || exit 1;"
+
+
+def test_a_later_job_on_the_same_nodes_reads_nothing_from_the_store(site):
+    cache = _node_cache_conf(site)
+    try:
+        first = site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
+                                    str(_read_script(site, "stage.sh", _wait_staged_step(site))))
+        assert site.cluster.wait_finished(first) == "COMPLETED", \
+            site.out(f"{first}.out").read_text()
+        assert all((cache / node / Store(site.store).open("ds").uuid.hex()).is_dir()
+                   for node in SIM_NODES), "the epilog removed the node cache"
+        second = site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
+                                     str(_read_script(site, "again.sh")))
+        assert site.cluster.wait_finished(second) == "COMPLETED", \
+            site.out(f"{second}.out").read_text()
+        expected = _source_sums(site.source)
+        for node in SIM_NODES:
+            assert site.out(f"{second}-{node}.sums").read_text() == expected, node
+            assert _store_bytes(site, second, node) == 0, site.log(second, node).read_text()
+        reused = [int(re.search(r"\((\d+) staged chunks reused\)",
+                                site.log(second, node).read_text()).group(1))
+                  for node in SIM_NODES]
+        assert sum(reused) == Store(site.store).open("ds").chunk_count  # job 1's, all kept
+        _assert_cleaned(site, second, SIM_NODES)
+    finally:
+        site.conf()
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_two_jobs_at_once_on_the_same_nodes_each_read_their_whole_dataset(site):
+    cache = _node_cache_conf(site)
+    together = (  # both jobs mounted at once before either reads
+        f"touch {site.base}/out/up-$SLURM_JOB_ID-$SLURMD_NODENAME; for i in $(seq 600); do "
+        f"[ $(ls {site.base}/out | grep -c \"^up-.*-$SLURMD_NODENAME$\") -ge 2 ] && break; "
+        "sleep 0.1; done;")
+    try:
+        script = _read_script(site, "together.sh", together)
+        jobs = [site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
+                                    str(script)) for _ in range(2)]
+        states = [site.cluster.wait_finished(job, timeout=180) for job in jobs]
+        assert states == ["COMPLETED"] * 2, [site.out(f"{j}.out").read_text() for j in jobs]
+        expected = _source_sums(site.source)
+        for job in jobs:
+            for node in SIM_NODES:
+                assert site.out(f"{job}-{node}.sums").read_text() == expected, (job, node)
+            _assert_cleaned(site, job, SIM_NODES)
+        ports = [{re.search(r"peer port 127\.0\.0\.1:(\d+)",
+                            site.log(job, node).read_text()).group(1)
+                  for node in SIM_NODES} for job in jobs]
+        assert not ports[0] & ports[1], ports
+    finally:
+        site.conf()
+        shutil.rmtree(cache, ignore_errors=True)
+        for flag in (site.base / "out").glob("up-*"):
+            flag.unlink()
+
+
+def test_srun_warmup_then_a_job_reads_nothing_from_the_store(site):
+    cache = _node_cache_conf(site)
+    try:
+        warm = site.cluster.sbatch(
+            "-N3", f"--output={site.out('%j.out')}", "--wrap",
+            f"srun {DLFS[0]} warmup --slurm --store {site.store} --cache-dir {cache}/%n")
+        assert site.cluster.wait_finished(warm) == "COMPLETED", \
+            site.out(f"{warm}.out").read_text()
+        out = site.out(f"{warm}.out").read_text()
+        assert out.count("0 were staged already") == 3, out
+        job = site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
+                                  str(_read_script(site, "after-warmup.sh")))
+        assert site.cluster.wait_finished(job) == "COMPLETED", site.out(f"{job}.out").read_text()
+        expected = _source_sums(site.source)
+        for node in SIM_NODES:
+            assert site.out(f"{job}-{node}.sums").read_text() == expected, node
+            assert _store_bytes(site, job, node) == 0, site.log(job, node).read_text()
+    finally:
+        site.conf()
+        shutil.rmtree(cache, ignore_errors=True)

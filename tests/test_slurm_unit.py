@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dlfs.cluster.slurm import (
+    SHARED_HOST_STRIDE,
     PeerNode,
     SlurmJob,
     derive_job_secret,
@@ -115,23 +116,44 @@ def test_job_from_env_node_not_in_list():
 
 def test_peer_nodes_ports_follow_node_order():
     job = job_from_env(PROLOG_ENV)
-    assert peer_nodes(job, 7400, "127.0.0.1") == [
+    assert peer_nodes(job, 7400, "127.0.0.1") == [  # one host: a port per node
         PeerNode("node1", "127.0.0.1", 7400), PeerNode("node2", "127.0.0.1", 7401),
         PeerNode("node3", "127.0.0.1", 7402)]
-    assert [p.spec() for p in peer_nodes(job, 9000)] == [
-        "node1=node1:9000", "node2=node2:9001", "node3=node3:9002"]
+    assert [p.spec() for p in peer_nodes(job, 9000)] == [  # own hosts: the job's one port
+        "node1=node1:9000", "node2=node2:9000", "node3=node3:9000"]
     assert peer_nodes(job, 9000, "%n.ib0")[0].host == "node1.ib0"
 
 
-@given(st.integers(1, 200), st.integers(1, 65535))
-def test_peer_ports_distinct_and_in_range(n, base):
-    job = SlurmJob("1", tuple(f"n{i}" for i in range(n)), "n0")
-    if base + n - 1 > 65535:
-        with pytest.raises(UsageError, match="out of range"):
-            peer_nodes(job, base)
+def test_a_port_span_gives_each_job_its_own_ports():
+    nodes = ("node1", "node2")
+    ports = {job_id: [p.port for p in peer_nodes(SlurmJob(job_id, nodes, "node1"), 20000,
+                                                 port_span=1000)]
+             for job_id in ("5", "6", "1005")}
+    assert ports == {"5": [20005, 20005], "6": [20006, 20006], "1005": [20005, 20005]}
+    shared = [p.port for p in peer_nodes(SlurmJob("6", nodes, "node1"), 20000, "127.0.0.1",
+                                         port_span=1000)]
+    assert shared == [20000 + 6 * SHARED_HOST_STRIDE, 20001 + 6 * SHARED_HOST_STRIDE]
+
+
+@given(st.integers(1, 64), st.integers(1, 65535), st.integers(1, 4000),
+       st.integers(1, 10**7), st.integers(1, 10**7), st.booleans())
+def test_ports_are_in_range_distinct_per_host_and_apart_between_job_slots(
+        n, base, span, job_a, job_b, shared):
+    pattern = "127.0.0.1" if shared else "%n"
+    jobs = [SlurmJob(str(j), tuple(f"n{i}" for i in range(n)), "n0") for j in (job_a, job_b)]
+    try:
+        a, b = ([p.port for p in peer_nodes(job, base, pattern, span)] for job in jobs)
+    except UsageError as err:
+        assert "out of range" in str(err)
+        stride = SHARED_HOST_STRIDE if shared and span > 1 else 1
+        assert base + max(span, n if shared else 1) - 1 > 65535 or n > stride
         return
-    ports = [p.port for p in peer_nodes(job, base)]
-    assert len(set(ports)) == n and min(ports) >= 1 and max(ports) <= 65535
+    assert min(a + b) >= base and max(a + b) <= 65535
+    assert len(set(a)) == (n if shared else 1)
+    stride = SHARED_HOST_STRIDE if shared and span > 1 else 1
+    slots = max(1, span // stride)
+    if job_a % slots != job_b % slots:  # two jobs on one node at once: no port in common
+        assert not set(a) & set(b)
 
 
 def test_expand_pattern():

@@ -20,8 +20,9 @@ import pytest
 import trio
 import trio.testing
 from conftest import chunked_dataset, until
-from peerfakes import DATASET, SECRET, FileProvider
+from peerfakes import DATASET, SECRET, FileProvider, version_1_server
 
+from dlfs.store.nodecache import IN_USE, LAST_USED
 from dlfsd.pool import protocol
 from dlfsd.pool import stager as stager_module
 from dlfsd.pool.chunkcache import ChunkCache
@@ -42,6 +43,12 @@ def dataset(tmp_path):
     ds = chunked_dataset(tmp_path, files=4, seed=7)
     assert ds.chunk_count >= 3
     return ds
+
+
+def copies_and_temp_files(directory) -> list[str]:
+    """What a cache dir holds besides the node cache's bookkeeping (.last-used, .in-use)."""
+    return sorted(n for n in os.listdir(directory) if n not in (LAST_USED, IN_USE))
+
 
 
 @pytest.fixture
@@ -110,7 +117,7 @@ async def test_unmount_abandons_copies_in_flight_at_once_and_leaves_no_temp_file
     waited = time.monotonic() - cancelled
     # The copy stops after its step (0.5 s); the rest of the chunk would take 7 s more.
     assert waited < 4, f"the unmount waited {waited:.2f} s for a copy in flight"
-    assert os.listdir(cache.dir) == []
+    assert copies_and_temp_files(cache.dir) == []
     assert not cache.is_staged(0)
 
 
@@ -124,7 +131,7 @@ def test_a_copy_stopped_by_unmount_removes_its_temp_file(dataset, tmp_path):
     try:
         stager._stopping = True  # what cancelling `run` does
         stager._copy(0, 0, bytearray())
-        assert os.listdir(cache.dir) == []
+        assert copies_and_temp_files(cache.dir) == []
         assert not cache.is_staged(0) and stager.copied_chunks == 0
     finally:
         cache.close()
@@ -277,3 +284,24 @@ def test_clients_of_one_process_share_one_receive_buffer(start_peer):
     finally:
         a.close()
         b.close()
+
+
+async def test_a_version_1_peer_is_read_in_version_1_and_told_no_reports(nursery):
+    """An older daemon of the job refuses protocol version 2: the client connects again
+    speaking version 1, keeps to it, and sends it no REPORT (version 1 has none)."""
+    chunk = os.urandom(5000)
+    hellos: list[int] = []
+    port = await serve_fake(nursery, lambda stream, number: version_1_server(stream, hellos,
+                                                                              chunk))
+    client = blocking_client(port)
+    try:
+        for offset in (0, 100):
+            got = await trio.to_thread.run_sync(client.read, DATASET, 0, offset, 1000)
+            assert bytes(got) == chunk[offset : offset + 1000]
+        assert not client.report(protocol.BadRange(DATASET, 0, 0, 1000))
+        client.close()  # a new connection starts in version 1 right away
+        assert bytes(await trio.to_thread.run_sync(client.read, DATASET, 0, 0, 10)) == \
+            chunk[:10]
+    finally:
+        client.close()
+    assert hellos == [2, 1, 1]

@@ -32,6 +32,7 @@ import trio
 from conftest import chunked_dataset, tmpfs_at, until
 from pagecache import cachestat, require
 
+from dlfs.store.nodecache import IN_USE, LAST_USED
 from dlfsd.pool import stager as stager_module
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.stager import DemandChannel, Stager
@@ -41,6 +42,12 @@ FIRST, CAP = 0.05, 0.2  # the stager's retry delays in these tests (seconds)
 _libc = ctypes.CDLL(None, use_errno=True)
 _IN_OPEN, _IN_CLOSE_NOWRITE = 0x20, 0x10
 _IN_NONBLOCK = os.O_NONBLOCK
+
+
+def copies_and_temp_files(directory) -> list[str]:
+    """What a cache dir holds besides the node cache's bookkeeping (.last-used, .in-use)."""
+    return sorted(n for n in os.listdir(directory) if n not in (LAST_USED, IN_USE))
+
 
 
 def unwritten_pages(path) -> int:
@@ -150,7 +157,7 @@ async def test_a_published_copy_has_no_data_left_that_never_reached_the_disk(
 
 
 async def test_a_copy_that_failed_on_a_full_cache_disk_is_staged_once_there_is_room(
-        dataset, make_stager, small_tmpfs, fast_retries):
+        dataset, small_tmpfs, make_stager, fast_retries):  # the stager closes first
     """ENOSPC for a moment (another job's files not yet deleted) pauses staging for a
     backoff; it must not switch staging off for the rest of the mount."""
     stager = make_stager(small_tmpfs, only(dataset, 0))
@@ -163,7 +170,7 @@ async def test_a_copy_that_failed_on_a_full_cache_disk_is_staged_once_there_is_r
         nursery.start_soon(stager.run)
         await trio.sleep(3 * CAP)  # several backoff steps on a full disk
         assert not cache.is_staged(0)
-        assert os.listdir(cache.dir) == [], "a failed copy left a temp file behind"
+        assert copies_and_temp_files(cache.dir) == [], "a failed copy left a temp file behind"
         filler.unlink()  # room again
         staged = await until(lambda: cache.is_staged(0), 3 * CAP + 1)
         nursery.cancel_scope.cancel()

@@ -19,7 +19,10 @@ from dlfs.obs.statsview import text_summary
 from dlfs.store.store import Dataset
 from dlfsd.kernel import workers_answer_opens
 from dlfsd.obs.control import ControlFiles
+from dlfsd.obs.peermarks import PeerMarks
 from dlfsd.obs.prometheus import prometheus_text
+from dlfsd.obs.sharedjson import SharedJson
+from dlfsd.obs.stalls import NO_REQUESTS, NullRequests, RequestSlots, TaskRequestSlots
 from dlfsd.obs.stats import TOP_FILES, NullStats, Stats
 from dlfsd.obs.trace import DEFAULT_CAPACITY, Trace
 from dlfsd.slots import ProcessSlot
@@ -33,6 +36,8 @@ class ObserveConfig:
     processes: int = 1  # daemon processes that will record (main + workers)
     trace_capacity: int = DEFAULT_CAPACITY
     opens_counted: bool = True  # the daemon answers opens (False: FUSE no_open)
+    stall_seconds: float = 10.0  # a read outstanding this long is a stall (0: not watched)
+    tasks: int = 64  # reads served at once by a single-process mount (--max-tasks)
 
     @classmethod
     def from_mount(cls, config: MountConfig) -> ObserveConfig:
@@ -42,7 +47,8 @@ class ObserveConfig:
         return cls(enabled=config.stats, processes=processes,
                    trace_capacity=config.trace_capacity,
                    opens_counted=config.workers <= 1
-                   or workers_answer_opens(config.count_opens))
+                   or workers_answer_opens(config.count_opens),
+                   stall_seconds=config.stall_seconds, tasks=config.max_tasks)
 
 
 class Observability:
@@ -62,10 +68,35 @@ class Observability:
         self.trace = Trace(capacity, self.slot, max(1, config.processes - 1))
         self.datasets = datasets
         self._sections: dict[str, Callable[[], dict]] = {}
+        self.requests = self._request_slots(config)
+        self.peer_marks: PeerMarks | None = None  # a chunk pool's (watch_pool)
+        # The main process's health report (dlfsd.obs.health), for `.dlfs/metrics`.
+        self.health = SharedJson()
+        if config.enabled:
+            self.add_section("health", self.health.read)
         self.control = ControlFiles({b"stats.json": self.render_stats_json,
                                      b"metrics": self.render_metrics}, self.slot)
 
+    def _request_slots(self, config: ObserveConfig) -> RequestSlots | NullRequests:
+        """The stall detector's slots: one per worker process, or one per concurrent
+        read of a single-process mount; none with counters off or --stall-seconds 0."""
+        if not (config.enabled and config.stall_seconds > 0):
+            return NO_REQUESTS
+        if self.slot.count > 1:
+            return RequestSlots.for_processes(self.slot)
+        return TaskRequestSlots(max(1, config.tasks))
+
+    def watch_pool(self, pool) -> None:
+        """Let the main process see the peer marks every process of a chunk pool makes
+        and the peer each read waits for (call before the fork)."""
+        self.peer_marks = PeerMarks(self.slot, len(pool.view.nodes))
+        pool.report_to(self.requests, self.peer_marks)
+
     def close(self) -> None:
+        self.requests.close()
+        if self.peer_marks is not None:
+            self.peer_marks.close()
+        self.health.close()
         self.control.close()
         self.trace.close()
         self.stats.close()

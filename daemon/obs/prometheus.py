@@ -74,6 +74,7 @@ def prometheus_text(snapshot: dict) -> str:
     _histogram(lines, "dlfs_read_latency_seconds", datasets, "read_latency_us_hist",
                lambda b: f"{(1 << b) * 1e-6:.9g}", "read_latency_ns_sum", 1e-9)
     _lookahead(lines, datasets, snapshot.get("lookahead"))
+    _health(lines, snapshot.get("health") or {})
     return "\n".join(lines) + "\n"
 
 
@@ -90,3 +91,74 @@ def _lookahead(lines: list[str], datasets: dict, engine: dict | None) -> None:
         name = f"dlfs_lookahead_{key}_total"
         _header(lines, name, f"Look-ahead: {key.replace('_', ' ')}.", "counter")
         lines.append(f"{name} {value}")
+
+
+def _health(lines: list[str], health: dict) -> None:
+    """Stalled reads, peers skipped and staging trouble (docs/STATS.md, "Health"); the
+    main process's report of the last second, absent until its first one."""
+    if not health:
+        return
+    _stalls(lines, health)
+    if "peers" in health or "peers_down" in health:
+        _peers(lines, health)
+    if "staging" in health:
+        _staging(lines, health["staging"])
+
+
+def _stalls(lines: list[str], health: dict) -> None:
+    _header(lines, "dlfs_stall_threshold_seconds",
+            "A read outstanding this long counts as stalled (0: not watched).", "gauge")
+    lines.append(f"dlfs_stall_threshold_seconds {health.get('stall_seconds', 0):.9g}")
+    _header(lines, "dlfs_stalled_reads", "Reads outstanding past the threshold now.", "gauge")
+    lines.append(f"dlfs_stalled_reads {health.get('stalled_reads', 0)}")
+    _header(lines, "dlfs_stalls_total",
+            "Reads found outstanding past the threshold, by what they waited for.", "counter")
+    for source, count in (health.get("stalls_by_source") or {}).items():
+        lines.append(f'dlfs_stalls_total{{waiting="{_label(source)}"}} {count}')
+    _header(lines, "dlfs_oldest_read_seconds",
+            "Age of the oldest read in progress (0: none).", "gauge")
+    lines.append(f"dlfs_oldest_read_seconds {health.get('oldest_read_seconds', 0):.9g}")
+
+
+def _peers(lines: list[str], health: dict) -> None:
+    for name, help_, key in (
+            ("dlfs_peers_down", "Peers some daemon process skips now (timed out, refused).",
+             "peers_down"),
+            ("dlfs_peers_with_bad_copies",
+             "Peers a chunk of which some daemon process reads elsewhere now (bad copy).",
+             "peers_with_bad_copies")):
+        _header(lines, name, help_, "gauge")
+        lines.append(f"{name} {health.get(key, 0)}")
+    peers = health.get("peers") or []
+    for name, kind, help_, key in (
+            ("dlfs_peer_down_processes", "gauge", "Daemon processes that skip this peer now.",
+             "down_processes"),
+            ("dlfs_peer_down_marks_total", "counter", "Times a daemon process marked the peer "
+             "down.", "down_marks"),
+            ("dlfs_peer_bad_copy_processes", "gauge",
+             "Daemon processes that read some chunk of this peer elsewhere now.",
+             "bad_copy_processes"),
+            ("dlfs_peer_bad_copy_marks_total", "counter",
+             "Copies from this peer that failed their checksum.", "bad_copy_marks")):
+        _header(lines, name, help_, kind)
+        lines += [f'{name}{{peer="{_label(p["name"])}"}} {p[key]}' for p in peers]
+
+
+def _staging(lines: list[str], staging: dict) -> None:
+    datasets = staging.get("datasets") or {}
+    for name, help_, key in (
+            ("dlfs_stage_over_limit_chunks", "Owned chunks not staged: over --cache-limit.",
+             "over_limit_chunks"),
+            ("dlfs_stage_over_limit_bytes", "Bytes of owned chunks over --cache-limit.",
+             "over_limit_bytes"),
+            ("dlfs_stage_demanded_chunks", "Chunks readers or peers asked for, not staged yet.",
+             "demanded_chunks"),
+            ("dlfs_stage_failing_chunks", "Chunks whose last copy failed (tried again later).",
+             "failing_chunks")):
+        _header(lines, name, help_, "gauge")
+        lines += [f'{name}{{dataset="{_label(ds)}"}} {c[key]}' for ds, c in datasets.items()]
+    _header(lines, "dlfs_stage_errors_total", "Chunk copies that failed.", "counter")
+    lines.append(f"dlfs_stage_errors_total {staging.get('copy_errors', 0)}")
+    _header(lines, "dlfs_stage_paused",
+            "1 while staging is paused: the cache dir cannot be written.", "gauge")
+    lines.append(f"dlfs_stage_paused {1 if staging.get('paused') else 0}")

@@ -1,4 +1,4 @@
-"""The daemon's live status: staging progress and where reads were served from.
+"""The daemon's live status: staging progress, where reads were served from, and health.
 
 The main process rewrites one small JSON file in the runtime directory every
 second (atomically); `dlfs status MOUNTPOINT` reads it. Nothing on the read
@@ -38,8 +38,9 @@ def _sources(by_dataset: dict, name: str) -> dict:
 
 
 def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=None, pool=None,
-                 server=None) -> dict:
-    """`stats` is the mount's dlfsd.obs.stats.Stats (or NullStats under --no-stats)."""
+                 server=None, health: dict | None = None) -> dict:
+    """`stats` is the mount's dlfsd.obs.stats.Stats (or NullStats under --no-stats);
+    `health` what dlfsd.obs.health.HealthWatch.check found (stalls, peers, staging)."""
     progress = stager.progress() if stager is not None else None
     sources = stats.sources()
     out: dict = {
@@ -66,6 +67,8 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
         out["datasets"].append(entry)
     if server is not None:
         out["peer_server"] = server.counters()
+    if health is not None:
+        out["health"] = health
     return out
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from dlfs.errors import FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, chunk_filename
+from dlfs.store.nodecache import mark_in_use, touch_last_used
 from dlfs.store.store import Dataset, fsync_path
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class ChunkCache:
     def __init__(self, cache_root: Path, dataset: Dataset) -> None:
         self.dataset = dataset
         self.dir = Path(cache_root) / dataset.uuid.hex()
+        self._in_use_fd = -1  # the shared `.in-use` lock (dlfs.store.nodecache)
         self.lengths = dataset.chunk_lengths
         count = dataset.chunk_count
         self._state = mmap.mmap(-1, max(1, count))  # shared with forked workers
@@ -57,6 +59,10 @@ class ChunkCache:
     # -- state shared by all processes ----------------------------------------
     def is_staged(self, chunk: int) -> bool:
         return self._state[chunk] != 0
+
+    def generation(self, chunk: int) -> int:
+        """The current copy's generation (1-255, new at every publish), 0 if none."""
+        return self._state[chunk]
 
     def staged_mask(self) -> np.ndarray:
         return self._view != 0
@@ -107,10 +113,13 @@ class ChunkCache:
         # mount itself may be for one user only, --uid); the daemon alone reads them.
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
+        if self._in_use_fd < 0:  # held while the mount lives: `dlfs cache prune` skips us
+            self._in_use_fd = mark_in_use(self.dir)
         adopted = 0
         for entry in os.scandir(self.dir):
             if entry.name.startswith(TEMP_PREFIX):
-                _remove(entry.path)
+                if not _writer_alive(entry.name):  # another daemon's copy in progress stays
+                    _remove(entry.path)
                 continue
             chunk = _chunk_index(entry.name)
             if chunk is None or chunk >= self.dataset.chunk_count:
@@ -172,6 +181,10 @@ class ChunkCache:
             return fd
 
     def close(self) -> None:
+        if self._in_use_fd >= 0:
+            touch_last_used(self.dir)
+            os.close(self._in_use_fd)
+            self._in_use_fd = -1
         for i, fd in enumerate(self._fds):
             if fd >= 0:
                 os.close(fd)
@@ -189,6 +202,22 @@ def _chunk_index(filename: str) -> int | None:
     if ext != "chunk" or not stem.isdigit():
         return None
     return int(stem)
+
+
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process named in a temporary copy's name (see temp_path) still runs: a
+    cache dir outlives jobs and is shared by the node's daemons, and a copy another
+    daemon is writing right now must not be removed under it."""
+    pid = temp_name.rsplit(".", 1)[-1]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove(path: str) -> None:

@@ -121,9 +121,11 @@ class _Waiter:
 class _Connection:
     """One authenticated connection: pipelined requests, one task routing replies."""
 
-    def __init__(self, framed: _FramedStream, address: str) -> None:
+    def __init__(self, framed: _FramedStream, address: str,
+                 session: protocol.ClientHandshake) -> None:
         self.framed = framed
         self.address = address
+        self.session = session  # its handshake: REPORTs on it are proven with its nonces
         self.closed = False
         self.finished = trio.Event()  # the receive task has closed the stream
         self._waiters: dict[int, _Waiter] = {}
@@ -266,6 +268,7 @@ class PeerClient:
         self._next_slot = 0
         self._run_token: trio.lowlevel.TrioToken | None = None
         self._closed = False
+        self._version = protocol.PROTOCOL_VERSION  # lowered for a server that refused it
 
     async def read(self, dataset_id: bytes, chunk: int, offset: int, length: int) -> bytes:
         """`length` bytes at `offset` of the chunk's data (exactly, or an exception).
@@ -284,6 +287,23 @@ class PeerClient:
         except trio.TooSlowError:
             raise PeerUnavailable(f"peer {self.address} did not answer within "
                                   f"{self.timeout:g} s") from None
+
+    async def report(self, bad: protocol.BadRange) -> bool:
+        """Tell the peer that its bytes of `bad` failed their checksum here (best effort,
+        no reply, within `timeout`). False if it could not be told (a version 1 peer, a
+        connection that failed)."""
+        if self._closed:
+            return False
+        try:
+            with trio.fail_after(self.timeout):
+                connection = await self._connection()
+                if not connection.session.reports:
+                    return False
+                await connection.framed.send(connection.session.report(bad))
+        except (PeerError, trio.TooSlowError, trio.BrokenResourceError,
+                trio.ClosedResourceError, OSError):
+            return False
+        return True
 
     async def aclose(self) -> None:
         """Close every connection; pending and later reads raise PeerUnavailable."""
@@ -321,6 +341,17 @@ class PeerClient:
             self._slot_locks = [trio.Lock() for _ in self._slots]
 
     async def _connect(self) -> _Connection:
+        """A new authenticated connection, in the oldest version we speak if the server
+        refuses ours (a version 1 daemon): that version is kept for this peer."""
+        try:
+            return await self._connect_speaking(self._version)
+        except protocol.VersionRefused as refused:
+            if self._version == protocol.MIN_PROTOCOL_VERSION:
+                raise PeerUnavailable(f"peer {self.address} {refused}") from None
+        self._version = protocol.MIN_PROTOCOL_VERSION
+        return await self._connect_speaking(self._version)
+
+    async def _connect_speaking(self, version: int) -> _Connection:
         try:
             stream = await trio.open_tcp_stream(self.host, self.port)
         except OSError as error:
@@ -328,7 +359,7 @@ class PeerClient:
                                   f"{error.strerror or error}") from None
         framed = _FramedStream(stream, protocol.MAX_FRAME)
         try:
-            await self._handshake(framed)
+            session = await self._handshake(framed, version)
         except ProtocolError as error:
             await trio.aclose_forcefully(stream)
             raise PeerUnavailable(f"peer {self.address} broke the protocol: {error}") from None
@@ -339,19 +370,23 @@ class PeerClient:
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        connection = _Connection(framed, self.address)
+        connection = _Connection(framed, self.address, session)
         trio.lowlevel.spawn_system_task(connection.receive_replies,
                                         name=f"dlfsd.pool.peer receive {self.address}")
         return connection
 
-    async def _handshake(self, framed: _FramedStream) -> None:
+    async def _handshake(self, framed: _FramedStream,
+                         version: int) -> protocol.ClientHandshake:
         """Prove we hold the secret and check that the server does too
         (protocol.ClientHandshake decides; this only moves the messages)."""
-        shake = protocol.ClientHandshake(self._secret, self.node_name)
+        shake = protocol.ClientHandshake(self._secret, self.node_name, version)
         await framed.send(shake.hello())
         try:
             await framed.send(shake.auth_for(await framed.receive()))
             shake.finish(await framed.receive())
+            return shake
+        except protocol.VersionRefused:
+            raise
         except protocol.HandshakeFailed as failed:
             if failed.reply is not None:
                 await framed.send(failed.reply)

@@ -21,6 +21,17 @@ without blocking into one reused buffer, then one sendmsg of head and
 payload). One that must wait for the disk goes to a small pool of disk
 threads and the loop serves other peers meanwhile: waiting on each disk
 read in turn would serialize every peer's reads at a queue depth of one.
+
+Bad copies: a staged copy can go bad after it was checked (bit rot, a
+truncated file), and peers would be served its wrong bytes for as long as it
+lives. A peer whose bytes failed their checksum sends a REPORT of the range
+(protocol version 2); the server checks those extents of its copy on a disk
+thread and evicts and re-stages a bad copy at once. Reports are rate limited
+here too (REPORT_CHECKS_PER_SECOND, and one check per chunk per
+REPORT_COOLDOWN), so a peer, or a rotting disk, cannot keep the disk threads
+busy hashing. With `verify_served` (--verify-served) the server also checks
+each extent the first time the current copy serves it: wrong bytes then
+never leave this node, at the cost of hashing each extent once per copy.
 """
 
 from __future__ import annotations
@@ -37,16 +48,20 @@ import threading
 import time
 from typing import Protocol
 
+from dlfs.store.format import checksum
 from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
 from dlfsd.pool import protocol
 from dlfsd.pool.admission import Admission, RefusalLog, plain_ip
-from dlfsd.pool.protocol import FrameDecoder, Message, ProtocolError
+from dlfsd.pool.protocol import BadRange, FrameDecoder, Message, ProtocolError
+from dlfsd.throttle import TokenBucket
 
 log = logging.getLogger("dlfsd.pool.peer")
 
 _RECV = 256 * 1024
 _SWEEP = 0.25  # seconds between timeout checks
 _GOODBYE = 1.0  # seconds a closing connection may take to read our last message
+REPORT_CHECKS_PER_SECOND = 10.0  # re-checks of reported ranges, all peers together
+REPORT_COOLDOWN = 2.0  # seconds a chunk just checked for a report is not checked again
 
 
 class BlockingChunkProvider(Protocol):
@@ -55,6 +70,19 @@ class BlockingChunkProvider(Protocol):
     def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
         """(open fd, position of the chunk's data in it) of the staged copy, or None
         if it is not staged here. May block (it may open the file)."""
+
+    def check_copy(self, dataset_id: bytes, chunk: int, offset: int,
+                   length: int) -> bool | None:
+        """Check the extents of the staged copy a reported range overlaps; evict a bad
+        copy. True if evicted, False if it checks out, None if nothing is staged. Blocks."""
+
+    def serve_check(self, dataset_id: bytes, chunk: int, offset: int,
+                    length: int) -> tuple[int, int, int] | None:
+        """(extent, checksum, copy generation) if this READ is a whole extent the current
+        copy has not served yet (--verify-served), else None."""
+
+    def served_checked(self, dataset_id: bytes, ext: int, gen: int) -> None:
+        """That extent checked out in that copy: not again for it."""
 
     def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         """The staged copy could not be read through `fd` (-1: could not be opened):
@@ -87,14 +115,20 @@ class PeerLoopServer:
     _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
                  "auth_failures", "protocol_errors", "reads_served", "reads_missed",
                  "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
-                 "replies_waited")  # replies that had to wait for the peer to read
+                 "replies_waited",  # replies that had to wait for the peer to read
+                 # REPORTs: checked and bad (evicted), checked and good (or not staged),
+                 # out of bounds, dropped by the rate limits
+                 "reports_received", "reports_confirmed", "reports_unconfirmed",
+                 "reports_refused", "reports_dropped",
+                 "served_checks", "served_bad")  # --verify-served
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
                  max_connections: int = 256, disk_threads: int = 4,
-                 trusted: frozenset[str] | None = None) -> None:
+                 trusted: frozenset[str] | None = None, verify_served: bool = False) -> None:
         """`trusted`: the addresses of the job's nodes (None: treat every address so);
-        see dlfsd.pool.admission for what strangers may do."""
+        see dlfsd.pool.admission for what strangers may do. `verify_served`: check
+        each extent the first time the current copy serves it."""
         self._secret = protocol.check_secret(secret)
         self.provider = provider
         self.node_name = node_name
@@ -111,6 +145,11 @@ class PeerLoopServer:
         self._disk = concurrent.futures.ThreadPoolExecutor(
             disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
         self._finished: collections.deque = collections.deque()  # disk reads done
+        self._checked: collections.deque = collections.deque()  # reports checked
+        self.verify_served = verify_served
+        self._report_budget = TokenBucket(REPORT_CHECKS_PER_SECOND,
+                                          int(REPORT_CHECKS_PER_SECOND))
+        self._reported: dict[tuple[bytes, int], float] = {}  # (dataset, chunk) -> when
         self._failed_chunks: set[tuple[bytes, int]] = set()  # logged once each
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
@@ -283,9 +322,12 @@ class PeerLoopServer:
     def _handle(self, conn: _Conn, msg: Message) -> None:
         try:
             if conn.state == "ready":
-                if msg["t"] != protocol.READ:
+                if msg["t"] == protocol.READ:
+                    self._reply_to(conn, msg)
+                elif msg["t"] == protocol.REPORT:
+                    self._on_report(conn, conn.handshake.check_report(msg))
+                else:
                     raise ProtocolError(f"unexpected {msg['t']} message after the handshake")
-                self._reply_to(conn, msg)
             elif conn.state == "hello":
                 reply = conn.handshake.challenge_for(msg)
                 conn.state = "auth"
@@ -316,6 +358,9 @@ class PeerLoopServer:
                 self._send(conn, protocol.encode(protocol.fail(request_id, problem)))
                 return
             staged = self.provider.staged_file(dataset_id, chunk)
+            check = None
+            if staged is not None and self.verify_served:
+                check = self.provider.serve_check(dataset_id, chunk, offset, length)
         except Exception as error:
             self._read_failed(conn, request_id, chunk, dataset_id, error)
             return
@@ -333,6 +378,10 @@ class PeerLoopServer:
                 self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
                 return
             if cached:
+                if check is not None and not self._checks_out(dataset_id, check, view):
+                    self._read_failed(conn, request_id, chunk, dataset_id,
+                                      BadCopyError(check[0]), fd)
+                    return
                 self._serve(conn, request_id, view)
                 return
         # Not all in the page cache: a disk thread reads it while this loop serves others
@@ -342,7 +391,72 @@ class PeerLoopServer:
         self._unwatch(conn)  # nothing more from this peer until this reply is out
         future = self._disk.submit(_pread_exact, fd, length, pos)
         future.add_done_callback(lambda f: self._disk_done(conn, request_id, chunk, dataset_id,
-                                                           fd, f))
+                                                           fd, check, f))
+
+    def _checks_out(self, dataset_id: bytes, check: tuple[int, int, int], payload) -> bool:
+        """--verify-served: the bytes of an extent about to be served for the first time
+        from this copy match its checksum (then it is not checked again)."""
+        ext, expected, gen = check
+        self._count("served_checks")
+        if checksum(payload) == expected:
+            self.provider.served_checked(dataset_id, ext, gen)
+            return True
+        self._count("served_bad")
+        return False
+
+    # -- reports of bad copies ----------------------------------------------------------
+    def _on_report(self, conn: _Conn, bad: BadRange) -> None:
+        """A peer got bytes of `bad` that failed their checksum: check those extents of
+        our copy on a disk thread, within the rate limits (no reply either way)."""
+        self._count("reports_received")
+        limit = self.provider.chunk_limit(bad.dataset_id, bad.chunk)
+        if protocol.read_bounds_problem(limit, bad.offset, bad.length) is not None:
+            self._count("reports_refused")
+            return
+        if not self._report_allowed(bad):
+            self._count("reports_dropped")
+            return
+        future = self._disk.submit(self.provider.check_copy, bad.dataset_id, bad.chunk,
+                                   bad.offset, bad.length)
+        future.add_done_callback(lambda f: self._report_done(conn.peer, bad, f))
+
+    def _report_allowed(self, bad: BadRange) -> bool:
+        """One check per chunk per REPORT_COOLDOWN (a reading node's workers each report
+        the same copy), and REPORT_CHECKS_PER_SECOND in all."""
+        now = time.monotonic()
+        key = (bad.dataset_id, bad.chunk)
+        if self._reported.get(key, 0.0) > now - REPORT_COOLDOWN:
+            return False
+        if not self._report_budget.take():
+            return False
+        if len(self._reported) >= 1024:  # forget what is past its cooldown
+            self._reported = {k: t for k, t in self._reported.items()
+                              if t > now - REPORT_COOLDOWN}
+        self._reported[key] = now
+        return True
+
+    def _report_done(self, peer: str, bad: BadRange, future) -> None:
+        """In a disk thread: hand the check's result to the loop thread."""
+        self._checked.append((peer, bad, future))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"r")
+
+    def _report_checked(self, peer: str, bad: BadRange, future) -> None:
+        where = (f"chunk {bad.chunk} of dataset {bad.dataset_id.hex()} ({bad.length} bytes "
+                 f"at {bad.offset})")
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None:
+            self._count("reports_unconfirmed")
+            log.error("peer %s reported %s bad; checking our copy failed: %r", peer, where,
+                      error)
+        elif future.result():
+            self._count("reports_confirmed")
+            log.error("peer %s got bytes of %s that fail their checksum: our staged copy is "
+                      "bad there; evicted, staging it again", peer, where)
+        else:
+            self._count("reports_unconfirmed")
+            log.warning("peer %s reported %s bad; our copy checks out there (or is gone); "
+                        "kept", peer, where)
 
     def _read_failed(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
                      error: Exception, fd: int = -1) -> None:
@@ -395,9 +509,9 @@ class PeerLoopServer:
 
     # -- reads that wait for the disk -------------------------------------------------------
     def _disk_done(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes, fd: int,
-                   future) -> None:
+                   check: tuple[int, int, int] | None, future) -> None:
         """In a disk thread: hand the result to the loop thread."""
-        self._finished.append((conn, request_id, chunk, dataset_id, fd, future))
+        self._finished.append((conn, request_id, chunk, dataset_id, fd, check, future))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"d")
 
@@ -405,17 +519,22 @@ class PeerLoopServer:
         with contextlib.suppress(OSError):
             while self._wake_r.recv(4096):
                 pass
+        while self._checked:
+            self._report_checked(*self._checked.popleft())
         while self._finished:
-            conn, request_id, chunk, dataset_id, fd, future = self._finished.popleft()
+            conn, request_id, chunk, dataset_id, fd, check, future = self._finished.popleft()
             conn.waiting = False
             if conn.sock not in self._conns or future.cancelled():
                 continue
             self._guarded_call(conn, self._answer_disk_read, conn, request_id, chunk,
-                               dataset_id, fd, future)
+                               dataset_id, fd, check, future)
 
     def _answer_disk_read(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
-                          fd: int, future) -> None:
+                          fd: int, check: tuple[int, int, int] | None, future) -> None:
         error = future.exception()
+        if error is None and check is not None \
+                and not self._checks_out(dataset_id, check, future.result()):
+            error = BadCopyError(check[0])
         if error is None:
             self._serve(conn, request_id, future.result())
         else:
@@ -496,6 +615,14 @@ class PeerLoopServer:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.sock)
         conn.sock.close()
+
+
+class BadCopyError(OSError):
+    """--verify-served: an extent of the staged copy failed its checksum before it was
+    served (an OSError: the copy's fault, so it is evicted as an unreadable one is)."""
+
+    def __init__(self, ext: int) -> None:
+        super().__init__(f"extent {ext} fails its checksum (checked before serving it)")
 
 
 def _pread_exact(fd: int, length: int, pos: int) -> bytes:

@@ -14,7 +14,7 @@ request; anything else is decoded the general way. That buffer (4 MiB, the
 largest frame) is one per process, shared by all its clients: a worker serves
 one request at a time, and a worker talking to N peers must not hold N of them.
 So the view is valid only until the next read on ANY client of the process;
-the callers (ChunkPool.fetch_blocking, SampleReader._read_peer) use or copy it
+the callers (ChunkPool.fetch_blocking, PeerShare.read_blocking) use or copy it
 first. Not for use from several threads at once.
 
 A connection kept between reads may have been closed by the server meanwhile
@@ -22,6 +22,11 @@ A connection kept between reads may have been closed by the server meanwhile
 fails before any byte of the reply came is sent again, once, on a new
 connection, within the same timeout; a peer that is really gone then fails to
 connect.
+
+A client speaks protocol version 2 first; a server that refuses it (version
+1) is asked again, on a new connection, in version 1, which the client then
+keeps speaking to it: nothing is lost but REPORT. `report` sends a REPORT
+(docs/PROTOCOL.md) on the open connection, which no reply answers.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class BlockingPeerClient:
         self.host, self.port, self.timeout = host, port, timeout
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._sock: socket.socket | None = None
+        self._session: protocol.ClientHandshake | None = None  # of the open connection
+        self._version = protocol.PROTOCOL_VERSION  # lowered for a server that refused it
         self._next_id = 0
         self._prefix = bytearray(_PREFIX)
         self._view = _receive_buffer()  # shared: see the module's docstring
@@ -135,6 +142,19 @@ class BlockingPeerClient:
             raise PeerUnavailable(f"{where}: sent {len(reply['data'])} bytes, not {length}")
         return reply_bytes(reply, where, offset, length)
 
+    def report(self, bad: protocol.BadRange) -> bool:
+        """Tell the peer that its bytes of `bad` failed their checksum here (best effort,
+        no reply). False if it cannot be told: no connection open (the read that got the
+        bytes just used one), a version 1 peer, or the send failed."""
+        if self._sock is None or self._session is None or not self._session.reports:
+            return False
+        try:
+            self._sock.sendall(protocol.encode(self._session.report(bad)))
+        except OSError:
+            self.close()
+            return False
+        return True
+
     def _why(self, error: Exception) -> str:
         """One readable cause; a kernel socket timeout shows up as EAGAIN."""
         if isinstance(error, BlockingIOError):
@@ -146,11 +166,22 @@ class BlockingPeerClient:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
+            self._session = None
 
     # -- connection ------------------------------------------------------------------
     def _connect(self, deadline: float | None = None) -> socket.socket:
-        """Connect and shake hands by `deadline` (default: `timeout` from now)."""
+        """Connect and shake hands by `deadline` (default: `timeout` from now), in the
+        oldest version we speak if the server refuses ours."""
         self._deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        try:
+            return self._connect_speaking(self._version)
+        except protocol.VersionRefused as refused:
+            if self._version == protocol.MIN_PROTOCOL_VERSION:
+                raise PeerUnavailable(f"peer {self.address} {refused}") from None
+        self._version = protocol.MIN_PROTOCOL_VERSION
+        return self._connect_speaking(self._version)
+
+    def _connect_speaking(self, version: int) -> socket.socket:
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise PeerUnavailable(f"cannot connect to peer {self.address}: no time left "
@@ -164,7 +195,7 @@ class BlockingPeerClient:
         _kernel_timeouts(sock, max(self._deadline - time.monotonic(), 0.001))
         self._shortened = True
         try:
-            self._handshake(sock)
+            self._session = self._handshake(sock, version)
         except (OSError, ProtocolError) as error:
             sock.close()
             raise PeerUnavailable(f"handshake with peer {self.address} failed: "
@@ -176,13 +207,17 @@ class BlockingPeerClient:
         self._sock = sock
         return sock
 
-    def _handshake(self, sock: socket.socket) -> None:
-        """As the trio client's: protocol.ClientHandshake decides, this moves messages."""
-        shake = protocol.ClientHandshake(self._secret, self.node_name)
+    def _handshake(self, sock: socket.socket, version: int) -> protocol.ClientHandshake:
+        """As the trio client's: protocol.ClientHandshake decides, this moves messages.
+        Returns it: REPORTs on this connection are made with its nonces."""
+        shake = protocol.ClientHandshake(self._secret, self.node_name, version)
         sock.sendall(protocol.encode(shake.hello()))
         try:
             sock.sendall(protocol.encode(shake.auth_for(self._receive(sock))))
             shake.finish(self._receive(sock))
+            return shake
+        except protocol.VersionRefused:
+            raise
         except protocol.HandshakeFailed as failed:
             if failed.reply is not None:
                 with contextlib.suppress(OSError):

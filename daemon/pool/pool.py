@@ -7,12 +7,21 @@ skipping peers marked down, checking every byte against the manifest
 checksum; a peer that times out or refuses is skipped for DOWN_SECONDS.
 A peer whose bytes of a chunk fail their checksum has a bad copy of that
 chunk (a flipped bit on its NVMe; the protocol itself is authenticated and
-length-checked): only that chunk is read elsewhere, for BAD_COPY_SECONDS,
-while the peer keeps serving its other chunks; it finds and re-stages the
-copy when its own readers touch it. The pool is also the peer server's
-ChunkProvider: it serves byte ranges of staged chunks, a request for an owned
-chunk not staged yet moves that chunk to the front of the staging queue, and
-a copy the server cannot read is evicted and staged again.
+length-checked): only that chunk is read elsewhere while the peer keeps
+serving its other chunks, and the reader reports the range to the peer (a
+REPORT, rate limited), which re-checks that extent of its copy and, if bad,
+evicts and re-stages it at once. A reported copy is avoided for
+REPORTED_BAD_SECONDS, doubling while it stays bad, up to BAD_COPY_SECONDS
+(what an unreported one gets: a version 1 peer, or reports over their rate).
+Whole extents fetched from peers, and the fetches under way, are shared by
+all the daemon's processes (PeerShare): a node asks a peer once per extent,
+however many workers read parts of it.
+
+The pool is also the peer server's ChunkProvider: it serves byte ranges of
+staged chunks, a request for an owned chunk not staged yet moves that chunk
+to the front of the staging queue, a copy the server cannot read is evicted
+and staged again, and it checks copies: a reported range, an extent before
+it is first served (--verify-served), a copy the scrub reads.
 
 Client connections belong to one trio run in one process; forked workers
 call `after_fork` and open their own.
@@ -23,33 +32,42 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 from pathlib import Path
+
+import numpy as np
 
 from dlfs.cluster.nodes import ClusterView
 from dlfs.cluster.placement import owners
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+from dlfs.store.nodecache import is_dataset_dir
 from dlfs.store.store import Dataset
+from dlfsd.obs.peermarks import NO_PEER_MARKS, NullPeerMarks, PeerMarks
+from dlfsd.obs.stalls import NO_REQUESTS, WAIT_PEER, NullRequests, RequestSlots
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
+from dlfsd.pool.peershare import PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
+from dlfsd.pool.protocol import BadRange
 from dlfsd.pool.stager import DemandChannel
+from dlfsd.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
 BAD_COPY_SECONDS = 60.0
-
-
-_UUID_DIR = re.compile(r"[0-9a-f]{32}")  # a dataset's directory in a cache dir
+REPORTED_BAD_SECONDS = 2.0  # the peer re-stages a reported copy at once: look again soon
+REPORTS_PER_SECOND, REPORT_BURST = 2.0, 5  # per process: a rotting disk costs peers little
+_NO_MARK = (0.0, 0)
 
 
 class ChunkPool:
     """Placement, local caches and peer clients for the mounted datasets."""
 
     def __init__(self, view: ClusterView, datasets: list[Dataset], cache_root: Path,
-                 peer_timeout: float = 5.0) -> None:
+                 peer_timeout: float = 5.0, processes: int = 1) -> None:
+        """`processes`: how many of the daemon's processes may read from peers (main,
+        workers, the control process), for the shared fetch counters' rows."""
         self.view = view
         self.datasets = datasets
         self.peer_timeout = peer_timeout
@@ -62,11 +80,34 @@ class ChunkPool:
         self.remote_owners = [[tuple(int(n) for n in row if n != me) for row in t]
                               for t in self.tables]
         self.demand = DemandChannel()
+        self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
         self._clients: dict[int, PeerClient] = {}
         self._blocking_clients: dict[int, BlockingPeerClient] = {}
         self._down_until: dict[int, float] = {}
-        self._bad_copies: dict[tuple[int, int, int], float] = {}  # (node, ds, chunk) -> until
+        # (node, ds, chunk) -> (avoid until, times found bad in a row)
+        self._bad_copies: dict[tuple[int, int, int], tuple[float, int]] = {}
+        self._reports = TokenBucket(REPORTS_PER_SECOND, REPORT_BURST)
+        self._checked: list[bytearray | None] = [None] * len(datasets)  # see serve_check
+        self._chunk_extents: list[list[int] | None] = [None] * len(datasets)  # extents_in
+        # Shared by the forked workers, so made now; only where there are peers to read.
+        self.share: PeerShare | None = None
+        if len(view.nodes) > 1 and datasets:
+            # A waiter gives a fetch as long as the fetch may take: each other owner in
+            # turn, up to its timeout, plus a second.
+            wait = peer_timeout * max(1, view.replicas - 1) + 1.0
+            self.share = PeerShare(max(d.directory.extent_size for d in datasets), wait,
+                                   processes)
+        # Where the marks above and the peer a read waits for are seen by the main
+        # process (dlfs status, .dlfs/metrics); set by report_to before the fork.
+        self.requests: RequestSlots | NullRequests = NO_REQUESTS
+        self.marks: PeerMarks | NullPeerMarks = NO_PEER_MARKS
+
+    def report_to(self, requests: RequestSlots | NullRequests,
+                  marks: PeerMarks | NullPeerMarks) -> None:
+        """Note the peer each read tries in `requests` (the stall detector) and every
+        peer mark in `marks` (shared memory: each process's marks are its own)."""
+        self.requests, self.marks = requests, marks
 
     def scan_caches(self, limit: int = 0) -> int:
         """Adopt chunks staged by an earlier mount; returns how many are kept.
@@ -101,8 +142,7 @@ class ChunkPool:
         except OSError:
             return 0, 0
         for entry in entries:
-            if entry.name in ours or not _UUID_DIR.fullmatch(entry.name) \
-                    or not entry.is_dir(follow_symlinks=False):
+            if entry.name in ours or not is_dataset_dir(entry):
                 continue
             dirs += 1
             with contextlib.suppress(OSError), os.scandir(entry.path) as files:
@@ -127,6 +167,8 @@ class ChunkPool:
             client.close()
         for cache in self.caches:
             cache.close()
+        if self.share is not None:
+            self.share.close()
         self.demand.close()
 
     # -- reads from peers ------------------------------------------------------------
@@ -136,6 +178,7 @@ class ChunkPool:
         `expected` (the extent's checksum); None when no peer could serve them."""
         dataset_id = self.datasets[ds].uuid
         for node in self._live_owners(ds, chunk):
+            self.requests.waiting(WAIT_PEER, node)
             try:
                 data = await self._client(node).read(dataset_id, chunk, offset, length)
             except PeerError as err:
@@ -143,6 +186,10 @@ class ChunkPool:
                 continue
             if self._accept(node, ds, chunk, data, length, expected):
                 return data
+            if len(data) == length:  # a bad copy there: tell it
+                bad = BadRange(dataset_id, chunk, offset, length)
+                reported = self._reports.take() and await self._client(node).report(bad)
+                self._bad_copy(node, ds, chunk, reported)
         return None
 
     def fetch_blocking(self, ds: int, chunk: int, offset: int, length: int,
@@ -151,6 +198,7 @@ class ChunkPool:
         may be a view of the client's buffer: valid until the next fetch."""
         dataset_id = self.datasets[ds].uuid
         for node in self._live_owners(ds, chunk):
+            self.requests.waiting(WAIT_PEER, node)
             try:
                 data = self._blocking_client(node).read(dataset_id, chunk, offset, length)
             except PeerError as err:
@@ -158,6 +206,10 @@ class ChunkPool:
                 continue
             if self._accept(node, ds, chunk, data, length, expected):
                 return data
+            if len(data) == length:  # a bad copy there: tell it
+                bad = BadRange(dataset_id, chunk, offset, length)
+                reported = self._reports.take() and self._blocking_client(node).report(bad)
+                self._bad_copy(node, ds, chunk, reported)
         return None
 
     def _live_owners(self, ds: int, chunk: int):
@@ -165,7 +217,7 @@ class ChunkPool:
         now = time.monotonic()
         bad = self._bad_copies
         return (n for n in self.remote_owners[ds][chunk] if self._down_until.get(n, 0.0) <= now
-                and (not bad or bad.get((n, ds, chunk), 0.0) <= now))
+                and (not bad or bad.get((n, ds, chunk), _NO_MARK)[0] <= now))
 
     def _peer_failed(self, node: int, err: PeerError) -> None:
         """A miss just means "not staged there"; anything else marks the peer down."""
@@ -174,21 +226,38 @@ class ChunkPool:
         what = "unavailable" if isinstance(err, PeerUnavailable) else "refused a read"
         self._mark_down(node, f"{what} ({err})")
 
+    def fetch_counters(self) -> dict[str, int]:
+        """The node's peer fetches (every process's): what came from peers, what was
+        shared between processes instead of fetched again (`dlfs status`)."""
+        return self.share.counters() if self.share is not None else {}
+
     def _accept(self, node: int, ds: int, chunk: int, data: bytes | memoryview, length: int,
                 expected: int) -> bool:
-        """Peer bytes count only if they match the manifest checksum."""
+        """Peer bytes count only if they match the manifest checksum (the caller deals
+        with a bad copy: same length, other bytes)."""
+        if self.share is not None:
+            self.share.count_fetch(len(data))
         if len(data) == length and checksum(data) == expected:
+            if self._bad_copies:  # good again (re-staged there): forget its strikes
+                self._bad_copies.pop((node, ds, chunk), None)
             return True
         if len(data) != length:  # the clients check lengths; a peer this broken is down
             self._mark_down(node, f"sent {len(data)} bytes for a read of {length}")
-            return False
-        if self._bad_copies.get((node, ds, chunk), 0.0) <= time.monotonic():
-            log.warning("peer %s sent bytes of chunk %d of dataset %s that fail their "
-                        "checksum (a bad staged copy there); reading that chunk elsewhere "
-                        "for %.0f s", self.view.nodes[node].name, chunk,
-                        self.datasets[ds].name, BAD_COPY_SECONDS)
-        self._bad_copies[(node, ds, chunk)] = time.monotonic() + BAD_COPY_SECONDS
         return False
+
+    def _bad_copy(self, node: int, ds: int, chunk: int, reported: bool) -> None:
+        """Read that chunk elsewhere for a while. A reported copy is re-staged there at
+        once, so the peer is tried again soon, later each time it is still bad."""
+        strikes = self._bad_copies.get((node, ds, chunk), _NO_MARK)[1]
+        seconds = BAD_COPY_SECONDS
+        if reported:
+            seconds = min(REPORTED_BAD_SECONDS * 2.0 ** min(strikes, 16), BAD_COPY_SECONDS)
+        log.warning("peer %s sent bytes of chunk %d of dataset %s that fail their checksum "
+                    "(a bad staged copy there); %s, reading that chunk elsewhere for %.0f s",
+                    self.view.nodes[node].name, chunk, self.datasets[ds].name,
+                    "reported it" if reported else "not reported", seconds)
+        self._bad_copies[(node, ds, chunk)] = (until := time.monotonic() + seconds, strikes + 1)
+        self.marks.bad_copy(node, ds, chunk, until)
 
     def _blocking_client(self, node: int) -> BlockingPeerClient:
         client = self._blocking_clients.get(node)
@@ -212,7 +281,8 @@ class ChunkPool:
         if self._down_until.get(node, 0.0) <= time.monotonic():
             log.warning("peer %s %s; using replicas or the store for %.0f s",
                         self.view.nodes[node].name, why, DOWN_SECONDS)
-        self._down_until[node] = time.monotonic() + DOWN_SECONDS
+        self._down_until[node] = until = time.monotonic() + DOWN_SECONDS
+        self.marks.down(node, until, why)
 
     # -- ChunkProvider for the peer server ------------------------------------------------
     def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
@@ -244,6 +314,84 @@ class ChunkPool:
         read elsewhere."""
         ds = self._by_id.get(dataset_id)
         return ds is not None and self.evict_copy(ds, chunk, fd)
+
+    # -- checking copies: reports of peers, --verify-served, the scrub ----------------------
+    def extents_in(self, ds: int, chunk: int, offset: int, length: int):
+        """The extents of a chunk that overlap its data range [offset, offset+length):
+        a range of extent indices (dlfs.store.layout packs a chunk's extents back to
+        back, in extent order), found by bisecting the chunk's offsets (no copy)."""
+        bounds = self._chunk_extents[ds]
+        d = self.datasets[ds]
+        if bounds is None:  # the server's (main) process only, on first use
+            chunks = d.directory.arrays["ext_chunk"]
+            if len(chunks) > 1 and bool((np.diff(chunks.astype(np.int64)) < 0).any()):
+                raise ValueError(f"dataset {d.name}: extents are not in chunk order")
+            bounds = self._chunk_extents[ds] = np.searchsorted(
+                chunks, np.arange(d.chunk_count + 1), side="left").tolist()
+        lo, hi = bounds[chunk], bounds[chunk + 1]
+        offsets = d.directory.arrays["ext_offset"][lo:hi]
+        first = max(int(np.searchsorted(offsets, offset, side="right")) - 1, 0)
+        end = int(np.searchsorted(offsets, offset + length, side="left"))
+        return range(lo + first, lo + end)
+
+    def check_copy(self, dataset_id: bytes, chunk: int, offset: int, length: int) -> bool | None:
+        """A peer reported bytes of this range bad: check the extents it overlaps in our
+        staged copy; a bad one evicts the copy and stages it again. True if evicted,
+        False if the copy checks out, None if there is no copy to check. Blocks (disk)."""
+        ds = self._by_id.get(dataset_id)
+        if ds is None:
+            return None
+        cache = self.caches[ds]
+        fd = cache.cached_fd(chunk)
+        if fd < 0:
+            fd = cache.open_fd(chunk)
+        if fd < 0:
+            return None
+        if self.copy_is_good(ds, fd, self.extents_in(ds, chunk, offset, length)):
+            return False
+        return self.evict_copy(ds, chunk, fd)
+
+    def copy_is_good(self, ds: int, fd: int, extents) -> bool:
+        """Whether `extents` of the staged copy open at `fd` match their checksums (a
+        copy cut short, or one the disk cannot read, does not). Blocks."""
+        d = self.datasets[ds].directory
+        for ext in extents:
+            length = int(d.ext_length_view[ext])
+            try:
+                data = os.pread(fd, length, CHUNK_HEADER_SIZE + int(d.ext_offset_view[ext]))
+            except OSError:
+                return False
+            if len(data) != length or checksum(data) != d.ext_checksum_view[ext]:
+                return False
+        return True
+
+    def serve_check(self, dataset_id: bytes, chunk: int, offset: int,
+                    length: int) -> tuple[int, int, int] | None:
+        """--verify-served: (extent, expected checksum, copy generation) if a READ of
+        this range is one whole extent the current staged copy has not served since it
+        was staged; None if there is nothing to check (served before, not one extent)."""
+        ds = self._by_id[dataset_id]
+        gen = self.caches[ds].generation(chunk)
+        if not gen:
+            return None
+        exts = self.extents_in(ds, chunk, offset, length)
+        d = self.datasets[ds].directory
+        if len(exts) != 1:
+            return None
+        ext = int(exts[0])
+        if d.ext_offset_view[ext] != offset or d.ext_length_view[ext] != length:
+            return None
+        checked = self._checked[ds]
+        if checked is None:  # one byte per extent: the copy generation it was checked in
+            checked = self._checked[ds] = bytearray(len(d.ext_offset_view))
+        if checked[ext] == gen:
+            return None
+        return ext, int(d.ext_checksum_view[ext]), gen
+
+    def served_checked(self, dataset_id: bytes, ext: int, gen: int) -> None:
+        """The extent checked out as copy generation `gen` served it (the one serve_check
+        named: a copy staged anew since is checked on its own): not again for it."""
+        self._checked[self._by_id[dataset_id]][ext] = gen
 
     def evict_copy(self, ds: int, chunk: int, fd: int) -> bool:
         """Drop the staged copy read through `fd`, which failed, and if this node owns

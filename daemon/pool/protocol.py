@@ -11,6 +11,14 @@ its limit before buffering the body, unpacks with tight msgpack limits, and
 checks that the map is exactly one known message with correctly typed fields.
 A request names (dataset uuid, chunk index, offset, length) and nothing else,
 so no path from the network ever reaches a file system call.
+
+Version 2 adds REPORT: a reader whose bytes from a peer failed their
+checksum tells that peer which range, so it re-checks and re-stages its copy
+at once. Each REPORT carries its own proof (HMAC over the connection's two
+nonces, a per-connection sequence number and the range), so it cannot be
+forged into, nor replayed on, any connection. A version 2 server still
+serves version 1 clients; a version 2 client that a version 1 server refuses
+connects again speaking version 1 (and reports nothing to it).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import hmac
 import secrets
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -27,7 +36,11 @@ import msgpack
 from dlfs.errors import DlfsError
 from dlfs.store.format import MAX_EXTENT_SIZE
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # what this daemon speaks, and offers first as a client
+# The oldest version it still speaks: a server serves such clients, a client
+# that a server of that version refuses falls back to it.
+MIN_PROTOCOL_VERSION = 1
+REPORT_VERSION = 2  # REPORT exists from this version on
 
 # A reply carries at most one extent: a reader never needs more at once, and it
 # bounds what a peer must buffer per request.
@@ -60,6 +73,7 @@ READ = "read"
 DATA = "data"
 MISS = "miss"
 FAIL = "fail"
+REPORT = "report"
 
 # ERR codes: the connection is closed after an ERR.
 ERR_VERSION = "version"
@@ -124,6 +138,9 @@ SCHEMAS: dict[str, dict[str, Check]] = {
     DATA: {"id": _uint(MAX_REQUEST_ID), "data": _bin(limit=MAX_READ)},
     MISS: {"id": _uint(MAX_REQUEST_ID)},
     FAIL: {"id": _uint(MAX_REQUEST_ID), "code": _text(MAX_CODE)},
+    # Version 2: bytes of this range failed their checksum at the client. No reply.
+    REPORT: {"n": _uint(MAX_REQUEST_ID), "ds": _bin(DATASET_ID_SIZE), "chunk": _uint(MAX_UINT),
+             "off": _uint(MAX_UINT), "len": _uint(MAX_UINT), "proof": _bin(PROOF_SIZE)},
 }
 
 
@@ -204,6 +221,16 @@ def fail(request_id: int, code: str) -> Message:
     return {"t": FAIL, "id": request_id, "code": code}
 
 
+@dataclass(frozen=True)
+class BadRange:
+    """A byte range of a chunk whose bytes failed their checksum (what a REPORT names)."""
+
+    dataset_id: bytes
+    chunk: int
+    offset: int
+    length: int
+
+
 # -- authentication ----------------------------------------------------------
 # Both sides prove they hold the job secret without sending it. Each proof
 # covers both nonces, so it cannot be replayed on another connection, and the
@@ -227,6 +254,19 @@ def server_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> byt
 
 def client_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(secret, b"client" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+_REPORT_FIELDS = struct.Struct(">IQQQ")  # n, chunk, off, len: fixed width, unambiguous
+
+
+def report_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes, n: int,
+                 bad: BadRange) -> bytes:
+    """The proof of REPORT number `n` on the connection whose handshake used these
+    nonces: bound to the connection (the nonces), to its place on it (`n`, which only
+    grows) and to the range, and prefixed so no handshake proof can pass for it."""
+    fields = _REPORT_FIELDS.pack(n, bad.chunk, bad.offset, bad.length)
+    return hmac.new(secret, b"report" + client_nonce + server_nonce + fields + bad.dataset_id,
+                    hashlib.sha256).digest()
 
 
 def proof_matches(expected: bytes, got: bytes) -> bool:
@@ -257,20 +297,24 @@ class ServerHandshake:
         self._secret = secret
         self.node_name = node_name
         self.client_node = "?"
+        self.version = 0  # the client's, once its HELLO is accepted
         self._client_nonce = b""
         self._nonce = b""
+        self._last_report = 0
 
     def challenge_for(self, hello_msg: Message) -> Message:
         """The CHALLENGE answering the client's HELLO."""
         if hello_msg["t"] != HELLO:
             raise ProtocolError(f"expected hello, got {hello_msg['t']}")
         self.client_node = hello_msg["node"]
-        if hello_msg["v"] != PROTOCOL_VERSION:
+        if not MIN_PROTOCOL_VERSION <= hello_msg["v"] <= PROTOCOL_VERSION:
+            spoken = f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
             raise HandshakeRefused(
                 "protocol_errors",
-                f"protocol version {hello_msg['v']}, this daemon speaks {PROTOCOL_VERSION}",
-                err(ERR_VERSION, f"node {self.node_name} speaks protocol version "
-                                 f"{PROTOCOL_VERSION}, not {hello_msg['v']}"))
+                f"protocol version {hello_msg['v']}, this daemon speaks {spoken}",
+                err(ERR_VERSION, f"node {self.node_name} speaks protocol versions "
+                                 f"{spoken}, not {hello_msg['v']}"))
+        self.version = hello_msg["v"]
         self._client_nonce, self._nonce = hello_msg["nonce"], new_nonce()
         return challenge(self._nonce, server_proof(self._secret, self._client_nonce,
                                                    self._nonce))
@@ -289,6 +333,22 @@ class ServerHandshake:
                                    err(ERR_AUTH, "authentication failed"))
         return ok()
 
+    def check_report(self, msg: Message) -> BadRange:
+        """The range a REPORT names, once its proof and sequence number check out; a
+        REPORT on a version 1 connection, replayed or with a wrong proof is a
+        ProtocolError (the connection is closed: it cannot be trusted any more)."""
+        if self.version < REPORT_VERSION:
+            raise ProtocolError(f"report on a protocol version {self.version} connection")
+        if msg["n"] <= self._last_report:
+            raise ProtocolError(f"report number {msg['n']} after {self._last_report} "
+                                "(replayed or out of order)")
+        bad = BadRange(msg["ds"], msg["chunk"], msg["off"], msg["len"])
+        expected = report_proof(self._secret, self._client_nonce, self._nonce, msg["n"], bad)
+        if not proof_matches(expected, msg["proof"]):
+            raise ProtocolError("report with a wrong proof")
+        self._last_report = msg["n"]
+        return bad
+
 
 class HandshakeFailed(Exception):
     """The client gives up on a server: `reply` (an ERR, or None) is sent before closing.
@@ -301,6 +361,10 @@ class HandshakeFailed(Exception):
         self.reply = reply
 
 
+class VersionRefused(HandshakeFailed):
+    """The server does not speak the version the HELLO offered (ERR `version`)."""
+
+
 class ClientHandshake:
     """The client's side of HELLO -> CHALLENGE -> AUTH -> OK, without I/O.
 
@@ -309,15 +373,19 @@ class ClientHandshake:
     the proofs and what counts as a refusal live here once.
     """
 
-    def __init__(self, secret: bytes, node_name: str) -> None:
+    def __init__(self, secret: bytes, node_name: str,
+                 version: int = PROTOCOL_VERSION) -> None:
         self._secret = secret
         self.node_name = node_name
+        self.version = version
         self._nonce = b""
+        self._server_nonce = b""
+        self._reports = 0
 
     def hello(self) -> Message:
         """The HELLO that opens the handshake."""
         self._nonce = new_nonce()
-        return hello(self.node_name, self._nonce)
+        return hello(self.node_name, self._nonce, self.version)
 
     def auth_for(self, challenge_msg: Message | None) -> Message:
         """The AUTH answering the server's CHALLENGE, once its proof checks out."""
@@ -326,11 +394,27 @@ class ClientHandshake:
         if not proof_matches(expected, msg["proof"]):
             raise HandshakeFailed("failed authentication (different job secret)",
                                   err(ERR_AUTH, "server proof does not match"))
+        self._server_nonce = msg["nonce"]
         return auth(client_proof(self._secret, msg["nonce"], self._nonce))
 
     def finish(self, answer: Message | None) -> None:
         """Check the server's OK: the connection is ready for requests."""
         expect(answer, OK)
+
+    @property
+    def reports(self) -> bool:
+        """Whether this connection may carry REPORTs (the server speaks version 2)."""
+        return self.version >= REPORT_VERSION and bool(self._server_nonce)
+
+    def report(self, bad: BadRange) -> Message:
+        """The next REPORT on this connection (after finish; only if `reports`)."""
+        if not self.reports:
+            raise ProtocolError(f"no report on a protocol version {self.version} connection")
+        self._reports += 1
+        return {"t": REPORT, "n": self._reports, "ds": bad.dataset_id, "chunk": bad.chunk,
+                "off": bad.offset, "len": bad.length,
+                "proof": report_proof(self._secret, self._nonce, self._server_nonce,
+                                      self._reports, bad)}
 
 
 def expect(msg: Message | None, kind: str) -> Message:
@@ -339,7 +423,8 @@ def expect(msg: Message | None, kind: str) -> Message:
     if msg is None:
         raise HandshakeFailed("closed the connection during the handshake")
     if msg["t"] == ERR:
-        raise HandshakeFailed(f"refused the connection: {msg['code']}: {msg['msg']}")
+        refused = VersionRefused if msg["code"] == ERR_VERSION else HandshakeFailed
+        raise refused(f"refused the connection: {msg['code']}: {msg['msg']}")
     if msg["t"] != kind:
         raise ProtocolError(f"expected {kind}, got {msg['t']}")
     return msg

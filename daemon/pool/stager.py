@@ -85,6 +85,7 @@ class Backoff:
 
     failures: int = 0
     due: float = float("-inf")
+    error: str = ""  # the last failure, for `dlfs status`
 
     def waiting(self, now: float) -> bool:
         return now < self.due
@@ -135,6 +136,11 @@ class Stager:
         self._failed: dict[tuple[int, int], Backoff] = {}
         self._retries: list[tuple[float, int, int]] = []  # heap of (due, ds, chunk)
         self._cache_pause = Backoff()  # the cache disk cannot be written
+        # For `dlfs status` (health()): demanded chunks -> when first demanded (monotonic),
+        # chunks passed over for --cache-limit, copies that failed since mount.
+        self._demanded: dict[tuple[int, int], float] = {}
+        self._over_limit: set[tuple[int, int]] = set()
+        self.copy_errors = 0
         self._wake = trio.Event()
         self._stopping = False
         self._by_chunk = [d.directory.extents_by_chunk(d.chunk_count) for d in datasets]
@@ -172,6 +178,8 @@ class Stager:
         async for ds, chunk in self.demand.receive():
             if ds < len(self.datasets) and chunk < self.datasets[ds].chunk_count:
                 self._urgent.append((ds, chunk))
+                if self.owned_masks[ds][chunk]:
+                    self._demanded.setdefault((ds, chunk), time.monotonic())
                 self._wake_jobs()
 
     def _wake_jobs(self) -> None:
@@ -244,7 +252,10 @@ class Stager:
         backoff = self._failed.get((ds, chunk))
         if backoff is not None and backoff.waiting(trio.current_time()):
             return False
-        return self._fits(int(self.datasets[ds].chunk_lengths[chunk]))
+        if self._fits(int(self.datasets[ds].chunk_lengths[chunk])):
+            return True
+        self._over_limit.add((ds, chunk))
+        return False
 
     def _fits(self, length: int) -> bool:
         if not self.cache_limit:
@@ -264,10 +275,12 @@ class Stager:
         tried every RETRY_MAX for the rest of the mount, while the other chunks go on.
         """
         now = trio.current_time()
+        self.copy_errors += 1
         if isinstance(err, OSError) and err.errno in CACHE_ERRNOS:
             due = self._pause(ds, err, now)
         else:
             backoff = self._failed.setdefault((ds, chunk), Backoff())
+            backoff.error = str(err)
             delay, grew = backoff.fail(now)
             due = backoff.due
             if grew:  # once per backoff step, not at every try
@@ -279,6 +292,8 @@ class Stager:
         backoff, not for good (another job's files may be deleted in a moment). Only
         the first of the jobs that hit it counts; returns when staging resumes."""
         if not self._cache_pause.waiting(now):
+            self._cache_pause.error = f"cannot write the cache dir {self.caches[ds].dir}: " \
+                                      f"{err.strerror}"
             delay, grew = self._cache_pause.fail(now)
             if grew:
                 log.error("staging paused for %.3g s: cannot write the cache dir %s (%s); "
@@ -402,6 +417,63 @@ class Stager:
             out.append(StageProgress(int(owned.sum()), owned_bytes, int(staged.sum()),
                                      staged_bytes, rate, eta))
         return out
+
+    def health(self) -> StagingHealth:
+        """What keeps owned chunks off this node's NVMe, for `dlfs status` (main process).
+
+        Reading only, apart from forgetting demands and limit skips of chunks that
+        are staged by now.
+        """
+        for key in [k for k in self._demanded if self._staged(k)]:
+            del self._demanded[key]
+        self._over_limit = {k for k in self._over_limit if not self._staged(k)}
+        now_mono = time.monotonic()
+        n = len(self.datasets)
+        out = StagingHealth([0] * n, [0] * n, [0] * n, [0.0] * n, [0] * n, [None] * n,
+                            self.copy_errors, self.cache_limit)
+        for ds, chunk in self._over_limit:
+            out.over_limit_chunks[ds] += 1
+            out.over_limit_bytes[ds] += int(self.datasets[ds].chunk_lengths[chunk])
+        for (ds, chunk), since in self._demanded.items():
+            if (ds, chunk) in self._over_limit or (ds, chunk) in self._failed:
+                continue  # reported as such: not waiting for a copy job
+            out.demanded_chunks[ds] += 1
+            out.demanded_oldest[ds] = max(out.demanded_oldest[ds], now_mono - since)
+        now = _trio_now()
+        for (ds, chunk), backoff in sorted(self._failed.items()):
+            out.failing_chunks[ds] += 1
+            if out.failing_example[ds] is None:
+                retry = max(0.0, backoff.due - now) if now is not None else None
+                out.failing_example[ds] = (chunk, backoff.error, retry)
+        if now is not None and self._cache_pause.waiting(now):
+            out.paused = (self._cache_pause.due - now, self._cache_pause.error)
+        return out
+
+    def _staged(self, key: tuple[int, int]) -> bool:
+        return self.caches[key[0]].is_staged(key[1])
+
+
+@dataclass
+class StagingHealth:
+    """Per dataset (lists by dataset index): owned chunks not staged and why."""
+
+    over_limit_chunks: list[int]  # passed over: they did not fit in --cache-limit
+    over_limit_bytes: list[int]
+    demanded_chunks: list[int]  # readers or peers asked for them; waiting for a copy job
+    demanded_oldest: list[float]  # seconds since the oldest of those demands
+    failing_chunks: list[int]  # their last copy failed; tried again after a backoff
+    failing_example: list[tuple[int, str, float | None] | None]  # (chunk, error, retry in s)
+    copy_errors: int  # copies that failed since mount (all datasets)
+    cache_limit: int
+    paused: tuple[float, str] | None = None  # (seconds left, why): the cache disk failed
+
+
+def _trio_now() -> float | None:
+    """The trio clock the backoffs use; None outside trio (before the stager ever ran)."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return None
 
 
 def _discard(temp: Path) -> None:

@@ -65,7 +65,14 @@ daemon_pids() {
     done
 }
 
-# Unmount (lazy if busy), stop any daemon left, remove the cache and the job dir.
+# Is the cache dir the job's own (DLFS_CACHE names %j)? Else the node's, kept for
+# later jobs unless DLFS_CACHE_AFTER_JOB=wipe.
+cache_is_per_job() {
+    case $DLFS_CACHE in *%j*) return 0 ;; *) return 1 ;; esac
+}
+
+# Unmount (lazy if busy), stop any daemon left, remove the job dir, and the cache
+# if it is the job's own or the site wipes it.
 # Returns non-zero only if a mount or a daemon survived everything.
 cleanup_job() {
     if is_mounted; then
@@ -87,7 +94,10 @@ cleanup_job() {
         # shellcheck disable=SC2086
         [ -n "$pids" ] && kill -KILL $pids 2>/dev/null && sleep 0.2
     fi
-    rm -rf -- "$CACHE" "$RUN_DIR"
+    if cache_is_per_job || [ "${DLFS_CACHE_AFTER_JOB:-keep}" = wipe ]; then
+        rm -rf -- "$CACHE"
+    fi
+    rm -rf -- "$RUN_DIR"
     rmdir -- "$MOUNT" 2>/dev/null
     local ok=0
     if is_mounted; then say "still mounted at $MOUNT after unmounting"; ok=1; fi

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Slurm Epilog for DLFS: unmounts the job's datasets, stops the daemon, wipes the
-# job's cache and secret.
+# Slurm Epilog for DLFS: unmounts the job's datasets, stops the daemon, removes the
+# job's secret, and its cache if it is per job or the site wipes it (dlfs.conf).
 #
 # slurm.conf: Epilog=/etc/slurm/dlfs/epilog.sh. Runs as root on every node of the
 # job after it ends, also where the prolog failed or was never asked for DLFS,
@@ -11,7 +11,8 @@ DLFS_SCRIPT=epilog
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 [ -n "$JOB" ] || exit 0
-if ! is_mounted && [ ! -e "$RUN_DIR" ] && [ ! -e "$CACHE" ] && [ -z "$(daemon_pids)" ]; then
+if ! is_mounted && [ ! -e "$RUN_DIR" ] && { ! cache_is_per_job || [ ! -e "$CACHE" ]; } \
+        && [ -z "$(daemon_pids)" ]; then
     rmdir -- "$MOUNT" 2>/dev/null
     exit 0  # not a DLFS job (the common case): nothing to do
 fi

@@ -33,6 +33,8 @@ out=$("$DLFS_BIN" slurm-secret --key-file "$DLFS_SITE_KEY" --job-id "$JOB" \
       </dev/null 2>&1) || fail "${out:-cannot write the job secret}"
 
 replicas=${DLFS_REPLICAS:-1}
+node_limit=()
+[ -n "${DLFS_CACHE_NODE_LIMIT:-}" ] && node_limit=(--node-cache-limit "$DLFS_CACHE_NODE_LIMIT")
 [ "$replicas" -gt "${SLURM_JOB_NUM_NODES:-1}" ] && replicas=${SLURM_JOB_NUM_NODES:-1}
 
 # `dlfs mount` starts the daemon in its own session with stdio on the log and
@@ -41,8 +43,10 @@ replicas=${DLFS_REPLICAS:-1}
 # shellcheck disable=SC2086
 out=$("$DLFS_BIN" mount "$MOUNT" --slurm --store "$DLFS_STORE" \
       --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
-      --cache-dir "$CACHE" --secret-file "$RUN_DIR/secret" --replicas "$replicas" \
-      --port-base "$DLFS_PORT_BASE" --node-host "$DLFS_NODE_HOST" \
+      --cache-dir "$CACHE" "${node_limit[@]}" --secret-file "$RUN_DIR/secret" \
+      --replicas "$replicas" \
+      --port-base "$DLFS_PORT_BASE" --port-span "${DLFS_PORT_SPAN:-1}" \
+      --node-host "$DLFS_NODE_HOST" \
       --log-file "$LOG" --summary-file "${LOG%.log}.summary.json" \
       --timeout "$DLFS_MOUNT_TIMEOUT" $DLFS_MOUNT_ARGS \
       </dev/null 2>&1) || fail "mount failed: $(printf '%s' "$out" | tail -n 1)"

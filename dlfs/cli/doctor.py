@@ -142,6 +142,30 @@ def check_port(port: int, host: str = "0.0.0.0") -> Check:
     return Check(OK, f"port {port}", "free")
 
 
+def check_port_range(base: int, span: int) -> Check:
+    """The ports DLFS jobs take on this node (--port-base/--port-span, deploy/slurm): how
+    many are in use now. A busy range means another service listens in it, or many DLFS
+    jobs run here; a job whose port is taken fails its mount."""
+    last = min(base + span - 1, 65535)
+    taken = []
+    for port in range(base, last + 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                taken.append(port)
+    name = f"ports {base}-{last}"
+    if base + span - 1 > 65535:
+        return Check(FAIL, name, f"--port-base {base} + --port-span {span} goes past 65535")
+    if not taken:
+        return Check(OK, name, "all free")
+    shown = ", ".join(str(p) for p in taken[:5]) + (", ..." if len(taken) > 5 else "")
+    status = WARN if len(taken) * 10 > span else OK
+    return Check(status, name, f"{len(taken)} of {span} in use ({shown}): DLFS jobs running "
+                               "here, or other services in DLFS's range")
+
+
 def check_nodes(items: list[str], node: str | None) -> Iterator[Check]:
     """The node list parses, names this node, and this node's peer port is free."""
     from dlfs.cluster.nodes import parse_nodes, select_self
@@ -177,7 +201,7 @@ def check_spliced_reads() -> Check:
 
 def run_checks(store: str | None, cache_dir: str | None, port: int | None,
                nodes: list[str] | None = None, node: str | None = None,
-               secret_file: str | None = None) -> list[Check]:
+               secret_file: str | None = None, port_span: int = 0) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_fuse_device, check_fusermount, check_allow_other, check_spliced_reads,
         lambda: check_module("pyfuse3", True, "mounting"),
@@ -189,7 +213,9 @@ def run_checks(store: str | None, cache_dir: str | None, port: int | None,
         results += list(check_store(store))
     if cache_dir:
         results.append(check_cache_dir(cache_dir))
-    if port:
+    if port and port_span > 1:
+        results.append(check_port_range(port, port_span))
+    elif port:
         results.append(check_port(port))
     if nodes:
         results += list(check_nodes(nodes, node))
@@ -200,9 +226,9 @@ def run_checks(store: str | None, cache_dir: str | None, port: int | None,
 
 def doctor(store: str | None, cache_dir: str | None, port: int | None,
            nodes: list[str] | None = None, node: str | None = None,
-           secret_file: str | None = None) -> int:
+           secret_file: str | None = None, port_span: int = 0) -> int:
     """Print one line per check; exit code 1 if any failed."""
-    results = run_checks(store, cache_dir, port, nodes, node, secret_file)
+    results = run_checks(store, cache_dir, port, nodes, node, secret_file, port_span)
     for check in results:
         print(check.line())
     failed = sum(check.status == FAIL for check in results)

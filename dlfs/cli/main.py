@@ -19,7 +19,15 @@ import sys
 from collections.abc import Callable
 
 from dlfs import __version__
-from dlfs.cli import mount_cmds, obs_cmds, order_cmds, setup_cmds, store_cmds
+from dlfs.cli import (
+    cache_cmds,
+    mount_cmds,
+    obs_cmds,
+    order_cmds,
+    setup_cmds,
+    store_cmds,
+    warmup_cmds,
+)
 from dlfs.cli.common import EXIT_CODES, HelpFormatter, Parser, Subparsers
 from dlfs.errors import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, DlfsError
 from dlfs.store.directory import display_path
@@ -49,6 +57,8 @@ FAMILIES: tuple[Callable[[Subparsers], None], ...] = (
     obs_cmds.register,  # stats trace report
     setup_cmds.register,  # slurm-secret doctor demo
     order_cmds.register,  # order
+    cache_cmds.register,  # cache
+    warmup_cmds.register,  # warmup
 )
 
 

@@ -128,6 +128,12 @@ def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary-file", type=_path, metavar="PATH",
                    help="at unmount, write the final I/O counters and a text summary "
                         "(JSON) to PATH, e.g. for a Slurm epilogue to keep")
+    p.add_argument("--stall-seconds", type=_stall_seconds, default=MountConfig.stall_seconds,
+                   metavar="SECONDS",
+                   help="a read outstanding this long is a stall (a hung peer, a stuck "
+                        "store): logged once with what it waits for, counted, shown by "
+                        "`dlfs status` and .dlfs/metrics (default 10; 0: not watched; off "
+                        "with --no-stats)")
     p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
     _add_lookahead_flags(p)
@@ -154,6 +160,14 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="forget an announced epoch nothing was read from for this long "
                         "(default 60: a killed job's announcement goes away)")
+
+
+def _stall_seconds(text: str) -> float:
+    """--stall-seconds: 0 (off), or a threshold like any other wait (positive, finite)."""
+    with contextlib.suppress(ValueError):
+        if float(text) == 0:
+            return 0.0
+    return _seconds(text)
 
 
 def _lookahead(text: str) -> tuple[int, int]:
@@ -193,10 +207,22 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "with several nodes)")
     g.add_argument("--cache-limit", type=_size, help="stage at most this much, e.g. 500G "
                                                      "(default: no limit)")
+    g.add_argument("--node-cache-limit", type=_size, metavar="SIZE",
+                   help="the whole cache dir, all datasets, holds at most SIZE: datasets "
+                        "earlier jobs left go first, least recently used first, never one "
+                        "a running mount uses (default: no limit; Slurm: dlfs.conf "
+                        "DLFS_CACHE_NODE_LIMIT)")
     g.add_argument("--stage-jobs", type=_positive, default=2,
                    help="chunks copied from the store at once (default 2)")
     g.add_argument("--peer-timeout", type=_seconds, default=5.0,
                    help="seconds before a silent peer is skipped (default 5)")
+    g.add_argument("--verify-served", action="store_true",
+                   help="check each extent against its checksum the first time this node "
+                        "serves it to a peer from its staged copy (a copy gone bad since "
+                        "it was staged is re-staged before a peer sees it)")
+    g.add_argument("--scrub-rate", type=_size, metavar="BYTES/S",
+                   help="re-read the staged copies in the background at this rate, e.g. "
+                        "64M, and re-stage any that went bad (default: off)")
     g.add_argument("--store-bandwidth", type=_size, help=argparse.SUPPRESS)  # benchmarks only
     g.add_argument("--slurm", action="store_true",
                    help="inside a Slurm job or prolog: --nodes and --node from the job's "
@@ -207,7 +233,13 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
                         "a host) in paths; all mounts come up or none")
     g.add_argument("--port-base", type=_port, default=7000,
-                   help="with --slurm/--mpi: node i listens on PORT_BASE + i (default 7000)")
+                   help="with --slurm/--mpi: the first peer port (default 7000); with "
+                        "--mpi node i listens on PORT_BASE + i")
+    g.add_argument("--port-span", type=_positive, default=1, metavar="N",
+                   help="with --slurm: N ports from PORT_BASE are DLFS's, and each job "
+                        "takes its own by job id (job id mod N), so several jobs can "
+                        "share a node (default 1: every job on PORT_BASE; the shipped "
+                        "dlfs.conf sets 10000; deploy/slurm/README.md)")
     g.add_argument("--node-host", default="%n", metavar="PATTERN",
                    help="with --slurm/--mpi: address of each node, %%n = its host name "
                         "(default %%n; 127.0.0.1 for simulated nodes on one host)")
@@ -245,7 +277,7 @@ def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
         if value:
             setattr(args, flag, expand_pattern(value, job.job_id, job.node))
     if args.cache_dir:
-        peers = peer_nodes(job, args.port_base, args.node_host)
+        peers = peer_nodes(job, args.port_base, args.node_host, args.port_span)
         args.nodes = [",".join(peer.spec() for peer in peers)]
         args.node = job.node
 
@@ -255,10 +287,12 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
     from dlfs.cluster.nodes import resolve_cluster
 
     nodes = node_items(args)
-    wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit)
+    wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit
+                      or args.node_cache_limit or args.verify_served or args.scrub_rate)
     if wants_pool and not args.cache_dir:
-        raise UsageError("--nodes, --node, --secret-file and --cache-limit need --cache-dir "
-                         "(the node-local directory chunks are staged into)")
+        raise UsageError("--nodes, --node, --secret-file, --cache-limit, --node-cache-limit, "
+                         "--verify-served and --scrub-rate need --cache-dir (the node-local "
+                         "directory chunks are staged into)")
     if not args.cache_dir:
         return {}
     view = resolve_cluster(tuple(nodes), args.node, args.replicas, args.secret_file)
@@ -267,7 +301,9 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
                 replicas=args.replicas,
                 secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
                 cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
-                peer_timeout=args.peer_timeout)
+                node_cache_limit=args.node_cache_limit or 0,
+                peer_timeout=args.peer_timeout, verify_served=args.verify_served,
+                scrub_rate=args.scrub_rate or 0)
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:
@@ -286,7 +322,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         trace_capacity=args.trace_capacity, lookahead=bool(args.lookahead[0]),
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
-        lookahead_stale=args.lookahead_stale,
+        lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
 

@@ -65,6 +65,9 @@ def _add_doctor(subs: Subparsers) -> None:
     p.add_argument("--cache-dir", type=_path,
                    help="also check this cache dir is writable with free space")
     p.add_argument("--port", type=_port, help="also check this peer port is free")
+    p.add_argument("--port-span", type=_positive, default=0, metavar="N",
+                   help="with --port: check the N ports from PORT that Slurm jobs take "
+                        "(dlfs.conf DLFS_PORT_BASE/DLFS_PORT_SPAN): how many are in use")
     p.add_argument("--nodes", action="append", metavar="NAME=HOST:PORT,...",
                    help="also check a pool's node list (as for mount): this node is in it, "
                         "its port is free")
@@ -79,7 +82,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dlfs.cli.doctor import doctor
 
     return doctor(args.store, args.cache_dir, args.port, nodes=node_items(args),
-                  node=args.node, secret_file=args.secret_file)
+                  node=args.node, secret_file=args.secret_file, port_span=args.port_span)
 
 
 def _add_demo(subs: Subparsers) -> None:

@@ -141,18 +141,38 @@ def _int_or_none(text: str | None) -> int | None:
     return int(text) if text and text.isdigit() else None
 
 
-def peer_nodes(job: SlurmJob, port_base: int, host_pattern: str = "%n") -> list[PeerNode]:
+#: Nodes sharing one host (simulated nodes) get ports PORT + i; a job's block of ports
+#: is this wide then, so jobs in different slots never overlap.
+SHARED_HOST_STRIDE = 64
+
+
+def peer_nodes(job: SlurmJob, port_base: int, host_pattern: str = "%n",
+               port_span: int = 1) -> list[PeerNode]:
     """NAME=HOST:PORT for every node of the job.
 
-    The port is `port_base` + the node's position in the job's node list, so
-    simulated nodes sharing one host never collide; HOST is `host_pattern`
-    with %n replaced by the node name (`127.0.0.1` for simulated nodes).
+    Several jobs may run on one node at once, each with its own pool, so a job's
+    port is not fixed: it is `port_base` + the job's slot, (job id mod slots),
+    where `port_span` ports are reserved for DLFS. Every node computes it from the
+    job id alone. Slurm job ids are consecutive, so two jobs only collide if
+    `port_span` job ids lie between them and both still run; the second daemon then
+    fails its mount with one line naming --port-base. Nodes on their own hosts
+    (HOST pattern with %n) all listen on the job's one port. Simulated nodes
+    sharing a host (a pattern without %n, e.g. 127.0.0.1) listen on the job's
+    port + their position in the node list, in slots SHARED_HOST_STRIDE wide.
+    `port_span` 1: every job uses `port_base` (+ position): one DLFS job per node.
     """
-    last = port_base + len(job.nodes) - 1
-    if port_base < 1 or last > MAX_PORT:
-        raise UsageError(f"ports {port_base}-{last} for {len(job.nodes)} nodes are out of range "
-                         f"(use a port base between 1024 and {MAX_PORT + 1 - len(job.nodes)})")
-    return [PeerNode(name, expand_pattern(host_pattern, job.job_id, name), port_base + i)
+    shared_host = "%n" not in host_pattern
+    stride = SHARED_HOST_STRIDE if shared_host and port_span > 1 else 1
+    if shared_host and port_span > 1 and len(job.nodes) > stride:
+        raise UsageError(f"{len(job.nodes)} nodes share one host ({host_pattern}); with "
+                         f"--port-span at most {stride} can")
+    first = port_base + (int(job.job_id) % max(1, port_span // stride)) * stride
+    top = port_base + max(port_span, len(job.nodes) if shared_host else 1) - 1
+    if port_base < 1 or top > MAX_PORT:
+        raise UsageError(f"ports {port_base}-{top} are out of range (lower --port-base or "
+                         f"--port-span: the highest port is {MAX_PORT})")
+    return [PeerNode(name, expand_pattern(host_pattern, job.job_id, name),
+                     first + (i if shared_host else 0))
             for i, name in enumerate(job.nodes)]
 
 

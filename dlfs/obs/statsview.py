@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from dlfs.errors import DlfsError, NotFoundError
+from dlfs.obs.healthview import history_lines
 from dlfs.sizes import format_size
 
 SOURCES = ("local", "peer", "store")
@@ -121,7 +122,7 @@ def text_summary(snapshot: dict) -> list[str]:
     lookahead = lookahead_text(snapshot)
     if lookahead:
         lines.append(lookahead)
-    return lines
+    return lines + history_lines(snapshot.get("health"))  # stalls: why GPUs may have idled
 
 
 def lookahead_text(snapshot: dict) -> str:

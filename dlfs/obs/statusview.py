@@ -1,4 +1,4 @@
-"""`dlfs status`: a mount's staging progress and where its reads came from.
+"""`dlfs status`: a mount's staging progress, where its reads came from, and its problems.
 
 Reads the status file the daemon's main process rewrites every second
 (dlfs.runtime.status_path). On a terminal it draws a table with progress
@@ -17,9 +17,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
 from dlfs.errors import EXIT_OK, NotFoundError
 from dlfs.mountinfo import find_mount
+from dlfs.obs.healthview import history_lines, problem_lines
 from dlfs.runtime import (
     mountpoint_path,
     read_record,
@@ -95,7 +97,7 @@ def plain_lines(status: dict) -> list[str]:
                          f"  mean {c['mean_latency_us']:.0f} us")
     if status.get("peer_server"):
         lines.append(peer_server_line(status["peer_server"]))
-    return lines
+    return lines + history_lines(status.get("health")) + problem_lines(status.get("health"))
 
 
 def peer_server_line(c: dict) -> str:
@@ -136,6 +138,8 @@ def rich_view(status: dict) -> Group:
     parts = [head, table, "[dim]sources: bytes / reads[/]"]
     if status.get("peer_server"):
         parts.append(peer_server_line(status["peer_server"]))
+    parts += [Text(line, style="dim") for line in history_lines(status.get("health"))]
+    parts += [Text(line, style="bold red") for line in problem_lines(status.get("health"))]
     return Group(*parts)
 
 

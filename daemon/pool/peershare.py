@@ -1,0 +1,271 @@
+"""PeerShare: one peer fetch per extent per node, shared by all the daemon's processes.
+
+Why: the kernel's read-ahead cuts a large file into 1 MiB requests and hands
+them to whichever worker process reads /dev/fuse next, so the four parts of
+one 4 MiB extent reach four workers at once. A peer serves whole extents
+(bytes are checked against the extent's checksum, which needs all of them),
+and each worker used to fetch the whole extent itself and keep it in a
+private LRU: two to four times the peer traffic of the bytes needed.
+
+How: everything lives in memory made before the workers fork.
+
+* A buffer of `slots` extent-sized slots (an anonymous shared mapping) holds
+  recently fetched whole extents, already checked, with a small table per
+  slot (key, length, last use) and a direct-mapped index key -> slot.
+* A memfd used only for fcntl record locks:
+  - the slot lock (byte `s`): shared while a process copies out of slot `s`,
+    exclusive while one fills it, so a copy is never torn and a slot is never
+    refilled under a reader (a reader that finds it being refilled fetches);
+  - the fetch lock (byte FETCH_LOCKS + key): held by the one process fetching
+    extent `key`; another that needs the extent waits for it (bounded) and
+    then copies its part out of the slot.
+  Why record locks and not a LOADING bit in the per-extent state bytes: taking
+  a lock is atomic (a shared byte's test-and-set is not, across processes: two
+  workers could both see the bit clear and both fetch), and the kernel drops a
+  process's locks when it dies, so a worker killed mid-fetch leaves nothing
+  behind for the others to wait on.
+* Notes by key hash: "a process is waiting for this extent" (a fetcher of a
+  whole-extent read keeps its bytes in a slot only then: nobody else needs
+  them otherwise) and "the last fetch of this extent failed" (a waiter that
+  then gets the lock goes to the store at once instead of trying the same
+  peers again, one process after the other).
+* Counters per process (rows, as in dlfsd.obs.stats), summed on reading.
+
+With `--workers 1` the one process shares fetches among its trio tasks
+(SampleReader._single_flight) and uses the slots and counters only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from dlfsd.slots import ProcessSlot
+
+#: Bytes of whole extents kept for the node (they were 64 MiB per worker process).
+SHARE_BYTES = 64 << 20
+MIN_SLOTS = 8  # room for every worker's extent in flight, even with 4 MiB extents
+MAX_SLOTS = 512  # small extents: the index stays sparse, victims quick to find
+INDEX = 4096  # direct-mapped index entries (key -> slot); a collision is a miss
+NOTES = 1024  # "wanted" and "failed" notes, by key hash; a collision loses one
+FETCH_LOCKS = 1 << 20  # lock offsets from here on: one fetch lock per extent key
+FAILED_NOTE_NS = 1_000_000_000  # a failed fetch sends waiters to the store for 1 s
+POLL = 0.0002  # seconds between tries of a fetch lock another process holds
+_BUSY = (errno.EACCES, errno.EAGAIN)
+
+COUNTERS = ("fetches", "fetched_bytes", "shared_reads", "shared_bytes", "waits",
+            "wait_timeouts", "stored")
+(_FETCHES, _FETCHED_BYTES, _SHARED_READS, _SHARED_BYTES, _WAITS, _WAIT_TIMEOUTS,
+ _STORED) = range(len(COUNTERS))
+
+
+def extent_key(ds: int, ext: int) -> int:
+    """One number per (dataset, extent) of a mount: the slot table's key."""
+    return (ds << 40) | ext
+
+
+def _spot(key: int, size: int) -> int:
+    """Where `key` goes in a direct-mapped table of `size`: extent n of two datasets
+    must not always land on the same spot."""
+    return ((key >> 40) * 40503 + key) % size
+
+
+class PeerShare:
+    """Whole peer extents and in-flight peer fetches, shared by forked processes."""
+
+    def __init__(self, slot_size: int, wait: float, processes: int = 1,
+                 budget: int = SHARE_BYTES) -> None:
+        """`slot_size`: the largest extent of the mount; `wait`: seconds a process
+        waits for another's fetch before fetching itself (a fetch's own bound)."""
+        self.slot_size = max(1, slot_size)
+        self.slots = max(MIN_SLOTS, min(MAX_SLOTS, budget // self.slot_size))
+        self.wait = wait
+        self._slot = ProcessSlot(processes)
+        self._buffer = mmap.mmap(-1, self.slots * self.slot_size)
+        self._data = memoryview(self._buffer)
+        rows = self._slot.count
+        words = 3 * self.slots + 3 * NOTES + rows * len(COUNTERS)
+        self._meta = mmap.mmap(-1, 8 * words + 4 * INDEX)
+        table = np.frombuffer(self._meta, dtype=np.int64, count=words)
+        s = self.slots
+        self._keys, self._lengths, self._used = table[:s], table[s : 2 * s], table[2 * s : 3 * s]
+        notes = table[3 * s : 3 * s + 3 * NOTES]
+        self._wanted, self._failed_key, self._failed_until = (
+            notes[:NOTES], notes[NOTES : 2 * NOTES], notes[2 * NOTES :])
+        self._counts = table[3 * s + 3 * NOTES :].reshape(rows, len(COUNTERS))
+        self._index = np.frombuffer(self._meta, dtype=np.int32, count=INDEX, offset=8 * words)
+        self._keys[:] = -1
+        self._wanted[:] = -1
+        self._failed_key[:] = -1
+        self._index[:] = -1
+        self._locks = os.memfd_create("dlfs-peer-share", os.MFD_CLOEXEC)
+        self._scratch: memoryview | None = None  # per process: hits handed to a worker
+
+    def close(self) -> None:
+        self._keys = self._lengths = self._used = self._wanted = None
+        self._failed_key = self._failed_until = self._counts = self._index = None
+        self._data.release()
+        self._buffer.close()
+        self._meta.close()
+        with contextlib.suppress(OSError):
+            os.close(self._locks)
+
+    # -- the worker processes' path: one request at a time, blocking ----------------------
+    def read_blocking(self, key: int, rel: int, length: int, lasting: bool,
+                      fetch: Callable, *args):
+        """`length` bytes at `rel` of extent `key`: from a slot, else from the node's one
+        fetch of it (`fetch(*args)`: the whole extent, checked, or None), else None.
+
+        Without `lasting` the bytes may be a view valid until this process's next read.
+        """
+        data = self.copy_out(key, rel, length, lasting)
+        if data is not None:
+            return data
+        holding = self._try_lock(FETCH_LOCKS + key, exclusive=True)
+        if not holding:  # another process fetches it: wait, then take our part
+            holding = self._wait_for_fetch(key)
+            data = self.copy_out(key, rel, length, lasting)
+            if data is not None or (holding and self._failed_recently(key)):
+                self._release_fetch(key, holding)
+                return data
+        else:  # its fetch may have ended between our look and the lock
+            data = self.copy_out(key, rel, length, lasting)
+            if data is not None:
+                self._release_fetch(key, True)
+                return data
+        try:
+            whole = fetch(*args)
+            if whole is None:
+                self._note_failed(key)
+                return None
+            if length < len(whole) or self._wanted[_spot(key, NOTES)] == key:
+                self.store(key, whole)
+        finally:
+            self._release_fetch(key, holding)
+        if rel or length < len(whole):
+            whole = memoryview(whole)[rel : rel + length]
+        return bytes(whole) if lasting else whole
+
+    def _wait_for_fetch(self, key: int) -> bool:
+        """Wait until the process fetching `key` is done (or died: its lock goes with it),
+        at most `wait` seconds; True if we hold the fetch lock now."""
+        self._wanted[_spot(key, NOTES)] = key  # keep the bytes for us, even a whole-extent read
+        self.count(_WAITS)
+        deadline = time.monotonic() + self.wait
+        while time.monotonic() < deadline:
+            time.sleep(POLL)
+            if self._try_lock(FETCH_LOCKS + key, exclusive=True):
+                return True
+        self.count(_WAIT_TIMEOUTS)  # stuck (stopped?) fetcher: fetch it ourselves
+        return False
+
+    def _release_fetch(self, key: int, holding: bool) -> None:
+        if holding:
+            if self._wanted[_spot(key, NOTES)] == key:
+                self._wanted[_spot(key, NOTES)] = -1
+            self._unlock(FETCH_LOCKS + key)
+
+    def _note_failed(self, key: int) -> None:
+        note = _spot(key, NOTES)
+        self._failed_key[note] = key
+        self._failed_until[note] = time.monotonic_ns() + FAILED_NOTE_NS
+
+    def _failed_recently(self, key: int) -> bool:
+        note = _spot(key, NOTES)
+        return self._failed_key[note] == key and self._failed_until[note] > time.monotonic_ns()
+
+    # -- slots --------------------------------------------------------------------------
+    def copy_out(self, key: int, rel: int, length: int, lasting: bool):
+        """`length` bytes at `rel` of extent `key` if a slot holds it, else None. A slot
+        being refilled right now counts as a miss. `lasting`: a new bytes object; else a
+        view of this process's scratch buffer, valid until its next copy_out."""
+        slot = int(self._index[_spot(key, INDEX)])
+        if slot < 0 or self._keys[slot] != key:
+            return None
+        if not self._try_lock(slot, exclusive=False):
+            return None
+        try:
+            if self._keys[slot] != key or rel + length > self._lengths[slot]:
+                return None
+            start = slot * self.slot_size + rel
+            if lasting:
+                data = self._data[start : start + length].tobytes()
+            else:
+                data = self._scratch_view()[:length]
+                data[:] = self._data[start : start + length]
+            self._used[slot] = time.monotonic_ns()
+        finally:
+            self._unlock(slot)
+        self.count(_SHARED_READS)
+        self.count(_SHARED_BYTES, length)
+        return data
+
+    def store(self, key: int, data) -> bool:
+        """Keep a checked whole extent for the node's other reads of it: in an empty or
+        the least recently used slot nobody is copying from. False if none was free."""
+        length = len(data)
+        if length > self.slot_size or self.copy_slot(key) >= 0:
+            return False
+        for slot in np.argsort(self._used)[:4].tolist():  # empty slots first (used 0)
+            if not self._try_lock(slot, exclusive=True):
+                continue
+            try:
+                self._keys[slot] = -1  # not findable while its bytes change
+                start = slot * self.slot_size
+                self._data[start : start + length] = data
+                self._lengths[slot] = length
+                self._used[slot] = time.monotonic_ns()
+                self._keys[slot] = key
+                self._index[_spot(key, INDEX)] = slot
+            finally:
+                self._unlock(slot)
+            self.count(_STORED)
+            return True
+        return False
+
+    def copy_slot(self, key: int) -> int:
+        """The slot holding extent `key`, or -1."""
+        slot = int(self._index[_spot(key, INDEX)])
+        return slot if slot >= 0 and self._keys[slot] == key else -1
+
+    def _scratch_view(self) -> memoryview:
+        if self._scratch is None:  # made in the process that uses it, after the fork
+            self._scratch = memoryview(bytearray(self.slot_size))
+        return self._scratch
+
+    # -- locks ---------------------------------------------------------------------------
+    def _try_lock(self, offset: int, exclusive: bool) -> bool:
+        kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.lockf(self._locks, kind | fcntl.LOCK_NB, 1, offset)
+        except OSError as err:
+            if err.errno in _BUSY:
+                return False
+            raise
+        return True
+
+    def _unlock(self, offset: int) -> None:
+        fcntl.lockf(self._locks, fcntl.LOCK_UN, 1, offset)
+
+    # -- counters --------------------------------------------------------------------------
+    def count(self, counter: int, n: int = 1) -> None:
+        self._counts[self._slot.index, counter] += n
+
+    def count_fetch(self, nbytes: int) -> None:
+        """A whole extent arrived from a peer (counted whether or not it checked out)."""
+        self._counts[self._slot.index, _FETCHES] += 1
+        self._counts[self._slot.index, _FETCHED_BYTES] += nbytes
+
+    def counters(self) -> dict[str, int]:
+        """The node's totals: every process's row summed."""
+        totals = self._counts.sum(axis=0).tolist()
+        out = dict(zip(COUNTERS, totals, strict=True))
+        out["slots"], out["slot_bytes"] = self.slots, self.slot_size
+        return out

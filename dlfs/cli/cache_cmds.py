@@ -1,0 +1,145 @@
+"""`dlfs cache ls|prune`: a node's chunk cache dir, for the admin who keeps it.
+
+Thin: dlfs.store.nodecache knows the cache dir's layout, what each dataset
+holds, when it was last used and whether a mount uses it now; this module
+turns flags into its calls and prints one line per dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+from dlfs.cli.common import Subparsers, _path, _size, add_command
+from dlfs.errors import DlfsError, UsageError
+from dlfs.sizes import format_size
+
+_AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def register(subs: Subparsers) -> None:
+    """Add `cache`."""
+    p = add_command(
+        subs, "cache", cmd_cache,
+        "list or prune a node's chunk cache dir (the copies jobs staged, kept for later jobs)",
+        "examples:\n"
+        "  dlfs cache ls --cache-dir /local/dlfs-cache --store /lustre/dlfs-store\n"
+        "  dlfs cache prune --cache-dir /local/dlfs-cache --older-than 14d\n"
+        "  dlfs cache prune --cache-dir /local/dlfs-cache --to-size 500G --dry-run\n"
+        "  dlfs cache prune --cache-dir /local/dlfs-cache --dataset imagenet "
+        "--store /lustre/dlfs-store\n"
+        "\nDatasets are listed least recently used first. A dataset a mount uses now is "
+        "never\npruned (it is shown as 'in use' and skipped). Without --store datasets "
+        "show as uuids;\na uuid no dataset of the store has is an old version (re-populated "
+        "or removed).")
+    p.add_argument("action", choices=("ls", "prune"))
+    p.add_argument("--cache-dir", type=_path, required=True, help="the node's cache dir")
+    p.add_argument("--store", type=_path, help="name datasets by this store's manifests")
+    p.add_argument("--dataset", action="append", metavar="NAME|UUID",
+                   help="prune: this dataset (repeatable; a name needs --store)")
+    p.add_argument("--older-than", type=_age, metavar="AGE",
+                   help="prune: datasets unused for AGE (e.g. 90m, 12h, 14d)")
+    p.add_argument("--to-size", type=_size, metavar="SIZE",
+                   help="prune: least recently used first until the cache holds SIZE")
+    p.add_argument("--dry-run", action="store_true", help="prune: say what would go")
+    p.add_argument("--json", action="store_true", help="ls: one JSON list")
+
+
+def _age(text: str) -> float:
+    match = _AGE.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"must be a number with s, m, h or d, e.g. 14d, "
+                                         f"got {text!r}")
+    return float(match.group(1)) * _UNIT[match.group(2)]
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from dlfs.store.nodecache import datasets
+
+    root = Path(args.cache_dir)
+    if not root.is_dir():
+        raise DlfsError(f"cache dir {root} does not exist (give the --cache-dir the "
+                        "mounts use)")
+    names = _names(args.store)
+    found = datasets(root)
+    if args.action == "ls":
+        return _list(found, names, args.json)
+    return _prune(found, names, args)
+
+
+def _names(store: str | None) -> dict[str, str]:
+    """uuid hex -> dataset name in `store` (empty without a store)."""
+    if not store:
+        return {}
+    from dlfs.store.store import Store
+
+    s = Store(store).require()
+    return {s.open(name).uuid.hex(): name for name in s.dataset_names()}
+
+
+def _list(found, names: dict[str, str], as_json: bool) -> int:
+    rows = [{"dataset": names.get(d.uuid), "uuid": d.uuid, "chunks": d.chunks,
+             "bytes": d.bytes, "last_used": d.last_used or None, "in_use": d.in_use}
+            for d in found]
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print("no datasets cached")
+        return 0
+    for d in found:
+        print(_line(d, names))
+    print(f"{len(found)} datasets, {format_size(sum(d.bytes for d in found))}")
+    return 0
+
+
+def _line(d, names: dict[str, str]) -> str:
+    name = names.get(d.uuid) or (f"{d.uuid} (not in the store)" if names else d.uuid)
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.last_used)) if d.last_used \
+        else "never recorded"
+    return (f"{name}: {d.chunks} chunks, {format_size(d.bytes)}, last used {when}"
+            + (", in use" if d.in_use else ""))
+
+
+def _prune(found, names: dict[str, str], args: argparse.Namespace) -> int:
+    from dlfs.store.nodecache import remove, select_for_pruning
+
+    if not (args.dataset or args.older_than is not None or args.to_size is not None):
+        raise UsageError("prune needs --dataset, --older-than or --to-size")
+    uuids = _uuids(args.dataset, names) if args.dataset else None
+    for d in found:
+        if d.in_use and ((uuids and d.uuid in uuids) or args.to_size is not None):
+            print(f"skipped {_line(d, names)}")
+    chosen = select_for_pruning(found, uuids=uuids, older_than=args.older_than,
+                                to_size=args.to_size)
+    freed = 0
+    for d in chosen:
+        if args.dry_run:
+            print(f"would remove {_line(d, names)}")
+        elif remove(d):
+            print(f"removed {_line(d, names)}")
+        else:
+            print(f"skipped {_line(d, names)}: a mount started using it")
+            continue
+        freed += d.bytes
+    verb = "would free" if args.dry_run else "freed"
+    print(f"{verb} {format_size(freed)} of {format_size(sum(d.bytes for d in found))}")
+    return 0
+
+
+def _uuids(wanted: list[str], names: dict[str, str]) -> set[str]:
+    by_name = {name: uuid for uuid, name in names.items()}
+    out = set()
+    for item in wanted:
+        if re.fullmatch(r"[0-9a-f]{32}", item):
+            out.add(item)
+        elif item in by_name:
+            out.add(by_name[item])
+        else:
+            hint = "" if names else " (give --store to name datasets)"
+            raise UsageError(f"--dataset {item}: no such dataset{hint}")
+    return out

@@ -1,0 +1,138 @@
+"""A node's chunk cache dir as a whole: which datasets it holds, when each was last
+used, which are in use now, and pruning (`dlfs cache ls|prune`).
+
+The cache dir outlives jobs and is shared by the node's daemons (deploy/slurm).
+It has no index to update (and so none to lose under concurrent jobs): each
+dataset's copies live in a directory named by the dataset's uuid, and two
+small files in it say the rest:
+
+- `.last-used`: its mtime is when a mount last started or stopped using the
+  dataset (touched by the daemon, `mark_in_use` and `touch_last_used`);
+- `.in-use`: every daemon using the dataset holds a shared flock on it while
+  it runs (released by the kernel however the daemon ends). Pruning takes the
+  exclusive lock without waiting, so it never removes copies a mount uses,
+  and a mount starting meanwhile waits the moment the removal takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LAST_USED = ".last-used"
+IN_USE = ".in-use"
+_UUID_DIR = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class CachedDataset:
+    uuid: str  # hex: the directory's name
+    path: Path
+    chunks: int  # staged copies (chunk files)
+    bytes: int
+    last_used: float  # epoch seconds; 0: never recorded
+    in_use: bool
+
+
+def is_dataset_dir(entry: os.DirEntry) -> bool:
+    return bool(_UUID_DIR.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False)
+
+
+def mark_in_use(directory: Path) -> int:
+    """Take the shared `.in-use` lock for a mount's lifetime and note the use; returns
+    the descriptor to keep open (closing it, or the process ending, releases it)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(directory / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a prune removes this dataset
+    except BaseException:
+        os.close(fd)
+        raise
+    touch_last_used(directory)
+    return fd
+
+
+def touch_last_used(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # a full or read-only disk must not fail a mount
+        (directory / LAST_USED).touch(mode=0o600)
+        os.utime(directory / LAST_USED)
+
+
+def datasets(root: Path) -> list[CachedDataset]:
+    """Every dataset directory under a cache dir, least recently used first."""
+    try:
+        entries = [e for e in os.scandir(root) if is_dataset_dir(e)]
+    except FileNotFoundError:
+        return []
+    found = [_describe(Path(e.path)) for e in entries]
+    return sorted(found, key=lambda d: (d.last_used, d.uuid))
+
+
+def _describe(path: Path) -> CachedDataset:
+    chunks = nbytes = 0
+    with contextlib.suppress(OSError), os.scandir(path) as files:
+        for f in files:
+            if not f.name.startswith(".") and f.is_file(follow_symlinks=False):
+                chunks += 1
+                nbytes += f.stat(follow_symlinks=False).st_size
+    try:
+        last_used = (path / LAST_USED).stat().st_mtime
+    except OSError:
+        last_used = 0.0
+    return CachedDataset(path.name, path, chunks, nbytes, last_used, _locked(path))
+
+
+def _locked(path: Path) -> bool:
+    """Whether some daemon holds the dataset's `.in-use` lock now."""
+    try:
+        fd = os.open(path / IN_USE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def remove(dataset: CachedDataset) -> bool:
+    """Remove a dataset's copies unless a mount uses them now; True if removed."""
+    fd = os.open(dataset.path / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(dataset.path, ignore_errors=True)
+        return not dataset.path.exists()
+    finally:
+        os.close(fd)
+
+
+def select_for_pruning(found: list[CachedDataset], *, uuids: set[str] | None = None,
+                       older_than: float | None = None, to_size: int | None = None,
+                       now: float | None = None) -> list[CachedDataset]:
+    """Which datasets a prune removes, least recently used first, never one in use:
+    those named, those unused for `older_than` seconds, then more (LRU) until the
+    cache holds at most `to_size` bytes."""
+    now = time.time() if now is None else now
+    free = [d for d in found if not d.in_use]
+    chosen = [d for d in free if (uuids is not None and d.uuid in uuids)
+              or (older_than is not None and now - d.last_used >= older_than)]
+    if to_size is not None:
+        left = sum(d.bytes for d in found) - sum(d.bytes for d in chosen)
+        for d in free:
+            if left <= to_size:
+                break
+            if d not in chosen:
+                chosen.append(d)
+                left -= d.bytes
+    return chosen

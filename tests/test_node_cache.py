@@ -1,0 +1,164 @@
+"""A node cache shared by jobs in turn, under a node-wide limit (--node-cache-limit),
+and a share larger than the cache (--cache-limit): real mounts, real staging.
+
+The cache never holds more than the limit; the datasets earlier mounts left go
+least recently used first; a dataset a running mount uses is never removed; a
+share that does not fit is partly staged once and the rest read elsewhere,
+epoch after epoch, without staging anything twice.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from conftest import run_dlfs
+
+from dlfs.store import nodecache
+from dlfs.store.format import CHUNK_HEADER_SIZE
+from dlfs.store.store import Store
+
+pytestmark = pytest.mark.usefixtures("daemon_guard")
+FILE = 40_000
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, store_with):
+    """Datasets a, b, c of 30 files each, 64 KiB chunks."""
+    store = tmp_path_factory.mktemp("nc-store") / "store"
+    sources = {}
+    for k, name in enumerate("abc"):
+        src = tmp_path_factory.mktemp(f"nc-{name}")
+        rng = np.random.default_rng(k)
+        for i in range(30):
+            (src / f"f{i:02d}").write_bytes(rng.bytes(FILE))
+        store_with(src, name, "64K", store)
+        sources[name] = src
+    return store, sources
+
+
+def staged_bytes(store, name: str) -> int:
+    """What a dataset's staged copies take in a cache dir (each chunk with its header)."""
+    d = Store(store).open(name)
+    return int(d.chunk_lengths.sum()) + CHUNK_HEADER_SIZE * d.chunk_count
+
+
+def status(mount) -> dict:
+    return json.loads(run_dlfs("status", mount.path, "--json").stdout)
+
+
+def wait_staged(mount) -> dict:
+    """Until staging is over: all staged, or the rest skipped (over a limit) and the
+    count unchanged for a second."""
+    deadline = time.monotonic() + 60
+    last, since = None, time.monotonic()
+    while True:
+        s = status(mount)
+        counts = [d["staging"]["staged_chunks"] for d in s["datasets"]]
+        if counts != last:
+            last, since = counts, time.monotonic()
+        if all(d["staging"]["staged_chunks"] == d["staging"]["owned_chunks"]
+               for d in s["datasets"]) or time.monotonic() - since > 1.5:
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+
+
+def read_all(mount, name: str, source) -> None:
+    for path in sorted(source.iterdir()):
+        assert (mount.path / name / path.name).read_bytes() == path.read_bytes(), path
+
+
+def cache_bytes(cache) -> int:
+    return sum(d.bytes for d in nodecache.datasets(cache))
+
+
+def test_jobs_in_turn_under_a_node_limit_evict_the_least_recently_used(
+        mounted, three, tmp_path):
+    store, sources = three
+    cache = tmp_path / "cache"
+    for name in "ab":  # two earlier jobs, a then b
+        mount = mounted(store, "--dataset", name, "--cache-dir", str(cache))
+        wait_staged(mount)
+        assert run_dlfs("umount", mount.path).returncode == 0
+        time.sleep(0.05)  # distinct last-use times
+    limit = staged_bytes(store, "b") + staged_bytes(store, "c")
+    mount = mounted(store, "--dataset", "c", "--cache-dir", str(cache),
+                    "--node-cache-limit", str(limit))
+    wait_staged(mount)
+    read_all(mount, "c", sources["c"])
+    uuids = {Store(store).open(n).uuid.hex(): n for n in "abc"}
+    kept = sorted(uuids[d.uuid] for d in nodecache.datasets(cache))
+    assert kept == ["b", "c"]  # a, the least recently used, went
+    assert cache_bytes(cache) <= limit
+
+
+def test_a_dataset_a_running_mount_uses_is_never_removed(mounted, three, tmp_path):
+    store, sources = three
+    cache = tmp_path / "cache"
+    busy = mounted(store, "--dataset", "a", "--cache-dir", str(cache))
+    wait_staged(busy)
+    room = staged_bytes(store, "a") + staged_bytes(store, "b") // 2
+    mount = mounted(store, "--dataset", "b", "--cache-dir", str(cache),
+                    "--node-cache-limit", str(room))
+    s = wait_staged(mount)
+    uuids = {d.uuid for d in nodecache.datasets(cache)}
+    assert Store(store).open("a").uuid.hex() in uuids
+    assert cache_bytes(cache) <= room + 64 * 1024  # room is counted in whole chunks
+    staging = s["datasets"][0]["staging"]
+    assert 0 < staging["staged_chunks"] < staging["owned_chunks"]
+    read_all(busy, "a", sources["a"])
+    read_all(mount, "b", sources["b"])
+    assert "this mount stages at most" in mount.log_text()
+
+
+def test_a_share_larger_than_the_cache_is_staged_once_and_hits_stay_near_cache_over_share(
+        mounted, three, tmp_path):
+    store, sources = three
+    total = staged_bytes(store, "c")
+    mount = mounted(store, "--dataset", "c", "--cache-dir", str(tmp_path / "cache"),
+                    "--cache-limit", str(total // 2))
+    first = wait_staged(mount)["datasets"][0]["staging"]
+    fraction = first["staged_bytes"] / first["owned_bytes"]  # data bytes, headers aside
+    assert 0.3 < fraction < 0.6  # about half: a limit counts whole chunks
+    for epoch in range(3):
+        before = status(mount)["datasets"][0]["sources"]
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+        read_all(mount, "c", sources["c"])
+        after = status_after(mount, before)
+        local = after["local"]["bytes"] - before["local"]["bytes"]
+        read = sum(after[s]["bytes"] - before[s]["bytes"] for s in after)
+        assert abs(local / read - fraction) <= 0.1, (epoch, local, read, fraction)
+    staging = status(mount)["datasets"][0]["staging"]
+    assert staging["staged_chunks"] == first["staged_chunks"]  # nothing staged again
+
+
+def status_after(mount, before: dict) -> dict:
+    """The sources of a status written after the reads (it is rewritten every second)."""
+    since = time.time()
+    while True:
+        s = status(mount)
+        if s["updated"] > since:
+            return s["datasets"][0]["sources"]
+        time.sleep(0.1)
+
+
+def test_other_users_cannot_read_a_node_cache(mounted, three, tmp_path):
+    """The node cache outlives jobs of many users: only root (the daemons) reads it;
+    users get the bytes through their own job's mount."""
+    from sysusers import temp_user
+
+    store, _ = three
+    cache = tmp_path / "cache"
+    tmp_path.chmod(0o755)  # let the user reach the cache dir itself, so the test is its mode
+    mount = mounted(store, "--dataset", "a", "--cache-dir", str(cache))
+    wait_staged(mount)
+    [dataset] = nodecache.datasets(cache)
+    chunk = next(p for p in dataset.path.iterdir() if not p.name.startswith("."))
+    with temp_user() as user:
+        for target in (["ls", str(dataset.path)], ["cat", str(chunk)]):
+            denied = user.run(*target)
+            assert denied.returncode != 0 and "Permission denied" in denied.stderr, target

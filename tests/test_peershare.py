@@ -1,0 +1,208 @@
+"""PeerShare across real forked processes: one fetch per extent, bounded waits, no torn copy.
+
+The fetch each test hands in stands for the peer (the real one is ChunkPool's,
+tested through two daemons in test_pool.py); PeerShare itself, its shared
+memory and its record locks are the real thing, in several real processes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import struct
+import time
+
+import pytest
+
+from dlfsd.pool.peershare import MIN_SLOTS, PeerShare, extent_key
+
+EXTENT = bytes(range(256)) * 4096  # 1 MiB, every byte's position visible
+KEY = extent_key(1, 77)
+
+
+class Calls:
+    """How often the stand-in peer was asked, counted across processes."""
+
+    def __init__(self) -> None:
+        self._map = mmap.mmap(-1, 8)
+
+    @property
+    def value(self) -> int:
+        return struct.unpack_from("q", self._map)[0]
+
+    def add(self) -> None:
+        struct.pack_into("q", self._map, 0, self.value + 1)
+
+
+def until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def fork(fn) -> int:
+    """Run fn() in a child process that exits 0 if it returned True, else 1."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if fn() else 1
+        finally:
+            os._exit(code)
+    return pid
+
+
+def exit_code(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.fixture
+def share():
+    share = PeerShare(len(EXTENT), wait=30.0, processes=8)
+    yield share
+    share.close()
+
+
+def test_processes_reading_parts_of_one_extent_fetch_it_once(share):
+    calls = Calls()
+    parts = [(0, 4096), (300_000, 200_000), (len(EXTENT) - 10, 10)]
+
+    def peer():
+        calls.add()
+        until(lambda: share.counters()["waits"] == len(parts) - 1)  # the others wait
+        return EXTENT
+
+    def read(rel: int, length: int) -> bool:
+        got = share.read_blocking(KEY, rel, length, True, peer)
+        return got == EXTENT[rel : rel + length]
+
+    pids = [fork(lambda r=r, n=n: read(r, n)) for r, n in parts]
+    assert [exit_code(pid) for pid in pids] == [0, 0, 0]
+    counts = share.counters()
+    assert calls.value == 1
+    assert counts["waits"] == 2 and counts["shared_reads"] == 2 and counts["stored"] == 1
+    # Later reads of the extent, by this process too, come from the slot.
+    assert bytes(share.read_blocking(KEY, 5, 7, False, peer)) == EXTENT[5:12]
+    assert calls.value == 1 and share.counters()["shared_reads"] == 3
+
+
+def test_a_whole_extent_read_keeps_its_bytes_only_for_a_waiter(share):
+    calls = Calls()
+
+    def peer():
+        calls.add()
+        until(lambda: share.counters()["waits"] == 1)
+        return EXTENT
+
+    alone = share.read_blocking(extent_key(0, 1), 0, len(EXTENT), False, lambda: EXTENT)
+    assert alone == EXTENT and share.counters()["stored"] == 0  # nobody else wanted it
+    pids = [fork(lambda: share.read_blocking(KEY, 0, len(EXTENT), True, peer) == EXTENT)
+            for _ in range(2)]
+    assert [exit_code(pid) for pid in pids] == [0, 0]
+    assert calls.value == 1 and share.counters()["stored"] == 1
+
+
+def test_a_fetcher_killed_mid_fetch_holds_up_nobody(share):
+    """Its fetch lock dies with it: the next process fetches at once, no wait runs out."""
+    started = Calls()
+
+    def stuck_peer():
+        started.add()
+        time.sleep(3600)
+
+    pid = fork(lambda: share.read_blocking(KEY, 0, 10, True, stuck_peer) is not None)
+    try:
+        assert until(lambda: started.value == 1)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    calls = Calls()
+
+    def peer():
+        calls.add()
+        return EXTENT
+
+    assert share.read_blocking(KEY, 0, 10, True, peer) == EXTENT[:10]
+    assert calls.value == 1 and share.counters()["wait_timeouts"] == 0
+
+
+def test_a_fetcher_that_hangs_is_waited_for_a_bounded_time(share):
+    share.wait = 0.3
+    started = Calls()
+
+    def stuck_peer():
+        started.add()
+        time.sleep(3600)
+
+    pid = fork(lambda: share.read_blocking(KEY, 0, 10, True, stuck_peer) is not None)
+    try:
+        assert until(lambda: started.value == 1)
+        assert share.read_blocking(KEY, 100, 10, True, lambda: EXTENT) == EXTENT[100:110]
+        assert share.counters()["wait_timeouts"] == 1
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_failed_fetch_sends_its_waiters_elsewhere_at_once(share):
+    """The peers just failed this extent: a waiter goes to the store instead of asking
+    them again (one process after the other, each up to its timeout)."""
+    asked, started = Calls(), Calls()
+
+    def failing_peer():
+        started.add()
+        until(lambda: share.counters()["waits"] == 1)
+        return None
+
+    def second_peer():
+        asked.add()
+        return EXTENT
+
+    pid = fork(lambda: share.read_blocking(KEY, 0, 10, True, failing_peer) is None)
+    assert until(lambda: started.value == 1)
+    assert share.read_blocking(KEY, 0, 10, True, second_peer) is None
+    assert exit_code(pid) == 0 and asked.value == 0
+
+
+def test_a_slot_another_process_copies_from_is_never_refilled(share):
+    """A copy out of a slot holds it (shared lock): a store needing room takes another
+    slot, so the copy is never torn."""
+    assert share.store(KEY, EXTENT)
+    slot = share.copy_slot(KEY)
+    held, release = os.pipe(), os.pipe()
+
+    def hold() -> bool:  # what copy_out does around its copy, held open
+        assert share._try_lock(slot, exclusive=False)
+        os.write(held[1], b"x")
+        os.read(release[0], 1)
+        return True
+
+    pid = fork(hold)
+    try:
+        assert os.read(held[0], 1) == b"x"
+        for ext in range(2 * share.slots):  # more than fit: every other slot is refilled
+            other = bytes([ext % 251]) * len(EXTENT)
+            share.store(extent_key(1, 1000 + ext), other)
+        assert share.copy_slot(KEY) == slot
+        # Copies may run side by side (shared locks); its bytes are the extent's still.
+        assert share.copy_out(KEY, 0, len(EXTENT), True) == EXTENT
+    finally:
+        os.write(release[1], b"x")
+        assert exit_code(pid) == 0
+        for fd in (*held, *release):
+            os.close(fd)
+
+
+def test_slots_follow_the_budget_within_bounds():
+    shares = [PeerShare(size, wait=1.0, budget=64 << 20) for size in (64 << 10, 4 << 20)]
+    huge = PeerShare(4 << 20, wait=1.0, budget=4 << 20)
+    try:
+        assert [s.slots for s in shares] == [512, 16] and huge.slots == MIN_SLOTS
+    finally:
+        for s in (*shares, huge):
+            s.close()
