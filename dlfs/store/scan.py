@@ -22,6 +22,7 @@ the same whatever the number of workers.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from array import array
@@ -151,12 +152,7 @@ class DirectoryLister:
     def run(self, rel_dir: bytes) -> Listing:
         abs_dir = os.path.join(self.root, rel_dir) if rel_dir else self.root
         try:
-            fd = os.open(abs_dir, _DIR_FLAGS)
-            try:
-                names = os.listdir(abs_dir)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd, names = _open_and_list(abs_dir, self.root, rel_dir)
         except FileNotFoundError:
             if not rel_dir:
                 raise NotFoundError(f"source not found: {self.source}") from None
@@ -171,6 +167,45 @@ class DirectoryLister:
             return _list(fd, abs_dir, names)
         finally:
             os.close(fd)
+
+
+def _open_and_list(abs_dir: bytes, root: bytes, rel_dir: bytes) -> tuple[int, list[bytes]]:
+    """(descriptor, names) of a source directory. A path longer than PATH_MAX (a deep
+    tree) cannot be opened whole: it is then opened one component at a time, as the
+    copy does and as the mount serves it (every lookup is one name)."""
+    try:
+        fd = os.open(abs_dir, _DIR_FLAGS)
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        fd = _open_by_components(root, rel_dir)
+        try:
+            return fd, [os.fsencode(name) for name in os.listdir(fd)]
+        except BaseException:
+            os.close(fd)
+            raise
+    try:
+        return fd, os.listdir(abs_dir)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_by_components(root: bytes, rel_dir: bytes) -> int:
+    """Open root/rel_dir by walking it name by name, following no symlink on the way."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for name in rel_dir.split(b"/"):
+            parent, fd = fd, -1
+            try:
+                fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+            finally:
+                os.close(parent)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
 
 
 def _list(fd: int, abs_dir: bytes, names: list[bytes]) -> Listing:

@@ -17,6 +17,12 @@ either way every worker is reaped before the pool is left, so none writes into a
 temporary directory the caller is about to remove.
 
 A pool of one does its requests inline, in the calling process: no fork.
+
+Why not concurrent.futures.ProcessPoolExecutor: on Python 3.11 it has no public way
+to stop a worker in the middle of a request (shutdown waits for the requests under
+way, or leaves them running with wait=False), yet an interrupted populate must stop
+its workers before it removes the temporary directory they write into; and its
+feeder and management threads would be running when the copy forks its workers.
 """
 
 from __future__ import annotations
