@@ -7,6 +7,8 @@ A tree is packed by each of these commands, each timed as a whole subprocess
   populate-nofsync  dlfs populate ... --no-fsync
   populate@base     dlfs populate, run from the checkout given with --baseline (the code
                     before a change, measured in the same run against the same tar)
+  populate-mpi2     mpirun -n 2 dlfs populate ... (two ranks share the work; needs
+                    mpi4py and mpirun; not in the default set)
   tar               tar -cf OUT.tar -C SRC .
   tar+sync          tar -cf ... followed by sync (durable, like populate)
 
@@ -63,7 +65,8 @@ from _common import (
 
 from dlfs.sampledata import generate_tree
 
-VARIANTS = ("populate", "populate-nofsync", "populate@base", "tar", "tar+sync")
+VARIANTS = ("populate", "populate-nofsync", "populate@base", "populate-mpi2", "tar",
+            "tar+sync")
 TINY_SIZE = 2500
 TINY_PER_DIR = 1000
 
@@ -93,7 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.files = max(1, args.files // 20)
         args.tiny = args.tiny // 20
-    wanted = [v for v in VARIANTS if v != "populate@base" or args.baseline]
+    wanted = [v for v in VARIANTS
+              if (v != "populate@base" or args.baseline) and v != "populate-mpi2"]
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in wanted if v not in VARIANTS]
@@ -151,6 +155,8 @@ def run_variant(variant: str, src: Path, out: Path, extra: list[str],
         env, cwd = None, None
         if variant == "populate-nofsync":
             argv.append("--no-fsync")
+        elif variant == "populate-mpi2":
+            argv = ["mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe", *argv]
         elif variant == "populate@base":
             # `python -m` puts the working directory first on sys.path: run it in the
             # baseline, or the dlfs of the directory the bench was started in is timed
@@ -242,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                           "within each round, min/median/max")
         print(f"  (fixed cost included in every populate row: `dlfs --version` takes "
               f"{statistics.median(startup):.2f} s)")
+        if "populate-mpi2" in times and "populate" in times:
+            print("  mpirun -n 2 populate / populate per round: "
+                  f"{spread(ratios('populate-mpi2', 'populate'))}")
         if "populate@base" in times and "populate" in times:
             print("  populate / populate@base per round: "
                   f"{spread(ratios('populate', 'populate@base'))}")
