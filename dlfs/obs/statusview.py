@@ -95,6 +95,8 @@ def plain_lines(status: dict) -> list[str]:
         for source, c in d["sources"].items():
             lines.append(f"  {source:<5} {c['requests']:>10} reads {format_size(c['bytes']):>10}"
                          f"  mean {c['mean_latency_us']:.0f} us")
+    if status.get("replication"):
+        lines.append(replication_line(status["replication"]))
     if status.get("peer_server"):
         lines.append(peer_server_line(status["peer_server"]))
     return lines + history_lines(status.get("health")) + problem_lines(status.get("health"))
@@ -112,6 +114,20 @@ def peer_server_line(c: dict) -> str:
             f"protocol errors")
     if "replies_waited" in c:
         line += f", {c['replies_waited']} replies waited for a slow peer"
+    return line
+
+
+def replication_line(c: dict) -> str:
+    """Where this node's copies came from with --replicas > 1: the store (as first owner,
+    or as a fallback) or the chunk's first owner over the pool."""
+    fallbacks = c.get("fallback_down", 0) + c.get("fallback_slow", 0) + c.get("fallback_bad", 0)
+    line = (f"replicas: {c.get('from_store_chunks', 0)} chunks from the store, "
+            f"{c.get('from_peer_chunks', 0)} from their first owners "
+            f"({format_size(c.get('from_peer_bytes', 0))}), {c.get('waiting', 0)} waiting "
+            f"for them; {fallbacks} from the store instead")
+    if fallbacks:
+        line += (f" ({c.get('fallback_down', 0)} owner down, {c.get('fallback_slow', 0)} "
+                 f"owner slow, {c.get('fallback_bad', 0)} bad copy)")
     return line
 
 
@@ -136,6 +152,8 @@ def rich_view(status: dict) -> Group:
         else:
             table.add_row(d["name"], "-", "", "-", "-", *per_source)
     parts = [head, table, "[dim]sources: bytes / reads[/]"]
+    if status.get("replication"):
+        parts.append(replication_line(status["replication"]))
     if status.get("peer_server"):
         parts.append(peer_server_line(status["peer_server"]))
     parts += [Text(line, style="dim") for line in history_lines(status.get("health"))]
