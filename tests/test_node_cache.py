@@ -162,3 +162,42 @@ def test_other_users_cannot_read_a_node_cache(mounted, three, tmp_path):
         for target in (["ls", str(dataset.path)], ["cat", str(chunk)]):
             denied = user.run(*target)
             assert denied.returncode != 0 and "Permission denied" in denied.stderr, target
+
+
+def test_status_tells_cache_hits_from_earlier_jobs_from_what_this_job_staged(
+        mounted, three, tmp_path):
+    """Job 1 stages about half of dataset a (--cache-limit); job 2 adopts that half at
+    mount, stages the rest itself, and its reads of the adopted half are counted as
+    cache hits from earlier jobs, byte for byte."""
+    store, sources = three
+    cache = tmp_path / "cache"
+    d = Store(store).open("a")
+    job1 = mounted(store, "--dataset", "a", "--cache-dir", str(cache),
+                   "--cache-limit", str(staged_bytes(store, "a") // 2))
+    wait_staged(job1)
+    assert run_dlfs("umount", job1.path).returncode == 0
+    kept = {int(p.name.split(".")[0]) for p in (cache / d.uuid.hex()).glob("*.chunk")}
+    assert 0 < len(kept) < d.chunk_count
+    job2 = mounted(store, "--dataset", "a", "--cache-dir", str(cache))
+    wait_staged(job2)
+    read_all(job2, "a", sources["a"])
+    since = time.time()
+    while (s := status(job2))["updated"] <= since:  # written after the reads
+        time.sleep(0.1)
+    entry = s["datasets"][0]["node_cache"]
+    ext_chunk = d.directory.arrays["ext_chunk"]
+    in_kept = np.isin(ext_chunk, sorted(kept))
+    expected = int(d.directory.arrays["ext_length"][in_kept].sum())
+    assert entry["adopted_at_mount"] == entry["adopted_chunks"] == len(kept), entry
+    assert entry["adopted_bytes"] == int(d.chunk_lengths[sorted(kept)].sum()), entry
+    assert entry["staged_now_chunks"] == d.chunk_count - len(kept), entry
+    assert entry["bytes"] == expected > 0, entry
+    assert entry["reads"] > 0, entry
+    # Every byte was read locally; the adopted copies served their part of it.
+    assert s["datasets"][0]["sources"]["local"]["bytes"] == sum(
+        p.stat().st_size for p in sources["a"].iterdir())
+    text = run_dlfs("status", job2.path)
+    line = next(x.strip() for x in text.stdout.splitlines() if "node cache:" in x)
+    assert line.startswith(f"node cache: {len(kept)} chunks adopted from earlier jobs"), line
+    assert f"{d.chunk_count - len(kept)} staged by this job" in line, line
+    assert f"{entry['reads']} reads" in line, line

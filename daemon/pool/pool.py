@@ -122,11 +122,13 @@ class ChunkPool:
             for ds, cache in enumerate(self.caches):
                 for chunk in range(cache.dataset.chunk_count - 1, -1, -1):
                     if not limit or used <= limit:
-                        return adopted
+                        break
                     if cache.is_staged(chunk) and bool(self.owned[ds][chunk]) == own:
                         used -= int(cache.lengths[chunk])
                         cache.evict(chunk)
                         adopted -= 1
+        for cache in self.caches:
+            cache.adopted_at_mount = int(cache.adopted_mask().sum())
         return adopted
 
     def foreign_copies(self) -> tuple[int, int]:

@@ -95,6 +95,8 @@ def plain_lines(status: dict) -> list[str]:
         for source, c in d["sources"].items():
             lines.append(f"  {source:<5} {c['requests']:>10} reads {format_size(c['bytes']):>10}"
                          f"  mean {c['mean_latency_us']:.0f} us")
+        if d.get("node_cache"):
+            lines.append("  " + node_cache_line(d["node_cache"]))
     if status.get("replication"):
         lines.append(replication_line(status["replication"]))
     if status.get("peer_server"):
@@ -115,6 +117,16 @@ def peer_server_line(c: dict) -> str:
     if "replies_waited" in c:
         line += f", {c['replies_waited']} replies waited for a slow peer"
     return line
+
+
+def node_cache_line(c: dict) -> str:
+    """Cache hits from earlier jobs: copies adopted at mount vs staged by this mount, and
+    the reads the adopted copies served."""
+    return (f"node cache: {c['adopted_at_mount']} chunks adopted from earlier jobs "
+            f"({c['adopted_chunks']} still held, {format_size(c['adopted_bytes'])}), "
+            f"{c['staged_now_chunks']} staged by this job "
+            f"({format_size(c['staged_now_bytes'])}); {c['reads']} reads "
+            f"({format_size(c['bytes'])}) served from adopted copies")
 
 
 def replication_line(c: dict) -> str:
@@ -152,6 +164,8 @@ def rich_view(status: dict) -> Group:
         else:
             table.add_row(d["name"], "-", "", "-", "-", *per_source)
     parts = [head, table, "[dim]sources: bytes / reads[/]"]
+    parts += [f"{d['name']}: {node_cache_line(d['node_cache'])}" for d in status["datasets"]
+              if d.get("node_cache")]
     if status.get("replication"):
         parts.append(replication_line(status["replication"]))
     if status.get("peer_server"):
