@@ -201,3 +201,59 @@ def test_status_tells_cache_hits_from_earlier_jobs_from_what_this_job_staged(
     assert line.startswith(f"node cache: {len(kept)} chunks adopted from earlier jobs"), line
     assert f"{d.chunk_count - len(kept)} staged by this job" in line, line
     assert f"{entry['reads']} reads" in line, line
+
+
+def test_a_cache_dir_on_a_full_disk_fails_staging_cleanly_and_reads_go_elsewhere(
+        mounted, three, tmp_path):
+    """n1's cache dir is a 256 KiB tmpfs (a few of dataset a's 64 KiB chunks fit), n2's
+    an ordinary dir, --replicas 2: n1 stages what fits, then its stager stops on ENOSPC
+    with one log line; n2 copies the chunks n1 was to pass on from the store after
+    --replica-wait; every read through n1 is right, the rest coming from its peer; no
+    partial copy is left, and a later mount adopts exactly the whole copies."""
+    from conftest import tmpfs_at
+    from test_pool import free_ports, write_secret
+    from test_pool import wait_staged as wait_all_staged
+
+    store, sources = three
+    d = Store(store).open("a")
+    with tmpfs_at(tmp_path / "nvme", "size=256k") as small:
+        caches = [small / "cache", tmp_path / "cache-n2"]
+        nodes = ",".join(f"n{i + 1}=127.0.0.1:{p}" for i, p in enumerate(free_ports(2)))
+        secret = write_secret(tmp_path / "secret")
+        started = time.monotonic()
+        n1, n2 = (mounted(store, "--dataset", "a", "--cache-dir", str(caches[i]), "--nodes",
+                          nodes, "--node", f"n{i + 1}", "--replicas", "2", "--secret-file",
+                          str(secret), "--replica-wait", "1") for i in range(2))
+        wait_all_staged(run_dlfs, n2)
+        assert status(n2)["replication"]["fallback_slow"] > 0
+        first = wait_staged(n1)["datasets"][0]["staging"]  # settles: the rest cannot fit
+        assert 0 < first["staged_chunks"] < first["owned_chunks"], first
+        read_all(n1, "a", sources["a"])
+        since = time.time()
+        while (s := status(n1))["updated"] <= since:
+            time.sleep(0.1)
+        got = s["datasets"][0]["sources"]
+        assert got["peer"]["bytes"] > 0 and got["store"]["bytes"] == 0, got
+        assert got["local"]["bytes"] + got["peer"]["bytes"] == sum(
+            p.stat().st_size for p in sources["a"].iterdir())
+        paused = [line for line in n1.log_text().splitlines() if "staging paused" in line]
+        # One line per backoff step (the first retry comes 10 s after the first failure).
+        allowed = 1 + sum(time.monotonic() - started > t for t in (10, 30, 70))
+        assert 1 <= len(paused) <= allowed, paused
+        assert "No space left" in paused[0] and str(caches[0]) in paused[0], paused[0]
+        assert "Traceback" not in n1.log_text()
+        assert run_dlfs("umount", n1.path).returncode == 0
+        assert run_dlfs("umount", n2.path).returncode == 0
+        held = caches[0] / d.uuid.hex()
+        assert not [p.name for p in held.iterdir() if p.name.startswith(".tmp-")], \
+            "a failed copy was left behind"
+        whole = sorted(held.glob("*.chunk"))
+        assert len(whole) == first["staged_chunks"]
+        for path in whole:
+            chunk = int(path.name.split(".")[0])
+            assert path.read_bytes() == d.chunk_path(chunk).read_bytes(), path
+        later = mounted(store, "--dataset", "a", "--cache-dir", str(caches[0]))
+        entry = status(later)["datasets"][0]["node_cache"]
+        assert entry["adopted_at_mount"] == len(whole), entry
+        read_all(later, "a", sources["a"])
+        assert run_dlfs("umount", later.path).returncode == 0
