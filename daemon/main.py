@@ -395,6 +395,7 @@ class Services:
             self.stager = Stager(datasets, pool.caches, pool.owned, pool.demand,
                                  jobs=config.stage_jobs, cache_limit=pool.cache_limit,
                                  store_rate=config.store_bandwidth, replicas=self.replicas)
+            pool.set_stager(self.stager.will_stage)
             if len(pool.view.nodes) > 1:
                 from dlfsd.pool.peerserver import PeerLoopServer
 

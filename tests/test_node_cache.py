@@ -9,6 +9,7 @@ epoch after epoch, without staging anything twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -203,12 +204,23 @@ def test_status_tells_cache_hits_from_earlier_jobs_from_what_this_job_staged(
     assert f"{entry['reads']} reads" in line, line
 
 
+@contextlib.contextmanager
+def _unmounting_first(mounter):
+    """Unmount the block's mounts at its end, failed or not: a daemon holding its cache
+    dir keeps the tmpfs under it busy (it would stay mounted after the test)."""
+    try:
+        yield
+    finally:
+        mounter.cleanup()
+
+
 def test_a_cache_dir_on_a_full_disk_fails_staging_cleanly_and_reads_go_elsewhere(
         mounted, three, tmp_path):
     """n1's cache dir is a 256 KiB tmpfs (a few of dataset a's 64 KiB chunks fit), n2's
     an ordinary dir, --replicas 2: n1 stages what fits, then its stager stops on ENOSPC
-    with one log line; n2 copies the chunks n1 was to pass on from the store after
-    --replica-wait; every read through n1 is right, the rest coming from its peer; no
+    with one log line and tells n2, which waits for the chunks n1 was to pass on, that
+    it will not stage them (FAIL not-staging): n2 copies them from the store at once
+    (--replica-wait is far off); every read through n1 is right, the rest coming from its peer; no
     partial copy is left, and a later mount adopts exactly the whole copies."""
     from conftest import tmpfs_at
     from test_pool import free_ports, write_secret
@@ -216,16 +228,18 @@ def test_a_cache_dir_on_a_full_disk_fails_staging_cleanly_and_reads_go_elsewhere
 
     store, sources = three
     d = Store(store).open("a")
-    with tmpfs_at(tmp_path / "nvme", "size=256k") as small:
+    with tmpfs_at(tmp_path / "nvme", "size=256k") as small, _unmounting_first(mounted):
         caches = [small / "cache", tmp_path / "cache-n2"]
         nodes = ",".join(f"n{i + 1}=127.0.0.1:{p}" for i, p in enumerate(free_ports(2)))
         secret = write_secret(tmp_path / "secret")
         started = time.monotonic()
         n1, n2 = (mounted(store, "--dataset", "a", "--cache-dir", str(caches[i]), "--nodes",
                           nodes, "--node", f"n{i + 1}", "--replicas", "2", "--secret-file",
-                          str(secret), "--replica-wait", "1") for i in range(2))
+                          str(secret), "--replica-wait", "600") for i in range(2))
         wait_all_staged(run_dlfs, n2)
-        assert status(n2)["replication"]["fallback_slow"] > 0
+        replication = status(n2)["replication"]
+        assert replication["fallback_declined"] > 0, replication
+        assert replication["fallback_slow"] == replication["fallback_down"] == 0, replication
         first = wait_staged(n1)["datasets"][0]["staging"]  # settles: the rest cannot fit
         assert 0 < first["staged_chunks"] < first["owned_chunks"], first
         read_all(n1, "a", sources["a"])

@@ -81,6 +81,7 @@ class ChunkPool:
                               for t in self.tables]
         self.demand = DemandChannel()
         self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
+        self._will_stage = lambda ds, chunk: bool(self.owned[ds][chunk])  # see set_stager
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
         self._clients: dict[int, PeerClient] = {}
         self._blocking_clients: dict[int, BlockingPeerClient] = {}
@@ -306,6 +307,16 @@ class ChunkPool:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
             return None
         return fd, CHUNK_HEADER_SIZE
+
+    def will_stage(self, dataset_id: bytes, chunk: int) -> bool:
+        """See BlockingChunkProvider.will_stage: the stager decides (set_stager)."""
+        ds = self._by_id.get(dataset_id)
+        return ds is not None and self._will_stage(ds, chunk)
+
+    def set_stager(self, will_stage) -> None:
+        """`will_stage(ds, chunk)`: whether the stager will stage that chunk soon; called
+        from the peer server's thread."""
+        self._will_stage = will_stage
 
     def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         """The peer server could not read the staged copy through `fd` (-1: it could

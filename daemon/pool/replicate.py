@@ -21,6 +21,8 @@ A secondary never waits for its primary without bound:
   and the chunk waits as for a MISS; otherwise the primary is skipped for
   DOWN_SECONDS and the chunk (and every chunk of that primary meanwhile) is
   copied from the store: `fallback_down`.
+* FAIL `not-staging` (the primary will not stage it: over its --cache-limit, or
+  its cache disk cannot be written): the store, at once (`fallback_declined`).
 * Its bytes fail the written copy's check, or it refuses the range: the chunk
   comes from the store (`fallback_bad`).
 
@@ -84,7 +86,8 @@ class ReplicaSource:
         self._waiting: dict[tuple[int, int], float] = {}  # (ds, chunk) -> waiting since
         self.counters = {"from_store_chunks": 0, "from_store_bytes": 0,
                          "from_peer_chunks": 0, "from_peer_bytes": 0, "waits": 0,
-                         "fallback_down": 0, "fallback_slow": 0, "fallback_bad": 0}
+                         "fallback_down": 0, "fallback_slow": 0, "fallback_declined": 0,
+                         "fallback_bad": 0}
 
     # -- deciding (the stager's trio thread) -----------------------------------------
     def is_secondary(self, ds: int, chunk: int) -> bool:
@@ -184,6 +187,10 @@ class ReplicaSource:
                             "store for %.0f s", self.view.nodes[node].name, err, DOWN_SECONDS)
             self._down_until[node] = self._clock() + DOWN_SECONDS
             self._fall_back(ds, chunk, "fallback_down")
+        elif isinstance(err, PeerMiss) and err.code == protocol.FAIL_NOT_STAGING:
+            log.info("chunk %d of %s: primary %s will not stage it; copying it from the "
+                     "store", chunk, self.datasets[ds].name, self.view.nodes[node].name)
+            self._fall_back(ds, chunk, "fallback_declined")
         else:
             log.warning("chunk %d of %s: the copy from primary %s failed (%s); copying it "
                         "from the store", chunk, self.datasets[ds].name,

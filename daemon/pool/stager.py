@@ -159,6 +159,7 @@ class Stager:
         self._failed: dict[tuple[int, int], Backoff] = {}
         self._retries: list[tuple[float, int, int]] = []  # heap of (due, ds, chunk)
         self._cache_pause = Backoff()  # the cache disk cannot be written
+        self._paused_until = 0.0  # the same, in time.monotonic() (read by will_stage)
         # For `dlfs status` (health()): demanded chunks -> when first demanded (monotonic),
         # chunks passed over for --cache-limit, copies that failed since mount.
         self._demanded: dict[tuple[int, int], float] = {}
@@ -338,11 +339,20 @@ class Stager:
             self._cache_pause.error = f"cannot write the cache dir {self.caches[ds].dir}: " \
                                       f"{err.strerror}"
             delay, grew = self._cache_pause.fail(now)
+            self._paused_until = time.monotonic() + delay
             if grew:
                 log.error("staging paused for %.3g s: cannot write the cache dir %s (%s); "
                           "reads go to peers and the store", delay, self.caches[ds].dir,
                           err.strerror)
         return self._cache_pause.due
+
+    def will_stage(self, ds: int, chunk: int) -> bool:
+        """Whether an owned chunk that is not staged will be soon: not while the cache
+        disk cannot be written, nor one passed over for --cache-limit. Called from the
+        peer server's thread: reads two fields, takes no lock."""
+        if not self.owned_masks[ds][chunk] or time.monotonic() < self._paused_until:
+            return False
+        return (ds, chunk) not in self._over_limit
 
     def _log_failure(self, ds: int, chunk: int, err: Exception, delay: float) -> None:
         name = self.datasets[ds].name

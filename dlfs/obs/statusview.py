@@ -132,14 +132,15 @@ def node_cache_line(c: dict) -> str:
 def replication_line(c: dict) -> str:
     """Where this node's copies came from with --replicas > 1: the store (as first owner,
     or as a fallback) or the chunk's first owner over the pool."""
-    fallbacks = c.get("fallback_down", 0) + c.get("fallback_slow", 0) + c.get("fallback_bad", 0)
+    kinds = (("fallback_down", "owner down"), ("fallback_slow", "owner slow"),
+             ("fallback_declined", "owner not staging it"), ("fallback_bad", "bad copy"))
+    fallbacks = sum(c.get(key, 0) for key, _ in kinds)
     line = (f"replicas: {c.get('from_store_chunks', 0)} chunks from the store, "
             f"{c.get('from_peer_chunks', 0)} from their first owners "
             f"({format_size(c.get('from_peer_bytes', 0))}), {c.get('waiting', 0)} waiting "
             f"for them; {fallbacks} from the store instead")
     if fallbacks:
-        line += (f" ({c.get('fallback_down', 0)} owner down, {c.get('fallback_slow', 0)} "
-                 f"owner slow, {c.get('fallback_bad', 0)} bad copy)")
+        line += " (" + ", ".join(f"{c.get(key, 0)} {what}" for key, what in kinds) + ")"
     return line
 
 
