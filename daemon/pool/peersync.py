@@ -37,7 +37,7 @@ import struct
 import time
 
 from dlfsd.pool import protocol
-from dlfsd.pool.peer import PeerUnavailable, reply_bytes
+from dlfsd.pool.peer import PeerUnavailable, PeerUnreachable, reply_bytes
 from dlfsd.pool.protocol import LENGTH_PREFIX, Message, ProtocolError
 
 _PREFIX = LENGTH_PREFIX.size
@@ -194,7 +194,7 @@ class BlockingPeerClient:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=left)
         except OSError as error:
-            raise PeerUnavailable(f"cannot connect to peer {self.address}: "
+            raise PeerUnreachable(f"cannot connect to peer {self.address}: "
                                   f"{error.strerror or error}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _kernel_timeouts(sock, max(self._deadline - time.monotonic(), 0.001))
