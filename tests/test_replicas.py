@@ -190,3 +190,17 @@ def test_a_primary_killed_mid_staging_leaves_its_secondaries_complete(
     for mount in survivors:
         read_and_compare(mount, pool_source, files)
     assert all(s["datasets"][0]["staging"]["staged_chunks"] for s in statuses)
+
+
+def test_with_replica_wait_0_every_owner_copies_from_the_store(
+        mounted, pool_store, tmp_path, dlfs_cli, store_opens, store_chunks):
+    """The old way, still there: the store serves R copies of each chunk (and the count
+    above would see it)."""
+    d = Store(pool_store).open("ds")
+    cluster = Cluster(mounted, pool_store, tmp_path, 3, replicas=2,
+                      extra=("--replica-wait", "0"))
+    shares = expected_shares(pool_store, cluster.names, 2)
+    statuses = [wait_staged(dlfs_cli, m) for m in cluster.mounts]
+    assert store_opens.drain() == {d.chunk_path(c).name: 2 for c in range(d.chunk_count)}
+    assert_complete_copies(cluster, pool_store, shares, [0, 1, 2], store_chunks)
+    assert all("replication" not in s for s in statuses)
