@@ -114,8 +114,8 @@ class ReplicaSource:
     def waiting_count(self) -> int:
         return len(self._waiting)
 
-    def window_full(self) -> bool:
-        return len(self._waiting) >= WAITING_WINDOW
+    def is_waiting(self, ds: int, chunk: int) -> bool:
+        return (ds, chunk) in self._waiting
 
     def forget(self, ds: int, chunk: int) -> None:
         """The chunk is not waiting any more (staged, or passed over)."""

@@ -40,6 +40,7 @@ import trio
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
+from dlfsd.pool import replicate
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.peer import PeerError
 from dlfsd.pool.replicate import POLL_SECONDS, PrimaryNotReady, ReplicaSource
@@ -264,13 +265,19 @@ class Stager:
         for part in (self._primary_end, [len(c) for c in self._owned_lists]):
             for ds, chunks in enumerate(self._owned_lists):
                 while self._cursor[ds] < part[ds]:
-                    if part is not self._primary_end and self.replicas.window_full():
+                    if part is not self._primary_end and self._window_full():
                         return None  # copies from primaries: enough are waiting already
                     chunk = int(chunks[self._cursor[ds]])
                     self._cursor[ds] += 1
                     if self._eligible(ds, chunk):
                         return ds, chunk
         return None
+
+    def _window_full(self) -> bool:
+        """As many chunks wait for their primaries (or are being asked for) as may."""
+        asking = sum(1 for ds, chunk in self._busy if self.replicas.is_secondary(ds, chunk)
+                     and not self.replicas.is_waiting(ds, chunk))
+        return self.replicas.waiting_count() + asking >= replicate.WAITING_WINDOW
 
     def _waiting_for_peers(self) -> bool:
         return self.replicas is not None and self.replicas.waiting_count() > 0
