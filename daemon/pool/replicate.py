@@ -82,6 +82,7 @@ class ReplicaSource:
         self._idle: dict[int, list[BlockingPeerClient]] = {}
         self._down_until: dict[int, float] = {}
         self._answered: set[int] = set()  # primaries that answered at least once
+        self._logged: set[tuple[int, str]] = set()  # (primary, kind of fallback) logged
         self._last_copy: dict[int, float] = {}  # primary -> when a chunk last came from it
         self._waiting: dict[tuple[int, int], float] = {}  # (ds, chunk) -> waiting since
         self.counters = {"from_store_chunks": 0, "from_store_bytes": 0,
@@ -104,9 +105,10 @@ class ReplicaSource:
             return None
         since = self._waiting.get((ds, chunk))
         if since is not None and now - max(since, self._last_copy.get(node, 0.0)) > self.wait:
-            log.info("chunk %d of %s: primary %s has sent nothing for %.0f s; copying it "
-                     "from the store", chunk, self.datasets[ds].name,
-                     self.view.nodes[node].name, self.wait)
+            self._log_once(node, "slow", logging.WARNING, "primary %s has sent nothing for "
+                           "%.0f s (chunk %d of %s waits for it); copying such chunks from "
+                           "the store", self.view.nodes[node].name, self.wait, chunk,
+                           self.datasets[ds].name)
             self._fall_back(ds, chunk, "fallback_slow")
             return None
         return node
@@ -188,14 +190,24 @@ class ReplicaSource:
             self._down_until[node] = self._clock() + DOWN_SECONDS
             self._fall_back(ds, chunk, "fallback_down")
         elif isinstance(err, PeerMiss) and err.code == protocol.FAIL_NOT_STAGING:
-            log.info("chunk %d of %s: primary %s will not stage it; copying it from the "
-                     "store", chunk, self.datasets[ds].name, self.view.nodes[node].name)
+            self._log_once(node, "declined", logging.INFO, "primary %s will not stage chunk %d "
+                           "of %s (over its --cache-limit, or its cache disk is full); "
+                           "copying such chunks from the store", self.view.nodes[node].name,
+                           chunk, self.datasets[ds].name)
             self._fall_back(ds, chunk, "fallback_declined")
         else:
-            log.warning("chunk %d of %s: the copy from primary %s failed (%s); copying it "
-                        "from the store", chunk, self.datasets[ds].name,
-                        self.view.nodes[node].name, err)
+            self._log_once(node, "bad", logging.WARNING, "chunk %d of %s: the copy from "
+                           "primary %s failed (%s); copying it from the store (further such "
+                           "failures of this primary are logged at DEBUG)", chunk,
+                           self.datasets[ds].name, self.view.nodes[node].name, err)
             self._fall_back(ds, chunk, "fallback_bad")
+
+    def _log_once(self, node: int, kind: str, level: int, msg: str, *args) -> None:
+        """The first fallback of a kind per primary at `level`, the rest at DEBUG: a
+        primary that cannot help fails each of its chunks the same way."""
+        first = (node, kind) not in self._logged
+        self._logged.add((node, kind))
+        log.log(level if first else logging.DEBUG, msg, *args)
 
     def _not_ready(self, node: int, ds: int, chunk: int) -> None:
         if (ds, chunk) not in self._waiting:
