@@ -159,7 +159,7 @@ def test_replicas_2_take_each_chunk_from_the_store_once(
     text = dlfs_cli("status", cluster.mounts[1].path)
     line = next(x for x in text.stdout.splitlines() if x.startswith("replicas:"))
     s = statuses[1]["replication"]
-    assert line.startswith(f"replicas: {s['from_store_chunks']} chunks from the store, "
+    assert line.startswith(f"replicas: {s['from_store_chunks']} chunks copied from the store, "
                            f"{s['from_peer_chunks']} from their first owners"), line
 
 

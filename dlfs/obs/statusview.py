@@ -132,16 +132,16 @@ def node_cache_line(c: dict) -> str:
 def replication_line(c: dict) -> str:
     """Where this node's copies came from with --replicas > 1: the store (as first owner,
     or as a fallback) or the chunk's first owner over the pool."""
-    kinds = (("fallback_down", "owner down"), ("fallback_slow", "owner slow"),
-             ("fallback_declined", "owner not staging it"), ("fallback_bad", "bad copy"))
+    kinds = (("fallback_down", "down"), ("fallback_slow", "silent"),
+             ("fallback_declined", "not staging it"), ("fallback_bad", "bad copy"))
     fallbacks = sum(c.get(key, 0) for key, _ in kinds)
-    line = (f"replicas: {c.get('from_store_chunks', 0)} chunks from the store, "
-            f"{c.get('from_peer_chunks', 0)} from their first owners "
-            f"({format_size(c.get('from_peer_bytes', 0))}), {c.get('waiting', 0)} waiting "
-            f"for them; {fallbacks} from the store instead")
+    store = f"replicas: {c.get('from_store_chunks', 0)} chunks copied from the store"
     if fallbacks:
-        line += " (" + ", ".join(f"{c.get(key, 0)} {what}" for key, what in kinds) + ")"
-    return line
+        store += (f" ({fallbacks} of them for want of their first owner: "
+                  + ", ".join(f"{c.get(key, 0)} {what}" for key, what in kinds) + ")")
+    return (f"{store}, {c.get('from_peer_chunks', 0)} from their first owners "
+            f"({format_size(c.get('from_peer_bytes', 0))}), {c.get('waiting', 0)} waiting "
+            "for them")
 
 
 def rich_view(status: dict) -> Group:
