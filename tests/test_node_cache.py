@@ -197,6 +197,12 @@ def test_status_tells_cache_hits_from_earlier_jobs_from_what_this_job_staged(
     # Every byte was read locally; the adopted copies served their part of it.
     assert s["datasets"][0]["sources"]["local"]["bytes"] == sum(
         p.stat().st_size for p in sources["a"].iterdir())
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = {(m.name, tuple(sorted(m.labels.items()))): m.value
+               for f in text_string_to_metric_families((job2.path / ".dlfs" / "metrics")
+                                                       .read_text()) for m in f.samples}
+    assert metrics[("dlfs_adopted_bytes_total", (("dataset", "a"),))] == expected
     text = run_dlfs("status", job2.path)
     line = next(x.strip() for x in text.stdout.splitlines() if "node cache:" in x)
     assert line.startswith(f"node cache: {len(kept)} chunks adopted from earlier jobs"), line
