@@ -198,3 +198,28 @@ def test_the_waiting_window_bounds_what_waits_for_primaries(dataset, tmp_path, p
     assert max(seen) == 2, seen  # the others waited their turn, not at the primary
     assert c["fallback_slow"] == from_primary(source), c
     assert_copies_are_the_stores(dataset, cache)
+
+
+def test_a_primary_that_hangs_costs_a_peer_timeout_not_a_hang(dataset, tmp_path, primary):
+    """The primary takes the connection and the request, then never answers (stuck on
+    its disk): each copy thread gives up after --peer-timeout, and the primary's chunks
+    come from the store."""
+    import threading
+
+    p = primary(range(dataset.chunk_count))
+    stuck = threading.Event()
+    served = p.pool.staged_file
+
+    def hanging(dataset_id, chunk):
+        stuck.wait(30)
+        return served(dataset_id, chunk)
+
+    p.pool.staged_file = hanging
+    try:
+        source, cache = stage_secondary(dataset, tmp_path, p.port, wait=30, mounted_ago=60)
+    finally:
+        stuck.set()  # let the server's loop go, so it can stop
+    c = source.snapshot()
+    assert c["fallback_down"] == from_primary(source) > 0, c
+    assert c["from_peer_chunks"] == 0, c
+    assert_copies_are_the_stores(dataset, cache)
