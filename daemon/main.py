@@ -381,14 +381,21 @@ class Services:
         self.stats = observe.stats
         self.pool = pool
         self.stager = None
+        self.replicas = None
         self.server = None
         self.scrubber = None
         if pool is not None:
             from dlfsd.pool.stager import Stager
 
+            if len(pool.view.nodes) > 1 and pool.view.replicas > 1 and config.replica_wait:
+                from dlfsd.pool.replicate import ReplicaSource
+
+                self.replicas = ReplicaSource(pool.view, datasets, pool.tables,
+                                              config.peer_timeout, config.replica_wait)
             self.stager = Stager(datasets, pool.caches, pool.owned, pool.demand,
                                  jobs=config.stage_jobs, cache_limit=pool.cache_limit,
-                                 store_rate=config.store_bandwidth)
+                                 store_rate=config.store_bandwidth, replicas=self.replicas)
+            pool.set_stager(self.stager.will_stage)
             if len(pool.view.nodes) > 1:
                 from dlfsd.pool.peerserver import PeerLoopServer
 
@@ -416,6 +423,8 @@ class Services:
             status["peer_fetch"] = self.pool.fetch_counters()  # the node's, not per worker
         if self.scrubber is not None:
             status["scrub"] = self.scrubber.counters()
+        if self.replicas is not None:
+            status["replication"] = self.replicas.snapshot()
         return status
 
     def listen(self) -> None:
@@ -447,6 +456,8 @@ class Services:
                 task_status.started()
         finally:
             self.stop_listening()
+            if self.replicas is not None:
+                self.replicas.close()
             if self.pool is not None:
                 with trio.CancelScope(shield=True):
                     await self.pool.aclose()

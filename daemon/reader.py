@@ -297,6 +297,8 @@ class SampleReader:
             data = await self._read_local(ext, rel, length, chunk, span)
             if data is not None:
                 self._count(SOURCE_LOCAL, length, started)
+                if self._cache.is_adopted(chunk):  # a hit from an earlier job's staging
+                    self.stats.record_adopted(self.ds, length)
                 return data
         if self._remote[chunk]:
             data = await self._read_peer(ext, rel, length, chunk, lasting)

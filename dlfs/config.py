@@ -52,6 +52,9 @@ class MountConfig:
     nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us
     node: str | None = None  # our entry in `nodes` (default: this host's short name)
     replicas: int = 1  # owners per chunk
+    # Seconds a secondary owner waits for a chunk from its primary before copying it from
+    # the store (0: every owner copies from the store; dlfsd.pool.replicate).
+    replica_wait: float = 30.0
     secret_file: str | None = None  # per-job secret (mode 0600) peers authenticate with
     cache_limit: int = 0  # bytes of staged chunks at most (0: no limit)
     node_cache_limit: int = 0  # bytes the whole cache dir may hold, all datasets (0: none)

@@ -47,6 +47,9 @@ class FileProvider:
             return None
         return self.lengths[chunk]
 
+    def will_stage(self, dataset_id: bytes, chunk: int) -> bool:
+        return True
+
     def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
         self.lookups += 1
         if self.gate is not None:

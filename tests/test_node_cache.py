@@ -9,6 +9,7 @@ epoch after epoch, without staging anything twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -162,3 +163,117 @@ def test_other_users_cannot_read_a_node_cache(mounted, three, tmp_path):
         for target in (["ls", str(dataset.path)], ["cat", str(chunk)]):
             denied = user.run(*target)
             assert denied.returncode != 0 and "Permission denied" in denied.stderr, target
+
+
+def test_status_tells_cache_hits_from_earlier_jobs_from_what_this_job_staged(
+        mounted, three, tmp_path):
+    """Job 1 stages about half of dataset a (--cache-limit); job 2 adopts that half at
+    mount, stages the rest itself, and its reads of the adopted half are counted as
+    cache hits from earlier jobs, byte for byte."""
+    store, sources = three
+    cache = tmp_path / "cache"
+    d = Store(store).open("a")
+    job1 = mounted(store, "--dataset", "a", "--cache-dir", str(cache),
+                   "--cache-limit", str(staged_bytes(store, "a") // 2))
+    wait_staged(job1)
+    assert run_dlfs("umount", job1.path).returncode == 0
+    kept = {int(p.name.split(".")[0]) for p in (cache / d.uuid.hex()).glob("*.chunk")}
+    assert 0 < len(kept) < d.chunk_count
+    job2 = mounted(store, "--dataset", "a", "--cache-dir", str(cache))
+    wait_staged(job2)
+    read_all(job2, "a", sources["a"])
+    since = time.time()
+    while (s := status(job2))["updated"] <= since:  # written after the reads
+        time.sleep(0.1)
+    entry = s["datasets"][0]["node_cache"]
+    ext_chunk = d.directory.arrays["ext_chunk"]
+    in_kept = np.isin(ext_chunk, sorted(kept))
+    expected = int(d.directory.arrays["ext_length"][in_kept].sum())
+    assert entry["adopted_at_mount"] == entry["adopted_chunks"] == len(kept), entry
+    assert entry["adopted_bytes"] == int(d.chunk_lengths[sorted(kept)].sum()), entry
+    assert entry["staged_now_chunks"] == d.chunk_count - len(kept), entry
+    assert entry["bytes"] == expected > 0, entry
+    assert entry["reads"] > 0, entry
+    # Every byte was read locally; the adopted copies served their part of it.
+    assert s["datasets"][0]["sources"]["local"]["bytes"] == sum(
+        p.stat().st_size for p in sources["a"].iterdir())
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = {(m.name, tuple(sorted(m.labels.items()))): m.value
+               for f in text_string_to_metric_families((job2.path / ".dlfs" / "metrics")
+                                                       .read_text()) for m in f.samples}
+    assert metrics[("dlfs_adopted_bytes_total", (("dataset", "a"),))] == expected
+    text = run_dlfs("status", job2.path)
+    line = next(x.strip() for x in text.stdout.splitlines() if "node cache:" in x)
+    assert line.startswith(f"node cache: {len(kept)} chunks adopted from earlier jobs"), line
+    assert f"{d.chunk_count - len(kept)} staged by this job" in line, line
+    assert f"{entry['reads']} reads" in line, line
+
+
+@contextlib.contextmanager
+def _unmounting_first(mounter):
+    """Unmount the block's mounts at its end, failed or not: a daemon holding its cache
+    dir keeps the tmpfs under it busy (it would stay mounted after the test)."""
+    try:
+        yield
+    finally:
+        mounter.cleanup()
+
+
+def test_a_cache_dir_on_a_full_disk_fails_staging_cleanly_and_reads_go_elsewhere(
+        mounted, three, tmp_path):
+    """n1's cache dir is a 256 KiB tmpfs (a few of dataset a's 64 KiB chunks fit), n2's
+    an ordinary dir, --replicas 2: n1 stages what fits, then its stager stops on ENOSPC
+    with one log line and tells n2, which waits for the chunks n1 was to pass on, that
+    it will not stage them (FAIL not-staging): n2 copies them from the store at once
+    (--replica-wait is far off); every read through n1 is right, the rest coming from its peer; no
+    partial copy is left, and a later mount adopts exactly the whole copies."""
+    from conftest import tmpfs_at
+    from test_pool import free_ports, write_secret
+    from test_pool import wait_staged as wait_all_staged
+
+    store, sources = three
+    d = Store(store).open("a")
+    with tmpfs_at(tmp_path / "nvme", "size=256k") as small, _unmounting_first(mounted):
+        caches = [small / "cache", tmp_path / "cache-n2"]
+        nodes = ",".join(f"n{i + 1}=127.0.0.1:{p}" for i, p in enumerate(free_ports(2)))
+        secret = write_secret(tmp_path / "secret")
+        started = time.monotonic()
+        n1, n2 = (mounted(store, "--dataset", "a", "--cache-dir", str(caches[i]), "--nodes",
+                          nodes, "--node", f"n{i + 1}", "--replicas", "2", "--secret-file",
+                          str(secret), "--replica-wait", "600") for i in range(2))
+        wait_all_staged(run_dlfs, n2)
+        replication = status(n2)["replication"]
+        assert replication["fallback_declined"] > 0, replication
+        assert replication["fallback_slow"] == replication["fallback_down"] == 0, replication
+        first = wait_staged(n1)["datasets"][0]["staging"]  # settles: the rest cannot fit
+        assert 0 < first["staged_chunks"] < first["owned_chunks"], first
+        read_all(n1, "a", sources["a"])
+        since = time.time()
+        while (s := status(n1))["updated"] <= since:
+            time.sleep(0.1)
+        got = s["datasets"][0]["sources"]
+        assert got["peer"]["bytes"] > 0 and got["store"]["bytes"] == 0, got
+        assert got["local"]["bytes"] + got["peer"]["bytes"] == sum(
+            p.stat().st_size for p in sources["a"].iterdir())
+        paused = [line for line in n1.log_text().splitlines() if "staging paused" in line]
+        # One line per backoff step (the first retry comes 10 s after the first failure).
+        allowed = 1 + sum(time.monotonic() - started > t for t in (10, 30, 70))
+        assert 1 <= len(paused) <= allowed, paused
+        assert "No space left" in paused[0] and str(caches[0]) in paused[0], paused[0]
+        assert "Traceback" not in n1.log_text()
+        assert run_dlfs("umount", n1.path).returncode == 0
+        assert run_dlfs("umount", n2.path).returncode == 0
+        held = caches[0] / d.uuid.hex()
+        assert not [p.name for p in held.iterdir() if p.name.startswith(".tmp-")], \
+            "a failed copy was left behind"
+        whole = sorted(held.glob("*.chunk"))
+        assert len(whole) == first["staged_chunks"]
+        for path in whole:
+            chunk = int(path.name.split(".")[0])
+            assert path.read_bytes() == d.chunk_path(chunk).read_bytes(), path
+        later = mounted(store, "--dataset", "a", "--cache-dir", str(caches[0]))
+        entry = status(later)["datasets"][0]["node_cache"]
+        assert entry["adopted_at_mount"] == len(whole), entry
+        read_all(later, "a", sources["a"])
+        assert run_dlfs("umount", later.path).returncode == 0

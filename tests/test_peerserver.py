@@ -62,6 +62,9 @@ class Provider:
             return None
         return len(CHUNKS[chunk]) if chunk < NOT_STAGED else 1000
 
+    def will_stage(self, dataset_id, chunk):
+        return True
+
     def staged_file(self, dataset_id, chunk):
         self.reads += 1
         if chunk == NOT_STAGED:

@@ -564,3 +564,42 @@ def test_scrub_finds_a_flipped_byte_in_a_copy_nobody_reads(
     assert "scrub: extent" in mount.log_text()
     sources = fresh_sources(dlfs_cli, mount)
     assert sources["local"]["requests"] == sources["store"]["requests"] == 0  # nobody read
+
+
+def test_a_peer_not_up_yet_is_asked_again_soon_not_after_ten_seconds(
+        mounted, pool_store, pool_source, tmp_path, dlfs_cli):
+    """A job step may read before every daemon of the job listens: n1 reads a file only
+    n2 holds while n2 is not mounted yet (refused: from the store), then n2 comes up,
+    and n1's next read of n2's chunks comes from n2, not from the store for the 10 s a
+    peer that went down is skipped."""
+    names = ["n1", "n2"]
+    nodes = ",".join(f"{n}=127.0.0.1:{p}" for n, p in zip(names, free_ports(2), strict=True))
+    secret = write_secret(tmp_path / "secret")
+    d = Store(pool_store).open("ds").directory
+    share = expected_shares(pool_store, names, 1)[1]
+    held = [rel for rel in source_files(pool_source)
+            if all(int(d.ext_chunk_view[e]) in share
+                   for e in d.extents(d.resolve(os.fsencode(rel))))][:2]
+    assert len(held) == 2, "n2 owns too few chunks in this dataset"
+
+    def node(i: int):
+        return mounted(pool_store, "--cache-dir", str(tmp_path / f"cache-{names[i]}"),
+                       "--nodes", nodes, "--node", names[i], "--secret-file", str(secret),
+                       "--workers", "1")
+
+    n1 = node(0)
+    read_and_compare(n1, pool_source, held[:1])
+    refused_at = time.monotonic()
+    before = fresh_sources(dlfs_cli, n1)
+    assert before["store"]["requests"] > 0 and before["peer"]["requests"] == 0, before
+    n2 = node(1)
+    wait_staged(dlfs_cli, n2)
+    took = time.monotonic() - refused_at
+    if took > 8:
+        pytest.skip(f"n2 took {took:.0f} s to come up here: too close to the 10 s a "
+                    "peer that went down is skipped to tell the two apart")
+    read_and_compare(n1, pool_source, held[1:])
+    after = fresh_sources(dlfs_cli, n1)
+    assert after["peer"]["bytes"] > 0, after
+    assert after["store"]["requests"] == before["store"]["requests"], after
+    assert "peer n2 is not up yet" in n1.log_text()

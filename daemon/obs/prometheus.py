@@ -74,6 +74,14 @@ def prometheus_text(snapshot: dict) -> str:
     _histogram(lines, "dlfs_read_latency_seconds", datasets, "read_latency_us_hist",
                lambda b: f"{(1 << b) * 1e-6:.9g}", "read_latency_ns_sum", 1e-9)
     _lookahead(lines, datasets, snapshot.get("lookahead"))
+    for metric, key, help_ in (
+            ("dlfs_adopted_bytes_total", "bytes",
+             "Local bytes read from copies an earlier mount staged (node cache hits)."),
+            ("dlfs_adopted_reads_total", "reads",
+             "Local reads of copies an earlier mount staged (node cache hits).")):
+        _header(lines, metric, help_, "counter")
+        lines += [f'{metric}{{dataset="{_label(ds)}"}} {c["adopted"][key]}'
+                  for ds, c in datasets.items()]
     _health(lines, snapshot.get("health") or {})
     return "\n".join(lines) + "\n"
 

@@ -57,7 +57,10 @@ SIZE_HIST = SRC_LATENCY + len(SOURCE_NAMES)
 LATENCY_HIST = SIZE_HIST + BUCKETS
 AHEAD_HITS = LATENCY_HIST + BUCKETS  # reads of extents the look-ahead fetched first
 AHEAD_MISSES = AHEAD_HITS + 1  # reads while it followed an epoch, of extents it had not
-STRIDE = AHEAD_MISSES + 1
+# Local reads served from copies an earlier mount staged (the node cache: ChunkCache.is_adopted).
+ADOPTED_BYTES = AHEAD_MISSES + 1
+ADOPTED_READS = ADOPTED_BYTES + 1
+STRIDE = ADOPTED_READS + 1
 
 COUNT_MAX = 0xFFFFFFFF  # per-file opens and reads are 32-bit: they stop there
 _FILE_FIELDS = (("opens", "I"), ("reads", "I"), ("bytes", "q"), ("last_end", "q"),
@@ -177,6 +180,14 @@ class Stats:
         """A read while the look-ahead follows an epoch: its extent was fetched ahead or not."""
         self._slab[ds * STRIDE + (AHEAD_HITS if hit else AHEAD_MISSES)] += 1
 
+    def record_adopted(self, ds: int, nbytes: int) -> None:
+        """A local read (counted by record_source too) came from a copy an earlier mount
+        staged: a cache hit from an earlier job."""
+        slab = self._slab
+        base = ds * STRIDE
+        slab[base + ADOPTED_BYTES] += nbytes
+        slab[base + ADOPTED_READS] += 1
+
     # -- reading ------------------------------------------------------------------
     def snapshot(self, top_files: int = TOP_FILES) -> dict:
         """All counters as a JSON-able dict (slabs summed); see docs/STATS.md."""
@@ -204,6 +215,13 @@ class Stats:
         (slab sums only), for the status file the daemon rewrites every second."""
         totals = self._slabs.sum(axis=0)
         return {name: _counters(totals[k], 0, 0, 0)["sources"]
+                for k, name in enumerate(self.names)}
+
+    def adopted(self) -> dict:
+        """{dataset: {bytes, reads}} read from copies earlier mounts staged (status file)."""
+        totals = self._slabs.sum(axis=0)
+        return {name: {"bytes": int(totals[k][ADOPTED_BYTES]),
+                       "reads": int(totals[k][ADOPTED_READS])}
                 for k, name in enumerate(self.names)}
 
     def _dataset_snapshot(self, k: int, counts: np.ndarray, top_files: int) -> dict:
@@ -264,6 +282,7 @@ def _counters(c: np.ndarray, opens: int, reads: int, nbytes: int) -> dict:
                            "latency_ns_sum": int(c[SRC_LATENCY + i])}
                     for i, name in enumerate(SOURCE_NAMES)},
         "lookahead": {"hits": int(c[AHEAD_HITS]), "misses": int(c[AHEAD_MISSES])},
+        "adopted": {"bytes": int(c[ADOPTED_BYTES]), "reads": int(c[ADOPTED_READS])},
     }
 
 
@@ -285,7 +304,13 @@ class NullStats:
     def record_lookahead(self, ds: int, hit: bool) -> None:
         pass
 
+    def record_adopted(self, ds: int, nbytes: int) -> None:
+        pass
+
     def sources(self) -> dict:
+        return {}
+
+    def adopted(self) -> dict:
         return {}
 
     def snapshot(self, top_files: int = TOP_FILES) -> dict:

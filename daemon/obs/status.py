@@ -43,6 +43,7 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
     `health` what dlfsd.obs.health.HealthWatch.check found (stalls, peers, staging)."""
     progress = stager.progress() if stager is not None else None
     sources = stats.sources()
+    adopted_reads = stats.adopted()
     out: dict = {
         "mountpoint": config.mountpoint,
         "store": config.store,
@@ -64,12 +65,28 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
             entry["staging"] = {"owned_chunks": p.owned_chunks, "owned_bytes": p.owned_bytes,
                                 "staged_chunks": p.staged_chunks, "staged_bytes": p.staged_bytes,
                                 "rate": p.rate, "eta": p.eta}
+        if pool is not None:
+            entry["node_cache"] = node_cache_entry(pool.caches[ds],
+                                                   adopted_reads.get(dataset.name, {}))
         out["datasets"].append(entry)
     if server is not None:
         out["peer_server"] = server.counters()
     if health is not None:
         out["health"] = health
     return out
+
+
+def node_cache_entry(cache, reads: dict) -> dict:
+    """Cache hits from earlier jobs for one dataset: the copies adopted at mount (and
+    how many of them are still the current copy), what this mount staged itself, and
+    the local reads the adopted copies served."""
+    staged, adopted = cache.staged_mask(), cache.adopted_mask() & cache.staged_mask()
+    lengths = cache.lengths
+    return {"adopted_at_mount": cache.adopted_at_mount,
+            "adopted_chunks": int(adopted.sum()), "adopted_bytes": int(lengths[adopted].sum()),
+            "staged_now_chunks": int((staged & ~adopted).sum()),
+            "staged_now_bytes": int(lengths[staged & ~adopted].sum()),
+            "reads": reads.get("reads", 0), "bytes": reads.get("bytes", 0)}
 
 
 def write_status(path: Path, status: dict) -> None:

@@ -15,7 +15,10 @@ it bad again and evict the good copy, over and over.
 
 A re-mount reuses what a previous mount staged: files whose header and size
 are right count as staged; their bytes are checked on first read like any
-other, and a chunk that fails that check is evicted and staged again.
+other, and a chunk that fails that check is evicted and staged again. Such
+adopted copies are marked (a third shared byte per chunk, cleared when the
+copy is replaced or evicted), so `dlfs status` can tell cache hits from
+earlier jobs apart from what this job staged.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class ChunkCache:
         self._state = mmap.mmap(-1, max(1, count))  # shared with forked workers
         self._view = np.frombuffer(self._state, dtype=np.uint8)[:count]
         self._last_gen = mmap.mmap(-1, max(1, count))  # written by the stager only
+        self._adopted = mmap.mmap(-1, max(1, count))  # 1: the copy came from an earlier mount
+        self._adopted_view = np.frombuffer(self._adopted, dtype=np.uint8)[:count]
+        self.adopted_at_mount = 0  # chunks kept at mount (ChunkPool.scan_caches)
         self._fds = [-1] * count  # per process
         self._fd_gen = bytearray(count)
         self._retired: list[int] = []  # superseded copies' fds (see open_fd)
@@ -66,6 +72,13 @@ class ChunkCache:
 
     def staged_mask(self) -> np.ndarray:
         return self._view != 0
+
+    def is_adopted(self, chunk: int) -> bool:
+        """The current copy was staged by an earlier mount (an earlier job, a warm-up)."""
+        return self._adopted[chunk] != 0
+
+    def adopted_mask(self) -> np.ndarray:
+        return self._adopted_view != 0
 
     def staged_bytes(self) -> int:
         return int(self.lengths[self.staged_mask()].sum())
@@ -89,6 +102,7 @@ class ChunkCache:
         fsync_path(self.dir)
         gen = self._last_gen[chunk] % 255 + 1
         self._last_gen[chunk] = gen
+        self._adopted[chunk] = 0
         self._state[chunk] = gen
 
     def evict(self, chunk: int) -> None:
@@ -101,6 +115,7 @@ class ChunkCache:
         # staged (never opened, never staged again).
         with contextlib.suppress(FileNotFoundError):
             self.path(chunk).unlink()
+        self._adopted[chunk] = 0
         self._state[chunk] = 0
 
     # -- mount time -------------------------------------------------------------
@@ -126,6 +141,7 @@ class ChunkCache:
                 continue
             if self._valid_copy(Path(entry.path), chunk):
                 self._state[chunk] = self._last_gen[chunk] = 1
+                self._adopted[chunk] = 1
                 adopted += 1
             else:
                 log.warning("dropping unusable staged copy %s", entry.path)
@@ -192,9 +208,10 @@ class ChunkCache:
         for fd in self._retired:
             os.close(fd)
         self._retired.clear()
-        self._view = None  # release the export before closing the mapping
+        self._view = self._adopted_view = None  # release the exports before closing
         self._state.close()
         self._last_gen.close()
+        self._adopted.close()
 
 
 def _chunk_index(filename: str) -> int | None:

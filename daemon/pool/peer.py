@@ -49,6 +49,11 @@ class PeerUnavailable(PeerError):
     """
 
 
+class PeerUnreachable(PeerUnavailable):
+    """No connection could be made (refused, no route): nothing listens there, maybe
+    not yet (a job's daemons start one by one)."""
+
+
 class PeerMiss(PeerError):
     """The peer does not have the chunk staged (or could not read its own copy)."""
 
@@ -355,7 +360,7 @@ class PeerClient:
         try:
             stream = await trio.open_tcp_stream(self.host, self.port)
         except OSError as error:
-            raise PeerUnavailable(f"cannot connect to peer {self.address}: "
+            raise PeerUnreachable(f"cannot connect to peer {self.address}: "
                                   f"{error.strerror or error}") from None
         framed = _FramedStream(stream, protocol.MAX_FRAME)
         try:

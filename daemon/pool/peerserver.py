@@ -71,6 +71,11 @@ class BlockingChunkProvider(Protocol):
         """(open fd, position of the chunk's data in it) of the staged copy, or None
         if it is not staged here. May block (it may open the file)."""
 
+    def will_stage(self, dataset_id: bytes, chunk: int) -> bool:
+        """Whether a chunk that is not staged here will be soon: False (answered FAIL
+        `not-staging` instead of MISS) when it is over the --cache-limit or the cache
+        disk cannot be written, so a peer waiting for it goes elsewhere at once."""
+
     def check_copy(self, dataset_id: bytes, chunk: int, offset: int,
                    length: int) -> bool | None:
         """Check the extents of the staged copy a reported range overlaps; evict a bad
@@ -366,7 +371,9 @@ class PeerLoopServer:
             return
         if staged is None:
             self._count("reads_missed")
-            self._send(conn, protocol.encode(protocol.miss(request_id)))
+            reply = protocol.miss(request_id) if self.provider.will_stage(dataset_id, chunk) \
+                else protocol.fail(request_id, protocol.FAIL_NOT_STAGING)
+            self._send(conn, protocol.encode(reply))
             return
         fd, pos = staged[0], staged[1] + offset
         # A copy cut short is caught by the reads themselves: a short non-blocking read

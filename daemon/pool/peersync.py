@@ -37,7 +37,7 @@ import struct
 import time
 
 from dlfsd.pool import protocol
-from dlfsd.pool.peer import PeerUnavailable, reply_bytes
+from dlfsd.pool.peer import PeerUnavailable, PeerUnreachable, reply_bytes
 from dlfsd.pool.protocol import LENGTH_PREFIX, Message, ProtocolError
 
 _PREFIX = LENGTH_PREFIX.size
@@ -58,7 +58,10 @@ class BlockingPeerClient:
     """Reads byte ranges from one peer; one connection, opened lazily, reopened after errors."""
 
     def __init__(self, secret: bytes, node_name: str, host: str, port: int, *,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, own_buffer: bool = False) -> None:
+        """`own_buffer`: receive into a buffer of this client's own rather than the
+        process's shared one, for a client used by a thread beside others (the
+        stager's copy threads, dlfsd.pool.replicate)."""
         self._secret = protocol.check_secret(secret)
         self.node_name = node_name
         self.host, self.port, self.timeout = host, port, timeout
@@ -68,7 +71,9 @@ class BlockingPeerClient:
         self._version = protocol.PROTOCOL_VERSION  # lowered for a server that refused it
         self._next_id = 0
         self._prefix = bytearray(_PREFIX)
-        self._view = _receive_buffer()  # shared: see the module's docstring
+        # Shared (see the module's docstring) unless asked otherwise.
+        self._view = memoryview(bytearray(protocol.MAX_FRAME)) if own_buffer \
+            else _receive_buffer()
         self._replied = False  # a byte of the current reply has arrived
         self._deadline = 0.0  # of the read (or handshake) under way
         self._shortened = False  # the socket's kernel timeout is below `timeout`
@@ -189,7 +194,7 @@ class BlockingPeerClient:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=left)
         except OSError as error:
-            raise PeerUnavailable(f"cannot connect to peer {self.address}: "
+            raise PeerUnreachable(f"cannot connect to peer {self.address}: "
                                   f"{error.strerror or error}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _kernel_timeouts(sock, max(self._deadline - time.monotonic(), 0.001))

@@ -45,7 +45,7 @@ from dlfs.store.store import Dataset
 from dlfsd.obs.peermarks import NO_PEER_MARKS, NullPeerMarks, PeerMarks
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_PEER, NullRequests, RequestSlots
 from dlfsd.pool.chunkcache import ChunkCache
-from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
+from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable, PeerUnreachable
 from dlfsd.pool.peershare import PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.pool.protocol import BadRange
@@ -55,6 +55,11 @@ from dlfsd.throttle import TokenBucket
 log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
+# A peer that refuses connections and never answered this process, within STARTUP_SECONDS
+# of the mount's start, is most likely a daemon of the job not up yet (they start one by
+# one, and a job step may read at once): asked again after STARTING_DOWN_SECONDS, not 10 s.
+STARTUP_SECONDS = 30.0
+STARTING_DOWN_SECONDS = 0.5
 BAD_COPY_SECONDS = 60.0
 REPORTED_BAD_SECONDS = 2.0  # the peer re-stages a reported copy at once: look again soon
 REPORTS_PER_SECOND, REPORT_BURST = 2.0, 5  # per process: a rotting disk costs peers little
@@ -81,10 +86,14 @@ class ChunkPool:
                               for t in self.tables]
         self.demand = DemandChannel()
         self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
+        self._will_stage = lambda ds, chunk: bool(self.owned[ds][chunk])  # see set_stager
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
         self._clients: dict[int, PeerClient] = {}
         self._blocking_clients: dict[int, BlockingPeerClient] = {}
         self._down_until: dict[int, float] = {}
+        self.started = time.monotonic()  # the mount's start (see STARTUP_SECONDS)
+        self._answered: set[int] = set()  # peers that answered a read of this process
+        self._starting_logged: set[int] = set()
         # (node, ds, chunk) -> (avoid until, times found bad in a row)
         self._bad_copies: dict[tuple[int, int, int], tuple[float, int]] = {}
         self._reports = TokenBucket(REPORTS_PER_SECOND, REPORT_BURST)
@@ -122,11 +131,13 @@ class ChunkPool:
             for ds, cache in enumerate(self.caches):
                 for chunk in range(cache.dataset.chunk_count - 1, -1, -1):
                     if not limit or used <= limit:
-                        return adopted
+                        break
                     if cache.is_staged(chunk) and bool(self.owned[ds][chunk]) == own:
                         used -= int(cache.lengths[chunk])
                         cache.evict(chunk)
                         adopted -= 1
+        for cache in self.caches:
+            cache.adopted_at_mount = int(cache.adopted_mask().sum())
         return adopted
 
     def foreign_copies(self) -> tuple[int, int]:
@@ -220,8 +231,19 @@ class ChunkPool:
                 and (not bad or bad.get((n, ds, chunk), _NO_MARK)[0] <= now))
 
     def _peer_failed(self, node: int, err: PeerError) -> None:
-        """A miss just means "not staged there"; anything else marks the peer down."""
+        """A miss just means "not staged there"; anything else marks the peer down (for
+        a moment only if it looks like a daemon not up yet)."""
         if isinstance(err, PeerMiss):
+            return
+        if isinstance(err, PeerUnreachable) and node not in self._answered \
+                and time.monotonic() - self.started < STARTUP_SECONDS:
+            if node not in self._starting_logged:
+                self._starting_logged.add(node)
+                log.info("peer %s is not up yet (%s); reading elsewhere, asking it again "
+                         "every %g s", self.view.nodes[node].name, err, STARTING_DOWN_SECONDS)
+            until = time.monotonic() + STARTING_DOWN_SECONDS
+            self._down_until[node] = until
+            self.marks.down(node, until, f"not up yet ({err})")
             return
         what = "unavailable" if isinstance(err, PeerUnavailable) else "refused a read"
         self._mark_down(node, f"{what} ({err})")
@@ -237,6 +259,8 @@ class ChunkPool:
         with a bad copy: same length, other bytes)."""
         if self.share is not None:
             self.share.count_fetch(len(data))
+        if node not in self._answered:
+            self._answered.add(node)
         if len(data) == length and checksum(data) == expected:
             if self._bad_copies:  # good again (re-staged there): forget its strikes
                 self._bad_copies.pop((node, ds, chunk), None)
@@ -304,6 +328,16 @@ class ChunkPool:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
             return None
         return fd, CHUNK_HEADER_SIZE
+
+    def will_stage(self, dataset_id: bytes, chunk: int) -> bool:
+        """See BlockingChunkProvider.will_stage: the stager decides (set_stager)."""
+        ds = self._by_id.get(dataset_id)
+        return ds is not None and self._will_stage(ds, chunk)
+
+    def set_stager(self, will_stage) -> None:
+        """`will_stage(ds, chunk)`: whether the stager will stage that chunk soon; called
+        from the peer server's thread."""
+        self._will_stage = will_stage
 
     def staged_copy_failed(self, dataset_id: bytes, chunk: int, fd: int) -> bool:
         """The peer server could not read the staged copy through `fd` (-1: it could

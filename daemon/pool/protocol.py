@@ -85,6 +85,9 @@ FAIL_UNKNOWN_CHUNK = "unknown-chunk"  # dataset unknown here or chunk index out 
 FAIL_BAD_LENGTH = "bad-length"  # length 0 or above MAX_READ
 FAIL_OUT_OF_RANGE = "out-of-range"  # offset + length beyond the chunk's data
 FAIL_IO = "io-error"  # the peer could not read its own copy; try another source
+# Not staged, and it will not be soon (over the owner's --cache-limit, or its cache disk
+# cannot be written): read elsewhere, and do not wait for it (dlfsd.pool.replicate).
+FAIL_NOT_STAGING = "not-staging"
 BOUNDS_FAIL_CODES = frozenset({FAIL_UNKNOWN_CHUNK, FAIL_BAD_LENGTH, FAIL_OUT_OF_RANGE})
 
 Message = dict[str, Any]

@@ -11,6 +11,13 @@ up to RETRY_MAX), and a cache disk that cannot be written (full, read-only)
 pauses all staging the same way: a moment's ENOSPC must not end staging for the
 mount, and a bad store copy must not be copied in a loop. `--cache-limit` caps
 what is staged. What is not staged (yet) is read from peers or the store.
+
+With `--replicas R > 1` a chunk this node owns as a secondary owner is copied
+from its primary over the pool, not from the store (dlfsd.pool.replicate): the
+store serves each chunk once per job. Chunks this node is primary of are staged
+first, then the others, at most WAITING_WINDOW of them waiting for a primary
+that has not staged them yet (asked again every POLL_SECONDS, never blocking a
+copy job); a primary that is down or stays silent sends them to the store.
 """
 
 from __future__ import annotations
@@ -33,7 +40,10 @@ import trio
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
+from dlfsd.pool import replicate
 from dlfsd.pool.chunkcache import ChunkCache
+from dlfsd.pool.peer import PeerError
+from dlfsd.pool.replicate import POLL_SECONDS, PrimaryNotReady, ReplicaSource
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
@@ -121,21 +131,36 @@ class Stager:
 
     def __init__(self, datasets: list[Dataset], caches: list[ChunkCache],
                  owned: list[np.ndarray], demand: DemandChannel, jobs: int = 2,
-                 cache_limit: int = 0, store_rate: int = 0) -> None:
+                 cache_limit: int = 0, store_rate: int = 0,
+                 replicas: ReplicaSource | None = None) -> None:
+        """`replicas`: where secondary owners copy from (None: every chunk from the store)."""
         self.datasets = datasets
         self.caches = caches
         self.owned_masks = owned
-        self._owned_lists = [np.flatnonzero(m) for m in owned]
+        self.replicas = replicas
+        # Owned chunks in staging order: those copied from the store (this node is their
+        # primary) first, then those copied from their primaries, which meanwhile stage
+        # theirs; _primary_end[ds] is where the second part starts.
+        self._owned_lists, self._primary_end = [], []
+        for ds, mask in enumerate(owned):
+            from_peer = np.zeros_like(mask) if replicas is None or not replicas.wait \
+                else replicas.primaries[ds] >= 0
+            first, then = np.flatnonzero(mask & ~from_peer), np.flatnonzero(mask & from_peer)
+            self._owned_lists.append(np.concatenate([first, then]))
+            self._primary_end.append(len(first))
         self._cursor = [0] * len(datasets)
         self.demand = demand
         self.jobs = jobs
         self.cache_limit = cache_limit
         self.store_rate = store_rate
         self._urgent: deque[tuple[int, int]] = deque()
+        self._queued: set[tuple[int, int]] = set()  # in _urgent: secondaries ask again and
+        # again for a chunk their primary has not staged yet; it is queued once
         self._busy: dict[tuple[int, int], int] = {}
         self._failed: dict[tuple[int, int], Backoff] = {}
         self._retries: list[tuple[float, int, int]] = []  # heap of (due, ds, chunk)
         self._cache_pause = Backoff()  # the cache disk cannot be written
+        self._paused_until = 0.0  # the same, in time.monotonic() (read by will_stage)
         # For `dlfs status` (health()): demanded chunks -> when first demanded (monotonic),
         # chunks passed over for --cache-limit, copies that failed since mount.
         self._demanded: dict[tuple[int, int], float] = {}
@@ -177,6 +202,9 @@ class Stager:
     async def _receive_demands(self) -> None:
         async for ds, chunk in self.demand.receive():
             if ds < len(self.datasets) and chunk < self.datasets[ds].chunk_count:
+                if (ds, chunk) in self._queued:
+                    continue
+                self._queued.add((ds, chunk))
                 self._urgent.append((ds, chunk))
                 if self.owned_masks[ds][chunk]:
                     self._demanded.setdefault((ds, chunk), time.monotonic())
@@ -196,19 +224,22 @@ class Stager:
         while True:
             item = self._next()
             if item is None:
-                if self.finished is None and not self._urgent:
+                if self.finished is None and not self._urgent and not self._waiting_for_peers():
                     self.finished = time.monotonic()
                 with trio.move_on_at(self._next_due()):  # a retry comes due meanwhile
                     await self._wake.wait()  # no checkpoint since _next(): none is missed
                 continue
             ds, chunk = item
+            node = self.replicas.source(ds, chunk) if self.replicas is not None else None
             self._busy[item] = int(self.datasets[ds].chunk_lengths[chunk])
             try:
                 buffer, error = await trio.to_thread.run_sync(self._copy_caught, ds, chunk,
-                                                              buffer)
+                                                              buffer, node)
             finally:
                 del self._busy[item]
-            if error is None:
+            if isinstance(error, PrimaryNotReady):  # ask it again soon; others meanwhile
+                heapq.heappush(self._retries, (trio.current_time() + POLL_SECONDS, ds, chunk))
+            elif error is None:
                 self._failed.pop(item, None)
                 self._cache_pause.failures = 0  # the disk took a whole copy
             else:
@@ -220,22 +251,36 @@ class Stager:
             # Nothing can be written: keep the cursor, drop demands (readers demand a
             # chunk again each time they read it from the store) so they cannot pile up.
             self._urgent.clear()
+            self._queued.clear()
             return None
         while self._urgent:
             ds, chunk = self._urgent.popleft()
+            self._queued.discard((ds, chunk))
             if self._eligible(ds, chunk):
                 return ds, chunk
         while self._retries and self._retries[0][0] <= now:
             _, ds, chunk = heapq.heappop(self._retries)
             if self._eligible(ds, chunk):
                 return ds, chunk
-        for ds, chunks in enumerate(self._owned_lists):
-            while self._cursor[ds] < len(chunks):
-                chunk = int(chunks[self._cursor[ds]])
-                self._cursor[ds] += 1
-                if self._eligible(ds, chunk):
-                    return ds, chunk
+        for part in (self._primary_end, [len(c) for c in self._owned_lists]):
+            for ds, chunks in enumerate(self._owned_lists):
+                while self._cursor[ds] < part[ds]:
+                    if part is not self._primary_end and self._window_full():
+                        return None  # copies from primaries: enough are waiting already
+                    chunk = int(chunks[self._cursor[ds]])
+                    self._cursor[ds] += 1
+                    if self._eligible(ds, chunk):
+                        return ds, chunk
         return None
+
+    def _window_full(self) -> bool:
+        """As many chunks wait for their primaries (or are being asked for) as may."""
+        asking = sum(1 for ds, chunk in self._busy if self.replicas.is_secondary(ds, chunk)
+                     and not self.replicas.is_waiting(ds, chunk))
+        return self.replicas.waiting_count() + asking >= replicate.WAITING_WINDOW
+
+    def _waiting_for_peers(self) -> bool:
+        return self.replicas is not None and self.replicas.waiting_count() > 0
 
     def _next_due(self) -> float:
         """When an idle job must look again without being woken: a retry comes due, or
@@ -247,7 +292,11 @@ class Stager:
     def _eligible(self, ds: int, chunk: int) -> bool:
         if not self.owned_masks[ds][chunk]:
             return False
-        if self.caches[ds].is_staged(chunk) or (ds, chunk) in self._busy:
+        if (ds, chunk) in self._busy:
+            return False
+        if self.caches[ds].is_staged(chunk):
+            if self.replicas is not None:
+                self.replicas.forget(ds, chunk)
             return False
         backoff = self._failed.get((ds, chunk))
         if backoff is not None and backoff.waiting(trio.current_time()):
@@ -255,6 +304,8 @@ class Stager:
         if self._fits(int(self.datasets[ds].chunk_lengths[chunk])):
             return True
         self._over_limit.add((ds, chunk))
+        if self.replicas is not None:
+            self.replicas.forget(ds, chunk)
         return False
 
     def _fits(self, length: int) -> bool:
@@ -295,11 +346,20 @@ class Stager:
             self._cache_pause.error = f"cannot write the cache dir {self.caches[ds].dir}: " \
                                       f"{err.strerror}"
             delay, grew = self._cache_pause.fail(now)
+            self._paused_until = time.monotonic() + delay
             if grew:
                 log.error("staging paused for %.3g s: cannot write the cache dir %s (%s); "
                           "reads go to peers and the store", delay, self.caches[ds].dir,
                           err.strerror)
         return self._cache_pause.due
+
+    def will_stage(self, ds: int, chunk: int) -> bool:
+        """Whether an owned chunk that is not staged will be soon: not while the cache
+        disk cannot be written, nor one passed over for --cache-limit. Called from the
+        peer server's thread: reads two fields, takes no lock."""
+        if not self.owned_masks[ds][chunk] or time.monotonic() < self._paused_until:
+            return False
+        return (ds, chunk) not in self._over_limit
 
     def _log_failure(self, ds: int, chunk: int, err: Exception, delay: float) -> None:
         name = self.datasets[ds].name
@@ -311,12 +371,18 @@ class Stager:
                       name, err, delay)
 
     # -- copying (in a worker thread) -----------------------------------------------------
-    def _copy_caught(self, ds: int, chunk: int,
-                     buffer: bytearray) -> tuple[bytearray, Exception | None]:
-        """Copy one chunk; return a failure (for _copy_failed) instead of raising it."""
+    def _copy_caught(self, ds: int, chunk: int, buffer: bytearray,
+                     node: int | None = None) -> tuple[bytearray, Exception | None]:
+        """Copy one chunk (from primary `node`, else the store); return a failure (for
+        _copy_failed) or PrimaryNotReady instead of raising it."""
         try:
+            if node is not None:
+                try:
+                    return self._copy_from_peer(node, ds, chunk, buffer), None
+                except (PeerError, CorruptDataError, FormatError) as err:
+                    self.replicas.failed(node, ds, chunk, err)  # the store, now
             return self._copy(ds, chunk, buffer), None
-        except (CorruptDataError, FormatError, OSError) as err:
+        except (CorruptDataError, FormatError, OSError, PrimaryNotReady) as err:
             return buffer, err
 
     def _copy(self, ds: int, chunk: int, buffer: bytearray) -> bytearray:
@@ -338,24 +404,57 @@ class Stager:
             if not copied or self._stopping:  # unmounting: abandon it, verifying included
                 _discard(temp)
                 return buffer
-            if len(buffer) < total:
-                buffer = bytearray(total)
-            view = memoryview(buffer)[:total]
-            with open(temp, "rb", buffering=0) as copy:
-                got = 0
-                while got < total:  # one read returns at most 2 GiB - 4 KiB (Linux)
-                    n = copy.readinto(view[got:])
-                    if not n:
-                        raise CorruptDataError(f"short copy of {source}")
-                    got += n
-            check_chunk_header(bytes(view[:CHUNK_HEADER_SIZE]), source, chunk, dataset.uuid)
-            self._check_extents(ds, chunk, view)
-            cache.publish(chunk, temp)
+            buffer = self._check_copy(ds, chunk, temp, buffer, str(source))
         except BaseException:
             _discard(temp)
             raise
+        if self.replicas is not None:
+            self.replicas.count_store_copy(total - CHUNK_HEADER_SIZE)
         self.copied_bytes += total - CHUNK_HEADER_SIZE
         self.copied_chunks += 1
+        return buffer
+
+    def _copy_from_peer(self, node: int, ds: int, chunk: int, buffer: bytearray) -> bytearray:
+        """Copy the chunk from its primary `node` over the pool, then verify the written
+        copy as a store copy is (a bad primary copy is never published)."""
+        dataset, cache = self.datasets[ds], self.caches[ds]
+        temp = cache.temp_path(chunk)
+        try:
+            with open(temp, "wb", buffering=0, opener=_private) as dst:
+                copied = self.replicas.copy(node, ds, chunk, dst.fileno(),
+                                            lambda: self._stopping)
+            if not copied or self._stopping:
+                _discard(temp)
+                return buffer
+            where = f"the copy from peer {self.replicas.view.nodes[node].name}"
+            buffer = self._check_copy(ds, chunk, temp, buffer, where)
+        except BaseException:
+            _discard(temp)
+            raise
+        self.replicas.copied(node, ds, chunk)
+        self.copied_bytes += int(dataset.chunk_lengths[chunk])
+        self.copied_chunks += 1
+        return buffer
+
+    def _check_copy(self, ds: int, chunk: int, temp: Path, buffer: bytearray,
+                    source: str) -> bytearray:
+        """Read the written copy back, check its header and every extent, publish it.
+        Returns the (maybe grown) read buffer."""
+        dataset = self.datasets[ds]
+        total = CHUNK_HEADER_SIZE + int(dataset.chunk_lengths[chunk])
+        if len(buffer) < total:
+            buffer = bytearray(total)
+        view = memoryview(buffer)[:total]
+        with open(temp, "rb", buffering=0) as copy:
+            got = 0
+            while got < total:  # one read returns at most 2 GiB - 4 KiB (Linux)
+                n = copy.readinto(view[got:])
+                if not n:
+                    raise CorruptDataError(f"short copy of {source}")
+                got += n
+        check_chunk_header(bytes(view[:CHUNK_HEADER_SIZE]), Path(source), chunk, dataset.uuid)
+        self._check_extents(ds, chunk, view, source)
+        self.caches[ds].publish(chunk, temp)
         return buffer
 
     def _copy_range(self, src: int, dst: int, total: int) -> bool:
@@ -386,15 +485,14 @@ class Stager:
             pos += n
         return True
 
-    def _check_extents(self, ds: int, chunk: int, view: memoryview) -> None:
+    def _check_extents(self, ds: int, chunk: int, view: memoryview, source: str) -> None:
         d = self.datasets[ds].directory
         order, bounds = self._by_chunk[ds]
         offsets, lengths, sums = d.ext_offset_view, d.ext_length_view, d.ext_checksum_view
         for ext in order[bounds[chunk] : bounds[chunk + 1]]:
             start = CHUNK_HEADER_SIZE + offsets[ext]
             if checksum(view[start : start + lengths[ext]]) != sums[ext]:
-                raise CorruptDataError(f"checksum mismatch in extent {ext} of "
-                                       f"{self.datasets[ds].chunk_path(chunk)}")
+                raise CorruptDataError(f"checksum mismatch in extent {ext} of {source}")
 
     # -- reporting ---------------------------------------------------------------------
     def progress(self) -> list[StageProgress]:

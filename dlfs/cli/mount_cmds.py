@@ -162,6 +162,14 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                         "(default 60: a killed job's announcement goes away)")
 
 
+def _replica_wait(text: str) -> float:
+    """--replica-wait: 0 (off), or a wait like any other (positive, finite)."""
+    with contextlib.suppress(ValueError):
+        if float(text) == 0:
+            return 0.0
+    return _seconds(text)
+
+
 def _stall_seconds(text: str) -> float:
     """--stall-seconds: 0 (off), or a threshold like any other wait (positive, finite)."""
     with contextlib.suppress(ValueError):
@@ -202,6 +210,13 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=_positive, default=1,
                    help="nodes that stage each chunk (default 1; 2 survives a lost node "
                         "without going to the store)")
+    g.add_argument("--replica-wait", type=_replica_wait, metavar="SECONDS",
+                   default=MountConfig.replica_wait,
+                   help="with --replicas above 1, the first owner of a chunk copies it from "
+                        "the store and the others copy it from that owner: each chunk "
+                        "leaves the store once per job. The others wait at most SECONDS "
+                        "without any chunk arriving from that owner, then copy from the "
+                        "store (default %(default)g; 0: every owner copies from the store)")
     g.add_argument("--secret-file", type=_path,
                    help="per-job secret peers authenticate with; must be mode 0600 (required "
                         "with several nodes)")
@@ -298,7 +313,7 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
     view = resolve_cluster(tuple(nodes), args.node, args.replicas, args.secret_file)
     return dict(cache_dir=os.path.abspath(args.cache_dir), nodes=tuple(str(n) for n in view.nodes)
                 if nodes else (), node=view.me.name if nodes else args.node,
-                replicas=args.replicas,
+                replicas=args.replicas, replica_wait=args.replica_wait,
                 secret_file=os.path.abspath(args.secret_file) if args.secret_file else None,
                 cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
                 node_cache_limit=args.node_cache_limit or 0,

@@ -95,6 +95,10 @@ def plain_lines(status: dict) -> list[str]:
         for source, c in d["sources"].items():
             lines.append(f"  {source:<5} {c['requests']:>10} reads {format_size(c['bytes']):>10}"
                          f"  mean {c['mean_latency_us']:.0f} us")
+        if d.get("node_cache"):
+            lines.append("  " + node_cache_line(d["node_cache"]))
+    if status.get("replication"):
+        lines.append(replication_line(status["replication"]))
     if status.get("peer_server"):
         lines.append(peer_server_line(status["peer_server"]))
     return lines + history_lines(status.get("health")) + problem_lines(status.get("health"))
@@ -113,6 +117,31 @@ def peer_server_line(c: dict) -> str:
     if "replies_waited" in c:
         line += f", {c['replies_waited']} replies waited for a slow peer"
     return line
+
+
+def node_cache_line(c: dict) -> str:
+    """Cache hits from earlier jobs: copies adopted at mount vs staged by this mount, and
+    the reads the adopted copies served."""
+    return (f"node cache: {c['adopted_at_mount']} chunks adopted from earlier jobs "
+            f"({c['adopted_chunks']} still held, {format_size(c['adopted_bytes'])}), "
+            f"{c['staged_now_chunks']} staged by this job "
+            f"({format_size(c['staged_now_bytes'])}); {c['reads']} reads "
+            f"({format_size(c['bytes'])}) served from adopted copies")
+
+
+def replication_line(c: dict) -> str:
+    """Where this node's copies came from with --replicas > 1: the store (as first owner,
+    or as a fallback) or the chunk's first owner over the pool."""
+    kinds = (("fallback_down", "down"), ("fallback_slow", "silent"),
+             ("fallback_declined", "not staging it"), ("fallback_bad", "bad copy"))
+    fallbacks = sum(c.get(key, 0) for key, _ in kinds)
+    store = f"replicas: {c.get('from_store_chunks', 0)} chunks copied from the store"
+    if fallbacks:
+        store += (f" ({fallbacks} of them for want of their first owner: "
+                  + ", ".join(f"{c.get(key, 0)} {what}" for key, what in kinds) + ")")
+    return (f"{store}, {c.get('from_peer_chunks', 0)} from their first owners "
+            f"({format_size(c.get('from_peer_bytes', 0))}), {c.get('waiting', 0)} waiting "
+            "for them")
 
 
 def rich_view(status: dict) -> Group:
@@ -136,6 +165,10 @@ def rich_view(status: dict) -> Group:
         else:
             table.add_row(d["name"], "-", "", "-", "-", *per_source)
     parts = [head, table, "[dim]sources: bytes / reads[/]"]
+    parts += [f"{d['name']}: {node_cache_line(d['node_cache'])}" for d in status["datasets"]
+              if d.get("node_cache")]
+    if status.get("replication"):
+        parts.append(replication_line(status["replication"]))
     if status.get("peer_server"):
         parts.append(peer_server_line(status["peer_server"]))
     parts += [Text(line, style="dim") for line in history_lines(status.get("health"))]
