@@ -167,6 +167,17 @@ def read_everything(mount, digests: dict[Path, str]) -> list[str]:
     return wrong
 
 
+def forget_pages(mount, digests: dict[Path, str]) -> None:
+    """Drop the kernel's cached pages of every ds file of a mount: the next read asks
+    the daemon again."""
+    for rel in digests:
+        fd = os.open(Path(mount.path) / "ds" / rel, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def test_sixteen_nodes_read_every_byte_balance_and_a_lost_node_moves_only_its_chunks(
         mounted, scale_store, scale_source, tmp_path, dlfs_cli):
     digests = source_digests(scale_source)
@@ -211,11 +222,16 @@ def test_sixteen_nodes_read_every_byte_balance_and_a_lost_node_moves_only_its_ch
         kill_and_reap(pid)
     survivors = [n for n in names if n != victim]
     readers = survivors[:2]  # one trio process, one with workers
+    served_before = {n: d["ds"]["sources"] for n, d in pool.statuses(readers).items()}
     for n in readers:
+        forget_pages(pool.mounts[n], digests)  # or the kernel answers without the daemon
         assert read_everything(pool.mounts[n], digests) == [], f"wrong bytes via {n}"
     for n, datasets in pool.statuses(readers).items():
-        sources = datasets["ds"]["sources"]
+        sources, earlier = datasets["ds"]["sources"], served_before[n]
         assert sources["store"]["requests"] == 0, f"{n} read the store with a replica up"
+        again = sum(sources[k]["bytes"] - earlier[k]["bytes"] for k in ("local", "peer"))
+        assert again == total, f"{n} served {again} of {total} bytes after the loss"
+        assert f"peer {victim}" in pool.mounts[n].log_text()  # it noticed, and read elsewhere
     for ds in ("ds", "spread"):
         for n in survivors:
             assert pool.staged(n, ds) == before[ds][n], f"{n} changed its copies of {ds}"
