@@ -41,6 +41,7 @@ import pytest
 from conftest import daemon_pids_for, kill_and_reap, populate_store
 from test_pool import free_ports, write_secret
 
+from dlfs.cluster.nodes import load_secret
 from dlfs.cluster.placement import owners
 from dlfs.runtime import status_path
 from dlfs.sampledata import generate_large_files, generate_tree
@@ -260,3 +261,55 @@ def test_sixteen_nodes_read_every_byte_balance_and_a_lost_node_moves_only_its_ch
         sources = datasets["ds"]["sources"]
         assert sources["store"]["requests"] == 0, f"{n} read the store"
     pool.stop(dlfs_cli)  # in parallel; the fixture's teardown unmounts one at a time
+
+
+def test_the_peer_server_takes_a_connection_from_every_process_of_a_big_job(
+        mounted, scale_store, tmp_path):
+    """A job of 60 nodes with 4 workers each: every other node may hold 5 connections
+    to this daemon (its workers and the look-ahead's probe). The server had 256 slots
+    whatever the job's size: the 257th was refused, and the refused peer took this node
+    for down and read the store instead. Only one node of the list runs here; the
+    others' connections come from this test, each authenticated with the job secret."""
+    from dlfsd.pool.peer import PeerError
+    from dlfsd.pool.peersync import BlockingPeerClient
+
+    nodes, per_node = 60, 5
+    ports = free_ports(nodes)
+    names = [f"n{i:02d}" for i in range(nodes)]
+    node_list = ",".join(f"{n}=127.0.0.1:{p}" for n, p in zip(names, ports, strict=True))
+    secret = write_secret(tmp_path / "secret")
+    mount = mounted(scale_store, "--cache-dir", str(tmp_path / "cache"), "--nodes", node_list,
+                    "--node", names[0], "--replicas", "2", "--secret-file", str(secret),
+                    "--workers", "4", "--dataset", "ds")
+    d = Store(scale_store).open("ds")
+    mine = np.flatnonzero((owners(d.uuid, d.chunk_count, names, 2) == 0).any(axis=1))
+    assert len(mine) > 0, "node n00 owns no chunk of ds"
+    status_file = status_path(os.path.realpath(mount.path))
+    deadline = time.monotonic() + 60
+    while True:
+        staging = json.loads(status_file.read_text())["datasets"][0]["staging"]
+        if staging["staged_chunks"] == staging["owned_chunks"]:
+            break
+        assert time.monotonic() < deadline, f"staging did not finish: {staging}"
+        time.sleep(0.1)
+    clients, refused = [], []
+    try:
+        for name in names[1:]:
+            for _ in range(per_node):
+                client = BlockingPeerClient(load_secret(str(secret)), name,
+                                            "127.0.0.1", ports[0], timeout=10)
+                clients.append(client)
+                try:  # each holds its connection open, authenticated, as a worker does
+                    assert len(client.read(d.uuid, int(mine[0]), 0, 1)) == 1
+                except PeerError as err:
+                    refused.append(f"{name}: {err}")
+        assert refused == [], f"{len(refused)} of {len(clients)} refused, e.g. {refused[:2]}"
+        since = time.time()
+        while (status := json.loads(status_file.read_text()))["updated"] <= since:
+            time.sleep(0.1)
+        served = status["peer_server"]
+        assert served["connections_open"] >= len(clients) == (nodes - 1) * per_node
+        assert served["connections_rejected"] == 0
+    finally:
+        for client in clients:
+            client.close()
