@@ -78,6 +78,7 @@ class Registration:
 
     ds: np.ndarray  # int16
     rows: np.ndarray  # int64, -1: not a file of this mount
+    digest: bytes = b""  # of the registered path list: the ranks of a node send the same
 
 
 @dataclass
@@ -168,34 +169,52 @@ class LookAhead:
         return bool(self._flag_map[0])
 
     # -- what samplers ask -----------------------------------------------------------
-    def register(self, paths: list[bytes]) -> tuple[int, Registration]:
-        """Resolve relative paths to (dataset, row); unknown ones get row -1."""
-        ds = np.zeros(len(paths), np.int16)
-        rows = np.full(len(paths), -1, np.int64)
-        for i, path in enumerate(paths):
-            located = self._resolve(path)
-            if located is not None:
-                ds[i], rows[i] = located
-        registration = Registration(ds, rows)
+    def register_again(self, digest: bytes) -> tuple[int, Registration] | None:
+        """A new handle for a path list registered before (same digest), sharing its
+        resolved rows: every rank and every DataLoader worker of a node registers the
+        same list, and resolving it once is enough. None if it is not (or no longer)
+        registered."""
         with self._lock:
-            handle = self._next_handle
-            self._next_handle += 1
-            self._registrations[handle] = registration
-            while len(self._registrations) > MAX_REGISTRATIONS:
-                self._registrations.popitem(last=False)
+            known = next((r for r in self._registrations.values() if r.digest == digest),
+                         None)
+            return None if known is None or not digest else self._add(known)
+
+    def _add(self, registration: Registration) -> tuple[int, Registration]:
+        """A handle for `registration`; the oldest are forgotten past MAX_REGISTRATIONS.
+        Called with the lock held."""
+        handle = self._next_handle
+        self._next_handle += 1
+        self._registrations[handle] = registration
+        while len(self._registrations) > MAX_REGISTRATIONS:
+            self._registrations.popitem(last=False)
         return handle, registration
 
-    def _resolve(self, path: bytes) -> tuple[int, int] | None:
-        """(dataset index, row) of a regular file at `path` ("dataset/rel/path")."""
-        name, _, rest = path.strip(b"/").partition(b"/")
-        k = self._by_name.get(name)
-        if k is None:
-            return None
-        directory = self.ns.readers[k].directory
-        row = directory.resolve(rest)
-        if row < 0 or not stat.S_ISREG(directory.mode(row)):
-            return None
-        return k, row
+    def register(self, paths: list[bytes], digest: bytes = b"") -> tuple[int, Registration]:
+        """Resolve relative paths ("dataset/rel/path") to (dataset, row); paths that are
+        not regular files of this mount get row -1. In bulk, per dataset
+        (SampleDirectory.resolve_many): the control process answers nothing else
+        meanwhile, and a million paths take ~2 s this way against ~9 s path by path."""
+        ds = np.zeros(len(paths), np.int16)
+        rows = np.full(len(paths), -1, np.int64)
+        by_dataset: dict[int, list[int]] = {}
+        rests: list[bytes] = []
+        for i, path in enumerate(paths):
+            name, _, rest = path.strip(b"/").partition(b"/")
+            rests.append(rest)
+            k = self._by_name.get(name)
+            if k is not None:
+                by_dataset.setdefault(k, []).append(i)
+        for k, members in by_dataset.items():
+            directory = self.ns.readers[k].directory
+            found = directory.resolve_many([rests[i] for i in members])
+            regular = found >= 0
+            modes = directory.arrays["mode"][np.where(regular, found, 0)]
+            regular &= (modes & 0o170000) == stat.S_IFREG
+            at = np.asarray(members)
+            ds[at] = k
+            rows[at] = np.where(regular, found, -1)
+        with self._lock:
+            return self._add(Registration(ds, rows, digest))
 
     def locality(self, registration: Registration) -> tuple[np.ndarray, np.ndarray, int, int]:
         """(chunk key per sample, first node per chunk key, node count, this node)."""

@@ -10,6 +10,7 @@ the protocol is disconnected. Only root, the daemon's user and the mount's
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -93,14 +94,20 @@ class OrderService:
         raise DlfsError(f"unknown request {op!r} (register, announce, status)")
 
     def _register(self, body: bytes) -> tuple[dict, bytes]:
-        paths = body.split(b"\n") if body else []
-        handle, registration = self.lookahead.register(paths)
+        digest = hashlib.blake2b(body, digest_size=16).digest()
+        again = self.lookahead.register_again(digest)
+        if again is None:
+            handle, registration = self.lookahead.register(
+                body.split(b"\n") if body else [], digest)
+        else:
+            handle, registration = again
         keys, nodes, node_count, node = self.lookahead.locality(registration)
+        samples = registration.rows.size
         unknown = int((registration.rows < 0).sum())
-        log.info("look-ahead: registration %d, %d paths (%d not files of this mount)",
-                 handle, len(paths), unknown)
+        log.info("look-ahead: registration %d, %d paths (%d not files of this mount)%s",
+                 handle, samples, unknown, "" if again is None else ", resolved before")
         reply = {"ok": True, "handle": handle, "node": node, "node_count": node_count,
-                 "samples": len(paths), "chunks": int(nodes.size), "unknown": unknown}
+                 "samples": samples, "chunks": int(nodes.size), "unknown": unknown}
         return reply, keys.astype("<i8").tobytes() + nodes.astype("<i4").tobytes()
 
     def _announce(self, header: dict, body: bytes) -> tuple[dict, bytes]:

@@ -82,6 +82,18 @@ def test_lookup_of_absent_name_is_minus_one(tree, missing):
                 assert d.lookup(d.resolve(path), missing) == -1
 
 
+@settings(max_examples=100, deadline=None)
+@given(tree=trees(), missing=names, data=st.data())
+def test_resolve_many_answers_as_resolve_path_by_path(tree, missing, data):
+    """The bulk lookup a sampler's registration uses: every path of the tree, absent
+    ones, paths through files and symlinks, and slashes doubled or at the ends."""
+    d = build_directory(tree.values(), 4096)
+    paths = list(tree) + [p + b"/" + missing if p else missing for p in tree]
+    paths += [b"/" + p + b"/" for p in tree] + [p.replace(b"/", b"//") for p in tree]
+    paths = data.draw(st.permutations(paths))
+    assert d.resolve_many(paths).tolist() == [d.resolve(p) for p in paths]
+
+
 @settings(max_examples=50, deadline=None)
 @given(tree=trees())
 def test_manifest_round_trip_preserves_everything(tree):
@@ -121,3 +133,42 @@ def test_multi_extent_file_and_chunk_lengths():
 def test_invalid_trees_are_rejected(bad):
     with pytest.raises(ValueError):
         build_directory([SourceEntry(b"", DIR, 0, 0), *bad], 4096)
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_scan_of_a_real_tree_equals_building_from_its_entries(edge_tree, jobs):
+    """The scan lays rows out as it walks (with `jobs` processes listing directories);
+    building from an independent walk's entries (os.walk, sorted by build_directory)
+    must give the very same arrays."""
+    import os
+
+    from dlfs.store.scan import scan_tree
+
+    root = os.fsencode(edge_tree.root)
+    entries = [_entry(root, b"")]
+    for top, dirs, files in os.walk(root):
+        rel_top = os.path.relpath(top, root) if top != root else b""
+        for name in dirs + files:
+            rel = os.path.join(rel_top, name) if rel_top else name
+            entry = _entry(root, rel)
+            if entry is not None:
+                entries.append(entry)
+    expected = build_directory(entries, 4096)
+    scanned = scan_tree(edge_tree.root, jobs).directory(4096)
+    assert (scanned.names, scanned.links) == (expected.names, expected.links)
+    for key, array in expected.arrays.items():
+        assert np.array_equal(scanned.arrays[key], array), key
+
+
+def _entry(root: bytes, rel: bytes) -> SourceEntry | None:
+    import os
+
+    st_ = os.lstat(os.path.join(root, rel) if rel else root)
+    if stat.S_ISDIR(st_.st_mode):
+        return SourceEntry(rel, st_.st_mode, 0, st_.st_mtime_ns)
+    if stat.S_ISREG(st_.st_mode):
+        return SourceEntry(rel, st_.st_mode, st_.st_size, st_.st_mtime_ns)
+    if stat.S_ISLNK(st_.st_mode):
+        return SourceEntry(rel, st_.st_mode, st_.st_size, st_.st_mtime_ns,
+                           os.readlink(os.path.join(root, rel)))
+    return None  # fifos and the like are skipped

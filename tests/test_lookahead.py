@@ -106,6 +106,27 @@ def test_bad_announcements_get_one_line_and_the_mount_serves_on(mounted, la_stor
     with pytest.raises(OrderClientError, match="unknown registration 999"):
         client.announce(0, np.array([0]))
     assert open(paths[0], "rb").read()  # noqa: SIM115
+
+
+def test_ranks_registering_the_same_paths_share_one_resolution(mounted, la_store):
+    """Every rank and DataLoader worker of a node registers the same list: it is
+    resolved once, each still gets a handle of its own, and a different list is
+    resolved anew."""
+    mount = mounted(la_store)
+    paths = mount_paths(mount)
+    first, second = connect(paths), connect(paths)
+    other = connect(paths[::-1])
+    assert len({first.handle, second.handle, other.handle}) == 3
+    for client in (first, second):
+        np.testing.assert_array_equal(client.locality().sample_chunk,
+                                      first.locality().sample_chunk)
+    np.testing.assert_array_equal(other.locality().sample_chunk,
+                                  first.locality().sample_chunk[::-1])
+    second.announce(0, np.arange(FILES))  # its handle is live on its own
+    lines = [line for line in mount.log.read_text().splitlines() if "registration" in line]
+    assert [("resolved before" in line) for line in lines] == [False, True, False], lines
+
+
 READER = """
 import os, sys, time
 import numpy as np

@@ -60,9 +60,10 @@ def mpirun_populate(*args: str | os.PathLike) -> subprocess.CompletedProcess:
     return mpirun_dlfs("populate", *args)
 
 
-# The real `dlfs` CLI with an audit hook that only watches: every file a rank opens for
-# writing whose name ends in .chunk is appended to $DLFS_TEST_WRITES/rank-N. What each
-# rank really wrote, seen from outside the code under test.
+# The real `dlfs` CLI with an audit hook that only watches: every file a rank (or a
+# process it forked) opens for writing whose name ends in .chunk is appended to
+# $DLFS_TEST_WRITES/rank-N, whether by open() (mode "w...") or os.open (write flags).
+# What each rank really wrote, seen from outside the code under test.
 RECORD_CHUNK_WRITES = """
 import os, sys
 log = os.path.join(os.environ["DLFS_TEST_WRITES"],
@@ -70,10 +71,15 @@ log = os.path.join(os.environ["DLFS_TEST_WRITES"],
                               or os.environ.get("PMIX_RANK", "unknown")))
 busy = False
 
+def for_writing(mode, flags):
+    if isinstance(mode, str):
+        return "w" in mode or "a" in mode or "+" in mode
+    return isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR) != 0
+
 def record(event, args):
     global busy
     if busy or event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)) \\
-            or not isinstance(args[1], str) or "w" not in args[1]:
+            or not for_writing(args[1], args[2]):
         return
     name = os.path.basename(os.fsdecode(args[0]))
     if name.endswith(".chunk"):
@@ -157,7 +163,9 @@ def parallel_run(tmp_path_factory, edge_tree) -> tuple[Path, dict[int, list[int]
     for rank in range(RANKS):
         log = writes / f"rank-{rank}"
         names = log.read_text().split() if log.exists() else []
-        written[rank] = [int(name.removesuffix(".chunk")) for name in names]
+        # each chunk once, where the rank first opened it (a chunk file may be opened
+        # for writing by several of the rank's processes)
+        written[rank] = [int(name.removesuffix(".chunk")) for name in dict.fromkeys(names)]
     return store, written
 
 

@@ -94,6 +94,25 @@ def test_file_rewritten_in_place_at_the_same_size_is_caught(source, tmp_path):
         _copy(source, plan)
 
 
+def test_file_grown_keeping_its_mtime_is_caught(source, tmp_path):
+    plan = _plan(source, tmp_path)
+    path = source / "big.bin"
+    before = os.stat(path).st_mtime_ns
+    with open(path, "ab") as f:
+        f.write(b"more")
+    os.utime(path, ns=(0, before))
+    with pytest.raises(DlfsError, match=r"changed while packing: .*big\.bin"):
+        _copy(source, plan)
+
+
+def test_directory_deleted_while_packing_is_named(source, tmp_path):
+    plan = _plan(source, tmp_path)
+    (source / "d" / "sample.bin").unlink()
+    (source / "d").rmdir()
+    with pytest.raises(DlfsError, match=r"source directory .*/d was deleted while packing"):
+        _copy(source, plan)
+
+
 def test_unchanged_source_packs_with_the_same_checks(source, tmp_path):
     """The checks pass on a stable tree, a source given through a symlink included."""
     link = tmp_path / "src-link"
@@ -134,3 +153,46 @@ def test_progress_shows_a_path_with_brackets_as_text():
     """Paths are not rich markup: '[/b]' in a source path must not raise."""
     with byte_progress("packing /data/[/b]/v[2]", 10, enabled=True) as advance:
         advance(10)
+
+
+def _make_deep_tree(root: Path, levels: int, name: bytes) -> list[bytes]:
+    """A chain of `levels` directories named `name` under root, a file at the bottom;
+    made with *at() calls, since the whole path is longer than PATH_MAX."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir(name, dir_fd=fd)
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        leaf = os.open(b"leaf.bin", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(leaf, b"at the bottom\n")
+        os.close(leaf)
+    finally:
+        os.close(fd)
+    return [name] * levels + [b"leaf.bin"]
+
+
+def _read_by_components(root: Path, parts: list[bytes]) -> bytes:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in parts[:-1]:
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        leaf = os.open(parts[-1], os.O_RDONLY, dir_fd=fd)
+        try:
+            return os.read(leaf, 1 << 16)
+        finally:
+            os.close(leaf)
+    finally:
+        os.close(fd)
+
+
+def test_a_tree_deeper_than_path_max_packs_and_reads_back(tmp_path, store_with, mounted):
+    src = tmp_path / "src"
+    src.mkdir()
+    parts = _make_deep_tree(src, 40, b"d" * 200)  # ~8 KB of path, twice PATH_MAX
+    assert sum(len(p) + 1 for p in parts) > os.pathconf(src, "PC_PATH_MAX")
+    m = mounted(store_with(src, "deep"))
+    assert _read_by_components(m.path / "deep", parts) == b"at the bottom\n"

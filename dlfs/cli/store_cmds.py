@@ -54,8 +54,9 @@ def _add_populate(subs: Subparsers) -> None:
     p.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE,
                    help="chunk file size, e.g. 64M (default), 256M, 1G")
     p.add_argument("-j", "--jobs", type=_positive, default=PopulateOptions.jobs,
-                   help="parallel source readers (default 4; more helps on a parallel file "
-                        "system with high latency, fewer on a local disk with few cores)")
+                   help="worker processes reading the source (default: two per core, at "
+                        "most 16, shared by the MPI ranks of a node; more can help on a "
+                        "parallel file system with high latency)")
     p.add_argument("--force", action="store_true", help="replace an existing dataset NAME")
     p.add_argument("--no-fsync", action="store_true",
                    help="skip fsync before publishing (faster; for scratch stores only)")

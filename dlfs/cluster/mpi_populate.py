@@ -15,7 +15,9 @@ mpi4py is imported only here (optional dependency: pip install dlfs[mpi]).
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +29,7 @@ from dlfs.store.directory import SampleDirectory, chunk_lengths
 from dlfs.store.populate import (
     PopulateOptions,
     PopulatePlan,
+    default_jobs,
     interrupted_outcome,
     plan_populate,
     publish_dataset,
@@ -85,17 +88,39 @@ def mpi_populate(source: Path, store: Store, name: str,
     rank = comm.Get_rank()
     if rank != 0:
         options = replace(options, progress=False)  # one progress bar: rank 0's share
+    # Ranks that may run on the same cores share them for the copy; the scan is rank
+    # 0's alone (the others wait for the plan asleep, see _shared), so it gets all of
+    # its cores.
+    scan_options = options
+    if options.jobs is None:
+        scan_options = replace(options, jobs=default_jobs())
+        options = replace(options, jobs=default_jobs(_ranks_sharing_my_cores(mpi, comm)))
 
     made: list[PopulatePlan] = []  # rank 0: the plan whose temporary directory it makes
     try:
-        plan = _unpack_plan(_shared(comm, lambda: _plan_on_rank0(source, store, name, options,
-                                                                 made)))
+        plan = _unpack_plan(_shared(comm, lambda: _plan_on_rank0(source, store, name,
+                                                                 scan_options, made)))
         return _write_and_publish(mpi, comm, source, store, plan, options)
     except KeyboardInterrupt:  # mpirun/srun pass Ctrl-C and scancel's SIGTERM to every rank
         if rank != 0 or not made:
             raise
         shutil.rmtree(made[0].tmp, ignore_errors=True)
         raise KeyboardInterrupt(interrupted_outcome(store, made[0])) from None
+
+
+def _ranks_sharing_my_cores(mpi, comm) -> int:
+    """How many ranks of this node (this one included) may run on a core this one may
+    run on. Unbound ranks share the node's cores; ranks bound to their own cores (what
+    mpirun does by default for a few ranks: --bind-to core) share nothing, and their
+    workers stay on their rank's cores (sched_getaffinity), so mpirun --bind-to none
+    gives a node's ranks the whole node."""
+    local = comm.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        mine = os.sched_getaffinity(0)
+        everyone = local.allgather(sorted(mine))
+    finally:
+        local.Free()
+    return sum(1 for cores in everyone if mine.intersection(cores))
 
 
 def _write_and_publish(mpi, comm, source: Path, store: Store, plan: PopulatePlan,
@@ -157,12 +182,24 @@ def _shared(comm, work, broadcast: bool = True):
         except DlfsError as err:
             error = str(err)
         except BaseException as err:  # tell the others before going down
+            _wait_for_all(comm)
             comm.bcast((None, f"rank 0 failed: {err!r}"), root=0)
             raise
+    _wait_for_all(comm)
     shared, error = comm.bcast((result if broadcast else None, error), root=0)
     if error is not None:
         _raise(comm.Get_rank(), 0, error, 1)
     return result if comm.Get_rank() == 0 else shared
+
+
+def _wait_for_all(comm, nap: float = 0.002) -> None:
+    """A barrier that sleeps while it waits. A rank blocked in an MPI collective spins
+    on its core (Open MPI polls), so the ranks waiting for rank 0's scan took CPU
+    from its scan workers on a shared node; each rank calls this right before the
+    broadcast that follows rank 0's work."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(nap)
 
 
 def _write_share(source: Path, plan: PopulatePlan, options: PopulateOptions, rank: int,

@@ -13,9 +13,10 @@ Row 0 is the dataset root; the daemon maps rows to inode numbers.
 from __future__ import annotations
 
 import stat
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -134,7 +135,7 @@ class SampleDirectory:
         """Parent row (the root is its own parent)."""
         if row == 0:
             return 0
-        return int(np.searchsorted(self.arrays["child_start"], row, side="right")) - 1
+        return _last_at_most(self.arrays["child_start"], row)
 
     def path(self, row: int) -> bytes:
         """Path of a row relative to the dataset root, e.g. b'train/cat/001.jpg'."""
@@ -155,6 +156,36 @@ class SampleDirectory:
                 return -1
         return row
 
+    def resolve_many(self, relpaths: list[bytes]) -> np.ndarray:
+        """Rows of many relative paths at once (-1 where absent), for a sampler that
+        registers a whole dataset's paths: each distinct parent directory is resolved
+        once and its children hashed by name, so the cost per path is a split and a
+        dict lookup: ~2 us a path against ~9 us for `resolve` one path at a time
+        (100,000 paths, 2-core VM under load)."""
+        rows = np.full(len(relpaths), -1, np.int64)
+        split = [path.strip(b"/").rpartition(b"/") for path in relpaths]
+        by_parent: dict[bytes, list[int]] = {}
+        for i, (parent_path, _, _) in enumerate(split):
+            members = by_parent.get(parent_path)
+            if members is None:
+                by_parent[parent_path] = members = []
+            members.append(i)
+        for parent_path, members in by_parent.items():
+            parent = self.resolve(parent_path)
+            if parent < 0 or not self.is_dir(parent):
+                continue
+            get = self._children_by_name(parent).get
+            if parent == 0:
+                get = {b"": 0, **self._children_by_name(0)}.get  # b"" is the root itself
+            rows[members] = [get(split[i][2], -1) for i in members]
+        return rows
+
+    def _children_by_name(self, parent: int) -> dict[bytes, int]:
+        lo, hi = int(self._child_start[parent]), int(self._child_start[parent + 1])
+        off = self.arrays["name_off"][lo:hi + 1].tolist()
+        names = self.names
+        return {names[off[k]:off[k + 1]]: lo + k for k in range(hi - lo)}
+
     def readlink(self, row: int) -> bytes:
         i = int(np.searchsorted(self._link_rows, row))
         if i >= len(self._link_rows) or self._link_rows[i] != row:
@@ -167,7 +198,12 @@ class SampleDirectory:
         return np.flatnonzero((self.arrays["mode"] & 0o170000) == stat.S_IFREG)
 
     def row_of_extent(self, extent: int) -> int:
-        return int(np.searchsorted(self.arrays["ext_start"], extent, side="right")) - 1
+        return _last_at_most(self.arrays["ext_start"], extent)
+
+    def parents(self, rows: np.ndarray) -> np.ndarray:
+        """Parent row of each of `rows` (the root's is itself), in one call."""
+        found = np.searchsorted(self.arrays["child_start"], rows, side="right") - 1
+        return np.where(np.asarray(rows) == 0, 0, found)
 
     def extents_by_chunk(self, chunk_count: int) -> tuple[np.ndarray, np.ndarray]:
         """(order, bounds): extents of chunk c are order[bounds[c]:bounds[c + 1]].
@@ -204,6 +240,16 @@ class SampleDirectory:
         return SampleDirectory(arrays, self.names, self.links, self.extent_size)
 
 
+def _last_at_most(ascending: np.ndarray, value: int) -> int:
+    """Index of the last element <= `value` in an ascending array, in O(log n).
+
+    `value` is made the array's own dtype first: numpy searches a uint32 array for a
+    Python int by converting the whole array to int64 first, an O(n) copy per call that
+    made populate quadratic in the number of files (path() of every file).
+    """
+    return int(ascending.searchsorted(ascending.dtype.type(value), side="right")) - 1
+
+
 def display_path(raw: bytes) -> str:
     """A stored path for messages and logs: bytes that are not UTF-8 shown as \\xNN."""
     return raw.decode("utf-8", "backslashreplace")
@@ -214,6 +260,43 @@ def _split(relpath: bytes) -> tuple[bytes, bytes]:
     if name in (b"", b".", b"..") or b"\0" in name:
         raise ValueError(f"invalid path component in {relpath!r}")
     return parent, name
+
+
+@dataclass
+class TreeColumns:
+    """A tree already in row order, one column per field: what `build_directory` sorts
+    entries into and what the scan (dlfs.store.scan) appends to directly, so that a
+    million-file tree needs no Python object per entry (~200 bytes each) on the way
+    to the arrays."""
+
+    names: bytearray = field(default_factory=bytearray)  # every row's name, concatenated
+    name_len: array = field(default_factory=lambda: array("Q"))
+    child_count: array = field(default_factory=lambda: array("Q"))  # 0 for non-directories
+    mode: array = field(default_factory=lambda: array("H"))
+    size: array = field(default_factory=lambda: array("Q"))  # 0 for directories
+    mtime_ns: array = field(default_factory=lambda: array("q"))
+    link_rows: array = field(default_factory=lambda: array("Q"))  # ascending
+    links: bytearray = field(default_factory=bytearray)  # their targets, concatenated
+    link_len: array = field(default_factory=lambda: array("Q"))
+
+    def __len__(self) -> int:
+        return len(self.mode)
+
+    def append(self, name: bytes, mode: int, size: int, mtime_ns: int,
+               link_target: bytes | None = None) -> int:
+        """Add the next row; returns its number."""
+        row = len(self.mode)
+        self.names += name
+        self.name_len.append(len(name))
+        self.child_count.append(0)
+        self.mode.append(mode)
+        self.size.append(size)
+        self.mtime_ns.append(mtime_ns)
+        if link_target is not None:
+            self.link_rows.append(row)
+            self.links += link_target
+            self.link_len.append(len(link_target))
+        return row
 
 
 def build_directory(entries: Iterable[SourceEntry], chunk_size: int) -> SampleDirectory:
@@ -233,8 +316,8 @@ def build_directory(entries: Iterable[SourceEntry], chunk_size: int) -> SampleDi
         raise ValueError("entries must include the root directory (relpath b'')")
 
     rows: list[SourceEntry] = [root]
-    names: list[bytes] = [b""]
-    counts: list[int] = []
+    columns = TreeColumns()
+    columns.append(b"", root.mode, root.size, root.mtime_ns)
     i = 0
     while i < len(rows):
         entry = rows[i]
@@ -243,35 +326,33 @@ def build_directory(entries: Iterable[SourceEntry], chunk_size: int) -> SampleDi
         for j in range(1, len(kids)):
             if kids[j][0] == kids[j - 1][0]:
                 raise ValueError(f"duplicate name {kids[j][0]!r} in {entry.relpath!r}")
-        counts.append(len(kids))
+        columns.child_count[i] = len(kids)
         for name, kid in kids:
             rows.append(kid)
-            names.append(name)
+            columns.append(name, kid.mode, kid.size, kid.mtime_ns, kid.link_target)
         i += 1
     if children:
         orphan = next(iter(children))
         raise ValueError(f"entries under {orphan!r} have no directory entry for their parent")
-    return _assemble(rows, names, counts, chunk_size)
+    return assemble_directory(columns, chunk_size)
 
 
-def _assemble(rows: list[SourceEntry], names: list[bytes], counts: list[int],
-              chunk_size: int) -> SampleDirectory:
-    n = len(rows)
+def assemble_directory(columns: TreeColumns, chunk_size: int) -> SampleDirectory:
+    """The arrays of a tree whose rows are in order already (vectorized: no per-row work)."""
+    n = len(columns)
     name_off = np.zeros(n + 1, dtype=np.uint64)
-    np.cumsum([len(x) for x in names], out=name_off[1:])
+    np.cumsum(np.frombuffer(columns.name_len, dtype=np.uint64), out=name_off[1:])
     child_start = np.empty(n + 1, dtype=np.uint32)
     child_start[0] = 1
-    np.cumsum(counts, out=child_start[1:])
+    np.cumsum(np.frombuffer(columns.child_count, dtype=np.uint64), out=child_start[1:])
     child_start[1:] += 1
-    mode = np.fromiter((e.mode for e in rows), dtype=np.uint16, count=n)
-    size = np.fromiter((e.size for e in rows), dtype=np.uint64, count=n)
-    mtime = np.fromiter((e.mtime_ns for e in rows), dtype=np.int64, count=n)
+    mode = np.frombuffer(columns.mode, dtype=np.uint16).copy()
+    size = np.frombuffer(columns.size, dtype=np.uint64).copy()
+    mtime = np.frombuffer(columns.mtime_ns, dtype=np.int64).copy()
     is_file = (mode & 0o170000) == stat.S_IFREG
     plan = plan_extents(np.where(is_file, size, 0), chunk_size)
-    link_rows = [i for i, e in enumerate(rows) if e.link_target is not None]
-    targets = [rows[i].link_target or b"" for i in link_rows]
-    link_off = np.zeros(len(link_rows) + 1, dtype=np.uint64)
-    np.cumsum([len(t) for t in targets], out=link_off[1:])
+    link_off = np.zeros(len(columns.link_rows) + 1, dtype=np.uint64)
+    np.cumsum(np.frombuffer(columns.link_len, dtype=np.uint64), out=link_off[1:])
     arrays = {
         "name_off": name_off,
         "child_start": child_start,
@@ -283,10 +364,11 @@ def _assemble(rows: list[SourceEntry], names: list[bytes], counts: list[int],
         "ext_offset": plan.ext_offset,
         "ext_length": plan.ext_length,
         "ext_checksum": np.zeros(len(plan.ext_length), dtype=np.uint64),
-        "link_rows": np.asarray(link_rows, dtype=np.uint32),
+        "link_rows": np.frombuffer(columns.link_rows, dtype=np.uint64).astype(np.uint32),
         "link_off": link_off,
     }
-    return SampleDirectory(arrays, b"".join(names), b"".join(targets), plan.extent_size)
+    return SampleDirectory(arrays, bytes(columns.names), bytes(columns.links),
+                           plan.extent_size)
 
 
 def chunk_lengths(directory: SampleDirectory) -> np.ndarray:
