@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="epoch reader processes (default 2)")
     p.add_argument("--populate-args", default="", help="extra `dlfs populate` arguments")
     p.add_argument("--mount-args", default="", help="extra `dlfs mount` arguments")
+    p.add_argument("--source", type=Path, default=None,
+                   help="build the tree here, or reuse the one a run with the same --entries, "
+                        "--big-dir, --files-per-dir and --file-size built there before (it "
+                        "is left in place; default: in the work directory, removed after)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="processes that create the tree (default: the cores)")
     args = p.parse_args(argv)
@@ -137,6 +141,21 @@ def build_tree(root: Path, dirs: list[tuple[str, int, int]], size: int, jobs: in
         made = sum(pool.imap_unordered(_make_dirs, jobs_list))
     assert made == sum(n for _, _, n in dirs)
     return time.monotonic() - started
+
+
+def ensure_tree(src: Path, dirs: list[tuple[str, int, int]], args) -> float:
+    """Build the tree at src unless a finished one of this shape is there already."""
+    shape = f"{args.entries} {args.big_dir} {args.files_per_dir} {args.file_size}\n"
+    marker = src.with_name(src.name + ".scale-shape")
+    if marker.exists() and marker.read_text() == shape and src.is_dir():
+        print(f"reusing the tree at {src}")
+        return 0.0
+    if src.exists() and any(src.iterdir()):
+        raise SystemExit(f"scale.py: {src} is not empty and not a tree this run built; "
+                         "give an empty or new --source")
+    took = build_tree(src, dirs, args.file_size, args.jobs)
+    marker.write_text(shape)
+    return took
 
 
 # -- measurements --------------------------------------------------------------------------
@@ -219,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     mount_args = split_args(args.mount_args)
     dirs = layout(args)
     with workdir(args.workdir, args.keep, "scale") as work:
-        src, store, mnt = work / "src", work / "store", work / "mnt"
-        t_build = build_tree(src, dirs, args.file_size, args.jobs)
+        src, store, mnt = args.source or work / "src", work / "store", work / "mnt"
+        t_build = ensure_tree(src, dirs, args)
         print(f"{args.entries:,} files of {args.file_size} bytes in {len(dirs):,} directories "
               f"(one of {args.big_dir:,}); built in {t_build:.1f} s", flush=True)
 

@@ -35,11 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--file-size", type=size_arg, default=110 << 10, help="mean sample (110K)")
     p.add_argument("--chunk-size", type=size_arg, default=64 << 20, help="chunk (default 64M)")
     # measured here (docs/SCALE.md, "Figures measured here")
-    p.add_argument("--local-us", type=float, default=180.0,
+    p.add_argument("--local-us", type=float, default=225.0,
                    help="daemon CPU us per sample read from its own NVMe copy (measured)")
-    p.add_argument("--remote-us", type=float, default=260.0,
+    p.add_argument("--remote-us", type=float, default=282.0,
                    help="reading daemon CPU us per sample fetched from a peer (measured)")
-    p.add_argument("--serve-us", type=float, default=150.0,
+    p.add_argument("--serve-us", type=float, default=275.0,
                    help="holder's peer server CPU us per sample served (measured; one thread)")
     p.add_argument("--placement-ns", type=float, default=55.0,
                    help="owners() ns per (chunk, node) cell at mount (measured)")
@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="cores a node's daemon uses (its --workers; default 8)")
     p.add_argument("--workers", type=int, default=8, help="daemon --workers (default 8)")
     p.add_argument("--max-connections", type=int, default=256,
-                   help="peer server connection slots (dlfsd.pool.peerserver; default 256)")
+                   help="the peer server's fixed connection slots before they followed the "
+                        "job's size (default 256; now dlfsd.pool.peerserver.connection_slots)")
     p.add_argument("--net", type=size_arg, default=12_500_000_000,
                    help="per-node network B/s (default 12.5G: 100 Gb/s)")
     p.add_argument("--nvme", type=size_arg, default=3_000_000_000,
@@ -90,13 +91,15 @@ class Prediction:
     manifest_tib_at_mount: float
 
 
-def predict(a: argparse.Namespace, n: int) -> Prediction:
+def predict(a: argparse.Namespace, n: int, locality: bool = False) -> Prediction:
+    """`locality`: DLFSSampler(mode="locality") orders the epoch so each node reads the
+    chunks it holds (docs/ORDER.md); else random order (DistributedSampler's)."""
     files, size = a.files, a.file_size
     data = files * size
     chunks = max(1.0, data / a.chunk_size)
     r = min(a.replicas, n)
     per_node_files = files / n
-    remote = 1 - r / n  # a random sample's chance of not being on this node
+    remote = 0.0 if locality else 1 - r / n  # a sample's chance of not being on this node
     chunks_per_node = chunks * r / n
     sigma = math.sqrt(max(0.0, 1 - r / n) / chunks_per_node)
     imbalance = 1 + 3 * sigma
@@ -105,7 +108,9 @@ def predict(a: argparse.Namespace, n: int) -> Prediction:
     pool_cpu = cpu / a.daemon_cores
     pool_serve = per_node_files * remote * a.serve_us / 1e6 * imbalance  # one thread
     pool_net = per_node_files * remote * size / a.net * imbalance
-    pool_nvme = per_node_files * size / a.nvme * imbalance
+    # random order: a node's own reads plus what it serves, so the busiest node's share;
+    # locality: each node reads an even quota of the epoch from the copies it holds
+    pool_nvme = per_node_files * size / a.nvme * (1.0 if locality else imbalance)
     pool = max(pool_cpu, pool_serve, pool_net, pool_nvme)
     # the parallel file system: every sample one open, every byte from its servers
     pfs_opens = files / a.pfs_opens
@@ -123,35 +128,43 @@ def predict(a: argparse.Namespace, n: int) -> Prediction:
                       placement_s, table_mib, manifest)
 
 
+def bound(p: Prediction) -> str:
+    return ("cpu" if p.pool == p.pool_cpu else "serve" if p.pool == p.pool_serve
+            else "net" if p.pool == p.pool_net else "nvme")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     preds = [predict(a, int(n)) for n in a.nodes.split(",")]
+    local = {p.nodes: predict(a, p.nodes, locality=True) for p in preds}
     data = a.files * a.file_size
     print(f"dataset: {a.files:,.0f} samples of {a.file_size:,} B = {data / 1e12:.2f} TB in "
           f"{data / a.chunk_size:,.0f} chunks of {a.chunk_size >> 20} MiB; R={a.replicas}")
     rows = []
     for p in preds:
-        rows.append((f"{p.nodes:,} nodes", f"{p.pool:.2f}", f"{p.pfs:.2f}",
-                     f"{p.pfs / p.pool:.1f}x", f"{p.compute:.2f}",
-                     "cpu" if p.pool == p.pool_cpu else "serve" if p.pool == p.pool_serve
-                     else "net" if p.pool == p.pool_net else "nvme",
-                     "opens" if p.pfs == p.pfs_opens else "bandwidth"))
-    print_table(("job", "pool epoch s", "PFS epoch s", "PFS/pool", "GPU compute s",
-                 "pool bound by", "PFS bound by"), rows, title="one epoch (the slowest node)")
+        q = local[p.nodes]
+        rows.append((f"{p.nodes:,} nodes", f"{p.pool:.2f}", bound(p), f"{q.pool:.2f}", bound(q),
+                     f"{p.pfs:.2f}", "opens" if p.pfs == p.pfs_opens else "bandwidth",
+                     f"{p.pfs / p.pool:.1f}x", f"{p.compute:.2f}"))
+    print_table(("job", "pool random s", "bound by", "pool locality s", "bound by",
+                 "PFS s", "bound by", "PFS/pool random", "GPU compute s"), rows,
+                title="one epoch (the slowest node)")
     rows = []
     for p in preds:
         rows.append((f"{p.nodes:,} nodes", f"{p.pool_cpu:.2f}", f"{p.pool_serve:.2f}",
                      f"{p.pool_net:.3f}", f"{p.pool_nvme:.2f}", f"{p.chunks_per_node:,.1f}",
                      f"{p.imbalance:.2f}"))
     print_table(("job", "cpu s", "serve s", "net s", "nvme s", "chunks/node",
-                 "busiest/even"), rows, title="the pool's terms")
+                 "busiest/even"), rows, title="the pool's terms, random order")
     rows = []
     for p in preds:
         rows.append((f"{p.nodes:,} nodes", f"{p.stage:.1f}", f"{p.connections:,}",
-                     "OVER" if p.connections > a.max_connections else "ok",
+                     "FULL" if p.connections > a.max_connections else "ok",
+                     f"{max(a.max_connections, p.connections + 64):,}",
                      f"{p.placement_s:.1f}", f"{p.table_mib:.1f}",
                      f"{p.manifest_tib_at_mount:.3f}"))
-    print_table(("job", "staging s", "peer conns in", f"vs {a.max_connections} slots",
+    print_table(("job", "staging s", "peer conns in", f"{a.max_connections} slots (before)",
+                 "slots now",
                  "placement s", "table MiB", "manifests read TiB"), rows,
                 title="what grows with the job")
     return 0
