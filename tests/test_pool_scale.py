@@ -4,7 +4,7 @@ Each simulated node is a `dlfs mount` with its own mountpoint, cache dir and
 peer port on loopback; all share one node list, one secret and one store
 holding two datasets:
 
-  ds      ~330 files (a few KiB, two spanning several chunks) in 16 KiB chunks:
+  ds      322 files (320 of a few KiB, two of 100 KiB over several chunks), 16 KiB chunks:
           read whole through every node and compared (sha256) with the source
   spread  one 64 MiB file in 4 KiB chunks, 16,384 chunks: enough that a fair
           share is measurable. Expected per node: 16,384 x 2 / 16 = 2,048 chunks;
@@ -14,7 +14,8 @@ holding two datasets:
           here); its bytes are checked by the stager as it copies each chunk.
 
 What is measured comes from the daemons and their cache dirs (the copies they
-staged, `dlfs status`), and is then compared with dlfs.cluster.placement.
+staged, their status files: what `dlfs status --json` prints), and is then compared
+with dlfs.cluster.placement.
 
 A lost node: one daemon is SIGKILLed. The survivors keep serving every byte
 from the other replica (no store read), and none of them stages anything new
@@ -23,7 +24,7 @@ cache dirs, a node list without the lost node, as a requeued job whose node
 cache outlives it): the copies each survivor adds are exactly the lost node's
 chunks, one new copy per lost chunk, and every copy it had stays (same inode).
 
-About 80-100 s on the 2-core VM: 16 mounts and 32,768 staged copies are CPU bound.
+About 70-110 s on the shared 2-core VM: 16 mounts and 32,768 staged copies, CPU bound.
 """
 
 from __future__ import annotations
