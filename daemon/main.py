@@ -390,9 +390,11 @@ class Services:
                                  store_rate=config.store_bandwidth, replicas=self.replicas)
             pool.set_stager(self.stager.will_stage)
             if len(pool.view.nodes) > 1:
-                from dlfsd.pool.peerserver import PeerLoopServer
+                from dlfsd.pool.peerserver import PeerLoopServer, connection_slots
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
+                                             max_connections=connection_slots(
+                                                 len(pool.view.nodes), config.workers),
                                              trusted=node_addresses(pool.view.nodes),
                                              verify_served=config.verify_served)
             if config.scrub_rate:
@@ -513,7 +515,15 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
                           root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE,
                           prefetch=prefetch)
     release.callback(namespace.close)
-    raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
+    # Chunk files (twice with a pool: the store's and the staged copy), and with peers
+    # the server's connections (main process) or a connection to each peer (a worker).
+    peer_fds = 0
+    if pool is not None:
+        from dlfsd.pool.peerserver import connection_slots
+
+        peer_fds = connection_slots(len(pool.view.nodes), config.workers)
+    raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1)
+                   + peer_fds)
     services = Services(config, namespace.datasets, namespace.observe, pool)
     order = _order_service(config, namespace, pool)
     if order is not None:

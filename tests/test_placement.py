@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlfs.cluster import placement
 from dlfs.cluster.nodes import Node, load_secret, parse_node, parse_nodes, resolve_cluster
-from dlfs.cluster.placement import owners, summary
+from dlfs.cluster.placement import owners, summary, weights
 from dlfs.errors import NotFoundError, UsageError
 
 names_st = st.lists(st.from_regex(r"[a-z][a-z0-9]{0,6}", fullmatch=True), min_size=2,
@@ -44,6 +45,37 @@ def test_losing_a_node_moves_only_its_chunks(dataset_id, names, chunks, r, data)
             assert old == new  # untouched chunk keeps its owners, in order
         else:
             assert [n for n in old if n != lost] == new[: r - 1]  # survivors keep their rank
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids_st, st.integers(1, 40), st.integers(0, 500), st.integers(1, 4), st.integers(1, 64))
+def test_blocks_and_partial_sort_give_the_full_sort_table(dataset_id, nodes, chunks, r, cells):
+    """owners() works a block of chunks at a time and picks the top R by a partial
+    sort; the table must be the one a stable full sort of all weights gives."""
+    names = [f"node{i}" for i in range(nodes)]
+    full = np.argsort(~weights(dataset_id, chunks, names), axis=1, kind="stable")
+    want = full[:, :min(r, nodes)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(placement, "BLOCK_CELLS", cells)  # many blocks, ragged last one
+        assert np.array_equal(owners(dataset_id, chunks, names, r), want)
+    assert np.array_equal(owners(dataset_id, chunks, names, r), want)
+
+
+def test_a_thousand_nodes_place_without_the_whole_weight_matrix():
+    """1,000 nodes x 20,000 chunks: the full matrix and its argsort took ~460 MB; the
+    blocks hold a few MB at a time (the table itself is 160 KB)."""
+    import tracemalloc
+
+    names = [f"node{i:04d}" for i in range(1000)]
+    tracemalloc.start()
+    try:
+        table = owners(b"k" * 16, 20000, names, 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 << 20, f"placement of 20,000 chunks on 1,000 nodes peaked at {peak} bytes"
+    counts = np.bincount(table.ravel(), minlength=1000)
+    assert counts.sum() == 40000 and (table[:, 0] != table[:, 1]).all()
 
 
 def test_shares_are_balanced_for_many_chunks():

@@ -62,6 +62,19 @@ _SWEEP = 0.25  # seconds between timeout checks
 _GOODBYE = 1.0  # seconds a closing connection may take to read our last message
 REPORT_CHECKS_PER_SECOND = 10.0  # re-checks of reported ranges, all peers together
 REPORT_COOLDOWN = 2.0  # seconds a chunk just checked for a report is not checked again
+MIN_CONNECTIONS = 256
+STRANGER_MARGIN = 64  # slots beyond the job's own: strangers being refused, reconnects
+
+
+def connection_slots(nodes: int, workers: int) -> int:
+    """Connection slots a daemon's peer server needs: every other node may hold a
+    connection from each of its processes that read from peers (each worker, or two
+    for a single-process mount, and the look-ahead's probe client), kept while they
+    are used (the idle timeout is minutes). A fixed 256 was full at ~29 nodes of
+    8-worker daemons; the refused peers then looked down and their reads went to the
+    store (docs/SCALE.md)."""
+    per_node = max(workers, 2) + 1
+    return max(MIN_CONNECTIONS, (nodes - 1) * per_node + STRANGER_MARGIN)
 
 
 class BlockingChunkProvider(Protocol):
@@ -129,7 +142,7 @@ class PeerLoopServer:
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
-                 max_connections: int = 256, disk_threads: int = 4,
+                 max_connections: int = MIN_CONNECTIONS, disk_threads: int = 4,
                  trusted: frozenset[str] | None = None, verify_served: bool = False) -> None:
         """`trusted`: the addresses of the job's nodes (None: treat every address so);
         see dlfsd.pool.admission for what strangers may do. `verify_served`: check
