@@ -81,6 +81,26 @@ def _add_mount(subs: Subparsers) -> None:
     p.add_argument("--gid", type=_id, help="group shown for every file (with --uid)")
     _add_daemon_flags(p)
     _add_pool_flags(p)
+    _add_ckpt_flags(p)
+
+
+def _add_ckpt_flags(p: argparse.ArgumentParser) -> None:
+    """The checkpoint tier's flags (docs/CKPT.md)."""
+    g = p.add_argument_group(
+        "checkpoints",
+        "With --ckpt-store, MOUNTPOINT/ckpt/ is writable: files written there land in\n"
+        "the node-local --cache-dir at its speed, and each file closed after writing is\n"
+        "copied to the checkpoint store in the background (complete or not at all).\n"
+        "fsync: durable on this node; `dlfs flush MOUNTPOINT`: durable on the store.\n"
+        "The datasets stay read-only (EROFS).")
+    g.add_argument("--ckpt-store", type=_path, metavar="DIR",
+                   help="directory on the store's file system that checkpoints drain to "
+                        "(per job; needs --cache-dir; created if missing)")
+    g.add_argument("--drain-bandwidth", type=_size, metavar="BYTES/S",
+                   help="at most this many bytes/s to the checkpoint store, all copies "
+                        "together, e.g. 500M (default: as fast as the store takes them)")
+    g.add_argument("--drain-jobs", type=_positive, default=MountConfig.drain_jobs,
+                   help="files copied to the checkpoint store at once (default 2)")
 
 
 def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
@@ -310,7 +330,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
     for flag, path in (("--log-file", args.log_file), ("--summary-file", args.summary_file)):
         _check_file_target(flag, path)
     return MountConfig(
-        **_cluster_settings(args),
+        **_cluster_settings(args), **_ckpt_settings(args),
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
         workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
@@ -324,6 +344,30 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
         lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
+
+
+def _ckpt_settings(args: argparse.Namespace) -> dict:
+    """The checkpoint flags, checked before any daemon starts."""
+    if not args.ckpt_store:
+        if args.drain_bandwidth:
+            raise UsageError("--drain-bandwidth needs --ckpt-store")
+        return {}
+    if not args.cache_dir:
+        raise UsageError("--ckpt-store needs --cache-dir (the node-local directory "
+                         "checkpoints are written to before they drain)")
+    if args.workers < 2:
+        raise UsageError("--ckpt-store needs --workers 2 or more (the single-process mode "
+                         "serves datasets only)")
+    store = os.path.abspath(args.ckpt_store)
+    try:
+        os.makedirs(store, exist_ok=True)
+    except OSError as err:
+        raise DlfsError(f"--ckpt-store {store}: cannot create it ({err.strerror}); give a "
+                        "directory on the store's file system") from None
+    if not os.path.isdir(store):
+        raise DlfsError(f"--ckpt-store {store} is not a directory")
+    return dict(ckpt_store=store, drain_bandwidth=args.drain_bandwidth or 0,
+                drain_jobs=args.drain_jobs)
 
 
 def _check_file_target(flag: str, path: str | None) -> None:

@@ -1,0 +1,382 @@
+"""Drainer: copies closed checkpoint files from the node-local tier to the checkpoint
+store in the background (threads of the daemon's main process), never half a file.
+
+Each file is copied to a hidden temporary name beside its target
+(`.NAME.dlfs-drain-HOST-RANDOM`), hashed while read (xxh3-64), flushed to disk,
+read back and compared, and only then renamed to its name: a reader of the store
+sees a checkpoint file complete or not at all. If the local file changed while it
+was copied (its size or mtime moved), the copy is thrown away and made again.
+
+What is pending lives in dlfsd.ckpt.state; the ledger `drained` says what the store
+holds of each local file, so a scan of the tree (at start: resume after a crash or a
+reboot; then every SCAN_EVERY seconds, and on `dlfs flush`) finds every file whose
+local bytes the store does not have yet, whoever missed telling us.
+
+Failures (a read-only or full store, a network file system gone): the local copy
+stays, the file is tried again after a back-off that doubles from 0.5 s to 30 s,
+and the trouble is logged once when it starts and once when it ends, and shown in
+`dlfs status` until then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+
+import xxhash
+
+from dlfsd.ckpt.tier import Tier
+from dlfsd.ckpt.tree import CkptTree
+from dlfsd.throttle import pace
+
+log = logging.getLogger("dlfsd")
+
+BLOCK = 4 << 20
+SCAN_EVERY = 5.0  # seconds between scans of the tree for files nobody queued
+IDLE = 2.0  # seconds without a write after which an open file is drained anyway
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0
+TMP_MARK = b".dlfs-drain-"
+RATE_WINDOW = 10.0  # seconds the drain rate is averaged over
+
+
+def tmp_name(name: bytes) -> bytes:
+    host = socket.gethostname().encode(errors="replace").replace(b".", b"_")[:32]
+    return b"." + name + TMP_MARK + host + b"-" + secrets.token_hex(4).encode()
+
+
+class DrainStats:
+    """What the drain did (main process only; shown through DrainReport)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.files = self.bytes = self.failures = self.discarded = 0
+        self.recent: list[tuple[float, int]] = []  # (monotonic, bytes) of recent drains
+        self.error: str | None = None
+        self.failing_since: float | None = None
+
+    def drained(self, nbytes: int) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.files += 1
+            self.bytes += nbytes
+            self.recent.append((now, nbytes))
+
+    def rate(self) -> float:
+        """Bytes/s over the last RATE_WINDOW seconds."""
+        now = time.monotonic()
+        with self.lock:
+            self.recent = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW]
+            return sum(n for _, n in self.recent) / RATE_WINDOW
+
+
+class Drainer:
+    """The drain: `jobs` copying threads and a scanning thread, started by `start()`."""
+
+    def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
+                 idle: float = IDLE) -> None:
+        self.tier = tier
+        self.state = tier.state
+        self.jobs = max(1, jobs)
+        self.bandwidth = bandwidth  # bytes/s of all jobs together (0: unpaced)
+        self.idle_ns = int(idle * 1e9)
+        self.stats = DrainStats()
+        self._busy: set[int] = set()
+        self._busy_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._trees: dict[int, CkptTree] = {}  # per thread: its path cache
+
+    def _tree(self) -> CkptTree:
+        key = threading.get_ident()
+        tree = self._trees.get(key)
+        if tree is None:
+            tree = self._trees[key] = CkptTree(self.tier)
+        return tree
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Clean up our own leftovers on the store, find what is undrained, then drain."""
+        self._threads = [threading.Thread(target=self._scanning, name="ckpt-scan",
+                                          daemon=True)]
+        self._threads += [threading.Thread(target=self._draining, name=f"ckpt-drain-{i}",
+                                           daemon=True) for i in range(self.jobs)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- scanning --------------------------------------------------------------------------
+    def _scanning(self) -> None:
+        try:
+            self._remove_stale_temporaries()
+            resumed = scan(self.tier)
+            if resumed:
+                log.info("checkpoint tier %s: %d files not on the store %s yet; draining "
+                         "them", self.tier.root, len(resumed), self.tier.store)
+            while not self._stop.wait(SCAN_EVERY):
+                if scan(self.tier):
+                    self._wake.set()
+        except Exception:
+            log.exception("checkpoint scan failed")
+
+    def _remove_stale_temporaries(self) -> None:
+        """A drain cut short (daemon killed) leaves its temporary file: remove ours."""
+        host = tmp_name(b"x").split(TMP_MARK)[1].rsplit(b"-", 1)[0]
+        store = os.fsencode(self.tier.store)
+        for directory, _, files in os.walk(store):
+            for name in files:
+                if TMP_MARK + host + b"-" in name and name.startswith(b"."):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(directory, name))
+
+    # -- draining ----------------------------------------------------------------------------
+    def _draining(self) -> None:
+        while not self._stop.is_set():
+            job = self._next()
+            if job is None:
+                self._wake.wait(0.2)
+                self._wake.clear()
+                continue
+            ino, touched_ns = job
+            try:
+                self._drain(ino, touched_ns)
+            except Exception as err:
+                self._failed(ino, err)
+            finally:
+                with self._busy_lock:
+                    self._busy.discard(ino)
+
+    def _next(self) -> tuple[int, int] | None:
+        now = time.time_ns()
+        try:
+            due = self.state.due(self.idle_ns, now, self.jobs * 2 + 1)
+        except Exception as err:  # a locked database: try again soon
+            log.debug("checkpoint drain: %s", err)
+            return None
+        with self._busy_lock:
+            for ino, touched_ns in due:
+                if ino not in self._busy:
+                    self._busy.add(ino)
+                    return ino, touched_ns
+        return None
+
+    def _drain(self, ino: int, touched_ns: int) -> None:
+        tree = self._tree()
+        from dlfsd.ckpt.nodeids import CKPT_BIT
+
+        try:
+            path = tree.path_of(CKPT_BIT | ino)
+        except Exception:
+            self.state.drop_pending(ino)  # removed meanwhile
+            return
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            self.state.drop_pending(ino)
+            return
+        target_dir = os.path.dirname(self.tier.store_path(self.tier.relpath(path)))
+        os.makedirs(target_dir, exist_ok=True)
+        tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
+        try:
+            digest = self._copy(path, tmp, st.st_size)
+            if _changed(path, st):
+                self.stats.discarded += 1
+                self.state.failed(ino, "", time.time_ns() + self.idle_ns)  # written again
+                return
+            if _hash_file(tmp) != digest:
+                raise OSError(errno.EIO, f"the store's copy of {os.fsdecode(path)} reads "
+                                         "back different bytes")
+            with self.tier.mutating():
+                if not self._publish(tree, ino, touched_ns, st, tmp):
+                    return
+            tmp = None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        self.stats.drained(st.st_size)
+        if self.stats.failing_since is not None:
+            log.info("checkpoint drain to %s works again", self.tier.store)
+            self.stats.failing_since = None
+            self.stats.error = None
+
+    def _publish(self, tree: CkptTree, ino: int, touched_ns: int, st: os.stat_result,
+                 tmp: bytes) -> bool:
+        """Rename the checked copy into place at the path the file has now."""
+        from dlfsd.ckpt.nodeids import CKPT_BIT
+
+        try:
+            path = tree.path_of(CKPT_BIT | ino)
+        except Exception:
+            self.state.drop_pending(ino)
+            return False
+        if _changed(path, st):
+            self.state.failed(ino, "", time.time_ns())
+            return False
+        relpath = self.tier.relpath(path)
+        target = self.tier.store_path(relpath)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.rename(tmp, target)
+        _fsync_dir(os.path.dirname(target))
+        self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, relpath)
+        return True
+
+    def _copy(self, source: bytes, tmp: bytes, size: int) -> int:
+        """Copy `source` to `tmp` (paced to this job's share of --drain-bandwidth);
+        returns the xxh3-64 of the bytes read."""
+        rate = self.bandwidth // self.jobs if self.bandwidth else 0
+        hasher = xxhash.xxh3_64()
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                offset = 0
+                while True:
+                    if self._stop.is_set():
+                        raise OSError(errno.EINTR, "the daemon stops")
+                    started = time.monotonic()
+                    n = os.readv(src, [buf])
+                    if n == 0:
+                        break
+                    hasher.update(view[:n])
+                    done = 0
+                    while done < n:
+                        done += os.write(dst, view[done:n])
+                    offset += n
+                    pace(rate, n, started)
+                os.fsync(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        return hasher.intdigest()
+
+    def _failed(self, ino: int, err: Exception) -> None:
+        message = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        if isinstance(err, OSError) and err.filename:
+            message = f"{message}: {os.fsdecode(err.filename)}"
+        try:
+            tries = self.state.failed(ino, message, 0)
+            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(tries - 1, 0))
+            self.state.failed(ino, message, time.time_ns() + int(delay * 1e9))
+        except Exception:
+            delay = BACKOFF_MAX
+        self.stats.failures += 1
+        self.stats.error = message
+        if self.stats.failing_since is None:
+            self.stats.failing_since = time.time()
+            log.warning("checkpoint drain to %s fails (%s); the local copies stay in %s and "
+                        "are tried again with back-off", self.tier.store, message,
+                        self.tier.tree)
+
+    # -- what status shows ------------------------------------------------------------------
+    def report(self) -> dict:
+        """Pending files and bytes, the oldest, rate, ETA, totals, trouble."""
+        tree = self._tree()
+        from dlfsd.ckpt.nodeids import CKPT_BIT
+
+        queued = queued_bytes = 0
+        oldest = None
+        oldest_ns = None
+        for ino, since_ns, _tries, _error in self.state.pending_rows():
+            try:
+                path = tree.path_of(CKPT_BIT | ino)
+                size = os.lstat(path).st_size
+            except Exception:
+                continue
+            queued += 1
+            queued_bytes += size
+            if oldest is None:
+                oldest, oldest_ns = os.fsdecode(self.tier.relpath(path)), since_ns
+        rate = self.stats.rate()
+        return {
+            "store": self.tier.store, "local": str(self.tier.tree),
+            "queued_files": queued, "queued_bytes": queued_bytes,
+            "drained_files": self.stats.files, "drained_bytes": self.stats.bytes,
+            "drain_rate": rate,
+            "eta_seconds": (queued_bytes / rate) if rate > 0 else None,
+            "oldest_undrained": oldest,
+            "oldest_undrained_age": (time.time_ns() - oldest_ns) / 1e9 if oldest_ns else None,
+            "failures": self.stats.failures, "error": self.stats.error,
+            "failing_since": self.stats.failing_since,
+        }
+
+
+def scan(tier: Tier, under: bytes | None = None, force: bool = False) -> list[int]:
+    """Record every entry of the tree (under `under`) in the node table, and queue the
+    files whose local bytes are not on the store yet (by the ledger). Returns their
+    inodes. With `force` they are drained now, closed or not (`dlfs flush`)."""
+    state = tier.state
+    ledger = state.ledger()
+    top = tier.tree_bytes if under is None else os.path.join(tier.tree_bytes, under)
+    rows, dirty, stamps = [], [], []
+    for directory, dirs, files in os.walk(top):
+        try:
+            parent = os.lstat(directory).st_ino
+        except OSError:
+            continue
+        for name in dirs + files:
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            rows.append((st.st_ino, parent, name))
+            if stat.S_ISREG(st.st_mode):
+                rel = tier.relpath(os.path.join(directory, name))
+                if ledger.get(st.st_ino) != (st.st_size, st.st_mtime_ns, rel):
+                    dirty.append(st.st_ino)
+                    stamps.append(st.st_mtime_ns)
+    state.remember_many(rows)
+    if force:
+        state.force(dirty, time.time_ns())
+    else:
+        state.ensure_pending(list(zip(dirty, stamps, strict=True)))
+    return dirty
+
+
+def _changed(path: bytes, st: os.stat_result) -> bool:
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return True
+    return (now.st_ino, now.st_size, now.st_mtime_ns) != (st.st_ino, st.st_size,
+                                                          st.st_mtime_ns)
+
+
+def _hash_file(path: bytes) -> int:
+    hasher = xxhash.xxh3_64()
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        while n := os.readv(fd, [buf]):
+            hasher.update(view[:n])
+    finally:
+        os.close(fd)
+    return hasher.intdigest()
+
+
+def _fsync_dir(path: bytes) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
