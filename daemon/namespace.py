@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from dlfs.errors import DlfsError, IsADirError, NoAttributeError, NotADirError, NotFoundError, ReadOnlyError
+from dlfs.errors import (
+    DlfsError,
+    IsADirError,
+    NoAttributeError,
+    NotADirError,
+    NotFoundError,
+    ReadOnlyError,
+)
 from dlfs.store.directory import SampleDirectory
 from dlfs.store.store import Dataset
 from dlfsd.ckpt.nodeids import CKPT_BIT, CKPT_NAME

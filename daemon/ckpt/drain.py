@@ -194,8 +194,8 @@ class Drainer:
         try:
             digest = self._copy(path, tmp, st.st_size)
             if _changed(path, st):
-                self.stats.discarded += 1
-                self.state.failed(ino, "", time.time_ns() + self.idle_ns)  # written again
+                self.stats.discarded += 1  # written again meanwhile: once it is idle
+                self.state.postpone(ino, time.time_ns() + self.idle_ns)
                 return
             if _hash_file(tmp) != digest:
                 raise OSError(errno.EIO, f"the store's copy of {os.fsdecode(path)} reads "
@@ -225,7 +225,7 @@ class Drainer:
             self.state.drop_pending(ino)
             return False
         if _changed(path, st):
-            self.state.failed(ino, "", time.time_ns())
+            self.state.postpone(ino, time.time_ns())
             return False
         relpath = self.tier.relpath(path)
         target = self.tier.store_path(relpath)
@@ -273,11 +273,10 @@ class Drainer:
         if isinstance(err, OSError) and err.filename:
             message = f"{message}: {os.fsdecode(err.filename)}"
         try:
-            tries = self.state.failed(ino, message, 0)
-            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(tries - 1, 0))
+            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** self.state.tries(ino))
             self.state.failed(ino, message, time.time_ns() + int(delay * 1e9))
         except Exception:
-            delay = BACKOFF_MAX
+            log.debug("checkpoint drain: cannot note a failure", exc_info=True)
         self.stats.failures += 1
         self.stats.error = message
         if self.stats.failing_since is None:

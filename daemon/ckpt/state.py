@@ -120,7 +120,7 @@ class CkptState:
             db.execute("BEGIN IMMEDIATE")
             db.executemany(
                 "INSERT INTO pending(ino, since_ns, touched_ns, forced) VALUES (?, ?, ?, 1) "
-                "ON CONFLICT(ino) DO UPDATE SET forced=1, retry_ns=0", 
+                "ON CONFLICT(ino) DO UPDATE SET forced=1, retry_ns=0",
                 [(ino, now_ns, now_ns) for ino in inos])
 
     def due(self, idle_ns: int, now_ns: int, limit: int) -> list[tuple[int, int]]:
@@ -137,16 +137,22 @@ class CkptState:
         with db:
             db.execute("BEGIN IMMEDIATE")
             db.execute("DELETE FROM pending WHERE ino=? AND touched_ns=?", (ino, touched_ns))
+            db.execute("UPDATE pending SET tries=0, error=NULL WHERE ino=?", (ino,))
             db.execute("INSERT OR REPLACE INTO drained VALUES (?, ?, ?, ?, ?)",
                        (ino, size, mtime_ns, relpath, time.time_ns()))
 
-    def failed(self, ino: int, error: str, retry_ns: int) -> int:
-        """A drain of `ino` failed: try again at `retry_ns`. Returns the tries so far."""
-        db = self.db()
-        db.execute("UPDATE pending SET tries=tries+1, retry_ns=?, error=? WHERE ino=?",
-                   (retry_ns, error, ino))
-        row = db.execute("SELECT tries FROM pending WHERE ino=?", (ino,)).fetchone()
+    def failed(self, ino: int, error: str, retry_ns: int) -> None:
+        """A drain of `ino` failed: try again at `retry_ns`."""
+        self.db().execute("UPDATE pending SET tries=tries+1, retry_ns=?, error=? WHERE ino=?",
+                          (retry_ns, error, ino))
+
+    def tries(self, ino: int) -> int:
+        row = self.db().execute("SELECT tries FROM pending WHERE ino=?", (ino,)).fetchone()
         return row[0] if row else 0
+
+    def postpone(self, ino: int, retry_ns: int) -> None:
+        """Not a failure: the file changed while it was copied; copy it again later."""
+        self.db().execute("UPDATE pending SET retry_ns=? WHERE ino=?", (retry_ns, ino))
 
     def drop_pending(self, ino: int) -> None:
         self.db().execute("DELETE FROM pending WHERE ino=?", (ino,))

@@ -193,7 +193,7 @@ class CkptTree:
         return self._learn(directory, name, st)
 
     def getattr(self, nodeid: int) -> Attr:
-        path, st = self._resolve(nodeid)
+        _path, st = self._resolve(nodeid)
         return _attr(st.st_ino, st)
 
     def setattr(self, nodeid: int, mode: int | None = None, size: int | None = None,
@@ -320,7 +320,7 @@ class CkptTree:
         """Rename locally; what the store holds under the old name moves with it (one
         rename on the store), so a checkpoint written then renamed into place is not
         copied twice."""
-        old_dir, old = self._child(parent, name)
+        _old_dir, old = self._child(parent, name)
         new_dir, new = self._child(new_parent, new_name)
         with self.tier.mutating():
             try:
