@@ -34,7 +34,6 @@ import xxhash
 
 from dlfsd.ckpt.tier import Tier
 from dlfsd.ckpt.tree import CkptTree
-from dlfsd.throttle import pace
 
 log = logging.getLogger("dlfsd")
 
@@ -76,6 +75,28 @@ class DrainStats:
             return sum(n for _, n in self.recent) / RATE_WINDOW
 
 
+class SharedPace:
+    """--drain-bandwidth for all copying threads together: each block books the next
+    n / rate seconds of one shared clock and waits until its booking ends (one file
+    alone gets the whole rate; several share it)."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._booked = 0.0
+
+    def wait(self, nbytes: int, started: float) -> None:
+        """After a block of `nbytes` whose copy began at `started` (monotonic)."""
+        if self.rate <= 0:
+            return
+        with self._lock:
+            self._booked = max(self._booked, started) + nbytes / self.rate
+            until = self._booked
+        delay = until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
 class Drainer:
     """The drain: `jobs` copying threads and a scanning thread, started by `start()`."""
 
@@ -84,7 +105,7 @@ class Drainer:
         self.tier = tier
         self.state = tier.state
         self.jobs = max(1, jobs)
-        self.bandwidth = bandwidth  # bytes/s of all jobs together (0: unpaced)
+        self.pace = SharedPace(bandwidth)  # bytes/s of all jobs together (0: unpaced)
         self.idle_ns = int(idle * 1e9)
         self.stats = DrainStats()
         self._busy: set[int] = set()
@@ -237,9 +258,8 @@ class Drainer:
         return True
 
     def _copy(self, source: bytes, tmp: bytes, size: int) -> int:
-        """Copy `source` to `tmp` (paced to this job's share of --drain-bandwidth);
+        """Copy `source` to `tmp` (paced to --drain-bandwidth);
         returns the xxh3-64 of the bytes read."""
-        rate = self.bandwidth // self.jobs if self.bandwidth else 0
         hasher = xxhash.xxh3_64()
         buf = bytearray(BLOCK)
         view = memoryview(buf)
@@ -260,7 +280,7 @@ class Drainer:
                     while done < n:
                         done += os.write(dst, view[done:n])
                     offset += n
-                    pace(rate, n, started)
+                    self.pace.wait(n, started)
                 os.fsync(dst)
             finally:
                 os.close(dst)

@@ -19,7 +19,7 @@ from dlfs.errors import EXIT_OK, DlfsError, UsageError
 from dlfs.runtime import mountpoint_path
 from dlfs.sizes import format_size
 
-POLL = 0.5
+POLL = 0.2  # seconds between questions (each walks the checkpoint dir once)
 
 
 def register(subs: Subparsers) -> None:
