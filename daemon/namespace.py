@@ -38,11 +38,13 @@ from dlfsd.ckpt.nodeids import CKPT_BIT, CKPT_NAME
 from dlfsd.obs.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
 from dlfsd.obs.observe import Observability, ObserveConfig
 from dlfsd.obs.trace import (
+    CKPT_DATASET,
     OP_GETATTR,
     OP_LOOKUP,
     OP_OPEN,
     OP_READ,
     OP_RELEASE,
+    OP_WRITE,
     TRACED_FH,
     handle_inode,
 )
@@ -408,10 +410,22 @@ class Namespace:
             pid, uid = self.trace.opener(fh)
             self.trace.record(OP_RELEASE, k, row, 0, 0, 0, pid, uid)
 
+    def write_ckpt(self, ino: int, offset: int, data, caller) -> int:
+        """A WRITE into the checkpoint subtree, traced like reads while tracing."""
+        if not self._tracing[0]:
+            return self.ckpt.write(ino, offset, data)
+        started = perf_counter_ns()
+        n = self.ckpt.write(ino, offset, data)
+        self.trace.record(OP_WRITE, CKPT_DATASET, ino & ~CKPT_BIT, offset, n,
+                          perf_counter_ns() - started, caller.pid, caller.uid)
+        return n
+
     def _trace_inode(self, op: int, ino: int, caller, started: int) -> None:
         """Trace a metadata operation on `ino` (dataset -1, row = inode outside datasets)."""
         if FIRST_DATASET_INODE <= ino < self._end:
             k, row = self._locate(ino)
+        elif ino >= CKPT_BIT:
+            k, row = CKPT_DATASET, ino & ~CKPT_BIT
         else:
             k, row = -1, ino
         self.trace.record(op, k, row, 0, 0, perf_counter_ns() - started, caller.pid,

@@ -149,8 +149,15 @@ def test_flush_of_one_path_and_the_flags_it_needs(mounted, small_store, tmp_path
                         tmp_path / "s")
     assert no_cache.returncode != 0 and "--ckpt-store needs --cache-dir" in no_cache.stderr
     m = ckpt_mount(mounted, small_store, tmp_path, "--drain-bandwidth", "64M")
+    assert run_dlfs("trace", "start", m.path).returncode == 0
     (m.path / "ckpt" / "a").mkdir()
     (m.path / "ckpt" / "a" / "one").write_bytes(b"1" * 100_000)
+    traced = run_dlfs("trace", "stop", m.path, "-o", tmp_path / "trace.csv")
+    assert traced.returncode == 0, traced.stderr
+    writes = [line.split(",") for line in (tmp_path / "trace.csv").read_text().splitlines()
+              if ",write,ckpt," in line]
+    assert sum(int(w[7]) for w in writes) == 100_000  # the size column
+    assert {int(w[1]) for w in writes} == {os.getpid()}  # the writer's pid
     result = flush(m, str(m.path / "ckpt" / "a"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "ckstore" / "a" / "one").read_bytes() == b"1" * 100_000

@@ -291,7 +291,7 @@ class WireWorker:
         flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
         if nodeid >= CKPT_BIT:
             self.ckpt.open(nodeid, flags)
-            return fw.OPEN_OUT.pack(CKPT_FH, fw.FOPEN_KEEP_CACHE, 0)
+            return fw.OPEN_OUT.pack(CKPT_FH, _ckpt_open_flags(flags), 0)
         self.ns.check_open(nodeid, flags)
         if not self.answer_opens:
             # FUSE no_open: from this reply on the kernel opens and closes files
@@ -392,6 +392,18 @@ CKPT_FH = 1  # the handle of an open checkpoint file (descriptors are per proces
 CKPT_ATTR_TIMEOUT = 1.0  # seconds the kernel keeps a checkpoint entry's attributes
 
 
+#: Checkpoint files opened for writing bypass the kernel's page cache (the backing file
+#: has one already): each write() reaches the daemon as it is (up to max_write), with
+#: one copy less and no second cached copy; set DLFS_CKPT_CACHED_WRITES=1 to compare.
+CKPT_DIRECT_WRITES = os.environ.get("DLFS_CKPT_CACHED_WRITES") != "1"
+
+
+def _ckpt_open_flags(flags: int) -> int:
+    if CKPT_DIRECT_WRITES and flags & (os.O_WRONLY | os.O_RDWR):
+        return fw.FOPEN_DIRECT_IO
+    return fw.FOPEN_KEEP_CACHE
+
+
 class CkptRequests:
     """The requests that change the checkpoint subtree: each becomes one CkptTree call;
     outside it the core refuses them (EROFS), as without a checkpoint tier."""
@@ -417,7 +429,8 @@ class CkptRequests:
         self._mine(nodeid, "write")
         _, offset, size, _, _, _, _ = fw.WRITE_IN.unpack_from(self.w._buf, _HEADER)
         start = _HEADER + fw.WRITE_IN.size
-        written = self.ckpt.write(nodeid, offset, self.w._view[start:start + size])
+        written = self.ns.write_ckpt(nodeid, offset, self.w._view[start:start + size],
+                                     self.w.caller)
         return fw.WRITE_OUT.pack(written, 0)
 
     def setattr(self, nodeid: int, n: int) -> bytes:
@@ -438,7 +451,7 @@ class CkptRequests:
         flags, mode, umask, _ = fw.CREATE_IN.unpack_from(self.w._buf, _HEADER)
         name = self.w._name_arg(n, _HEADER + fw.CREATE_IN.size)
         attr = self.ckpt.create(nodeid, name, flags, mode & ~umask)
-        return self._entry(attr) + fw.OPEN_OUT.pack(CKPT_FH, 0, 0)
+        return self._entry(attr) + fw.OPEN_OUT.pack(CKPT_FH, _ckpt_open_flags(flags), 0)
 
     def mknod(self, nodeid: int, n: int) -> bytes:
         self._mine(nodeid, "mknod")
@@ -500,7 +513,7 @@ class _Errno(Exception):
 
 
 _OPNAMES = {v: k.lower() for k, v in vars(fw).items() if k.isupper() and isinstance(v, int)
-            and not k.startswith(("FOPEN", "BLK", "REQUEST"))}
+            and not k.startswith(("FOPEN", "BLK", "REQUEST", "FATTR", "FSYNC_", "CKPT"))}
 
 
 def _name(opcode: int) -> str:
