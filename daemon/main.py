@@ -563,11 +563,12 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     tier.state.reset_nodes(tier.root_ino)
     undrained = scan(tier)  # resume: files an earlier mount did not drain
     written = WriteCounter(namespace.observe.slot)
-    namespace.attach_ckpt(CkptTree(tier, written))
+    namespace.attach_ckpt(CkptTree(tier, written, config.ckpt_limit_wait))
     report = SharedJson()
     namespace.observe.add_section("ckpt", report.read)
     services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
-                                 config.ckpt_idle), written, report)
+                                 config.ckpt_idle, config.ckpt_limit, config.ckpt_keep),
+                         written, report)
     log.info("checkpoint directory %s/ckpt: written to %s, drained to %s%s",
              config.mountpoint, tier.tree, tier.store,
              f" ({len(undrained)} files from an earlier mount still to drain)"

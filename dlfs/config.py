@@ -73,6 +73,9 @@ class MountConfig:
     drain_bandwidth: int = 0  # bytes/s all drain copies together (0: as fast as they go)
     drain_jobs: int = 2  # files copied to the checkpoint store at once
     ckpt_idle: float = 2.0  # seconds without a write before an unclosed file is drained
+    ckpt_limit: int = 0  # bytes the local copies may take (0: no limit, nothing evicted)
+    ckpt_keep: int = 1  # newest checkpoints (top-level entries of ckpt/) never evicted
+    ckpt_limit_wait: float = 60.0  # seconds a write waits for room before ENOSPC
 
     @property
     def pooled(self) -> bool:

@@ -233,3 +233,61 @@ def test_a_read_only_store_keeps_the_local_copy_and_drains_once_writable(
         assert "works again" in m.log_text()
         assert status_of(m)["ckpt"]["error"] is None
         run_dlfs("umount", m.path)
+
+
+def local_blocks(tmp: Path, rel: str) -> int:
+    tree = next((tmp / "cache" / "ckpt").glob("*/tree"))
+    return os.stat(tree / rel).st_blocks
+
+
+def wait_for(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_ckpt_limit_evicts_the_oldest_drained_keeps_the_newest_and_fails_enospc_when_full(
+        mounted, small_store, tmp_path):
+    m = ckpt_mount(mounted, small_store, tmp_path, "--ckpt-limit", "3M", "--ckpt-keep", "1",
+                   "--ckpt-limit-wait", "3")
+    one, two = os.urandom(2 << 20), os.urandom(2 << 20)
+    (m.path / "ckpt" / "step-1").mkdir()
+    (m.path / "ckpt" / "step-1" / "model.bin").write_bytes(one)
+    assert flush(m).returncode == 0
+    time.sleep(0.05)  # step-2 is the newer checkpoint
+    (m.path / "ckpt" / "step-2").mkdir()
+    (m.path / "ckpt" / "step-2" / "model.bin").write_bytes(two)
+    assert flush(m).returncode == 0
+    assert wait_for(lambda: local_blocks(tmp_path, "step-1/model.bin") == 0), \
+        "the older drained checkpoint was not evicted"
+    assert local_blocks(tmp_path, "step-2/model.bin") > 0  # the newest stays local
+    assert (m.path / "ckpt" / "step-1" / "model.bin").read_bytes() == one  # from the store
+    assert wait_for(lambda: status_of(m)["ckpt"]["evicted_files"] >= 1)  # rewritten each second
+
+    # writing into an evicted file copies it back first
+    with open(m.path / "ckpt" / "step-1" / "model.bin", "r+b") as f:
+        f.write(b"X")
+    assert (m.path / "ckpt" / "step-1" / "model.bin").read_bytes() == b"X" + one[1:]
+    assert flush(m).returncode == 0
+    assert (tmp_path / "ckstore" / "step-1" / "model.bin").read_bytes() == b"X" + one[1:]
+    # step-1 is now the newest: step-2 goes
+    assert wait_for(lambda: local_blocks(tmp_path, "step-2/model.bin") == 0)
+    assert (m.path / "ckpt" / "step-2" / "model.bin").read_bytes() == two
+
+    # the newest checkpoint alone outgrows the limit: its writes wait, then ENOSPC
+    with pytest.raises(OSError) as err, \
+            open(m.path / "ckpt" / "step-1" / "more.bin", "wb") as f:
+        for _ in range(100):  # the limit is checked each second
+            f.write(b"m" * (1 << 20))
+            f.flush()
+            time.sleep(0.05)
+    assert err.value.errno == errno.ENOSPC
+    assert (m.path / "ckpt" / "step-2" / "model.bin").read_bytes() == two  # others unharmed
+    os.unlink(m.path / "ckpt" / "step-1" / "more.bin")
+    assert wait_for(lambda: not status_of(m)["ckpt"]["full"])
+    (m.path / "ckpt" / "step-3").write_bytes(b"fits again")
+    assert flush(m).returncode == 0
+    assert (tmp_path / "ckstore" / "step-3").read_bytes() == b"fits again"

@@ -43,6 +43,9 @@ IDLE = 2.0  # seconds without a write after which an open file is drained anyway
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0
 TMP_MARK = b".dlfs-drain-"
 RATE_WINDOW = 10.0  # seconds the drain rate is averaged over
+LIMIT_EVERY = 1.0  # seconds between checks of --ckpt-limit
+LOW_WATER = 0.9  # eviction under --ckpt-limit goes down to this share of it
+EVICT_GRACE = 0.05  # seconds between telling processes to drop a copy and removing it
 
 
 def tmp_name(name: bytes) -> bytes:
@@ -101,8 +104,13 @@ class Drainer:
     """The drain: `jobs` copying threads and a scanning thread, started by `start()`."""
 
     def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
-                 idle: float = IDLE) -> None:
+                 idle: float = IDLE, limit: int = 0, keep: int = 1) -> None:
+        """`limit`: bytes the local copies may take (0: none; nothing is evicted);
+        `keep`: the newest top-level entries of the tree never evicted."""
         self.tier = tier
+        self.limit, self.keep = limit, keep
+        self.local_bytes = 0
+        self.evicted_files = 0
         self.state = tier.state
         self.jobs = max(1, jobs)
         self.pace = SharedPace(bandwidth)  # bytes/s of all jobs together (0: unpaced)
@@ -149,11 +157,60 @@ class Drainer:
             if resumed:
                 log.info("checkpoint tier %s: %d files not on the store %s yet; draining "
                          "them", self.tier.root, len(resumed), self.tier.store)
-            while not self._stop.wait(SCAN_EVERY):
-                if scan(self.tier):
-                    self._wake.set()
+            last_scan = time.monotonic()
+            while not self._stop.wait(LIMIT_EVERY if self.limit else SCAN_EVERY):
+                if self.limit:
+                    self._enforce_limit()
+                if time.monotonic() - last_scan >= SCAN_EVERY:
+                    last_scan = time.monotonic()
+                    if scan(self.tier):
+                        self._wake.set()
         except Exception:
             log.exception("checkpoint scan failed")
+
+    # -- the limit -------------------------------------------------------------------------
+    def _enforce_limit(self) -> None:
+        """Evict drained files, oldest drain first, never from the `keep` newest
+        checkpoints, until the local copies take LOW_WATER of the limit; say "full"
+        (writes wait, then ENOSPC) while they take the whole limit."""
+        files = local_files(self.tier)
+        used = sum(blocks for _, _, _, blocks in files)
+        if used > self.limit * LOW_WATER:
+            used -= self._evict(files, used - int(self.limit * LOW_WATER))
+        self.local_bytes = used
+        self.tier.set_full(used >= self.limit)
+
+    def _evict(self, files: list, want: int) -> int:
+        ledger = self.state.ledger()
+        evicted = self.state.evicted()
+        kept = newest_entries(self.tier, self.keep)
+        order = {ino: n for n, (ino, _, _) in enumerate(self.state.drained_rows())}
+        candidates = sorted(
+            (order[st.st_ino], path, st, blocks) for path, rel, st, blocks in files
+            if st.st_ino in order and st.st_ino not in evicted and blocks
+            and ledger.get(st.st_ino) == (st.st_size, st.st_mtime_ns, rel)
+            and rel.split(b"/", 1)[0] not in kept)
+        freed = 0
+        for _, path, st, blocks in candidates:
+            if freed >= want:
+                break
+            if self._evict_one(path, st):
+                freed += blocks
+                self.evicted_files += 1
+        return freed
+
+    def _evict_one(self, path: bytes, st: os.stat_result) -> bool:
+        with self.tier.mutating():
+            if _changed(path, st) or self.state.is_pending(st.st_ino):
+                return False
+            self.state.mark_evicted(st.st_ino)
+            self.tier.bump_epoch()  # every process drops its descriptor of the local copy
+            time.sleep(EVICT_GRACE)  # a read that began before the bump ends first
+            os.truncate(path, 0)
+            os.truncate(path, st.st_size)  # a hole of the same size, inode and mtime
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        log.debug("evicted the local copy of checkpoint %s", os.fsdecode(path))
+        return True
 
     def _remove_stale_temporaries(self) -> None:
         """A drain cut short (daemon killed) leaves its temporary file: remove ours."""
@@ -334,8 +391,45 @@ class Drainer:
             "oldest_undrained": oldest,
             "oldest_undrained_age": (time.time_ns() - oldest_ns) / 1e9 if oldest_ns else None,
             "failures": self.stats.failures, "error": self.stats.error,
+            "limit": self.limit, "local_bytes": self.local_bytes if self.limit else None,
+            "evicted_files": self.evicted_files, "full": self.tier.full(),
             "failing_since": self.stats.failing_since,
         }
+
+
+def local_files(tier: Tier) -> list[tuple[bytes, bytes, os.stat_result, int]]:
+    """(path, relpath, stat, bytes on disk) of every regular file of the tree."""
+    found = []
+    for directory, _, files in os.walk(tier.tree_bytes):
+        for name in files:
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode):
+                    found.append((path, tier.relpath(path), st, st.st_blocks * 512))
+    return found
+
+
+def newest_entries(tier: Tier, keep: int) -> set[bytes]:
+    """Names of the `keep` newest top-level entries of the tree (the last checkpoints)."""
+    if keep <= 0:
+        return set()
+    entries = []
+    for entry in os.scandir(tier.tree_bytes):
+        with contextlib.suppress(OSError):
+            entries.append((newest_mtime(entry.path), entry.name))
+    return {name for _, name in sorted(entries, reverse=True)[:keep]}
+
+
+def newest_mtime(path: bytes) -> int:
+    """The newest mtime of `path` and everything under it."""
+    newest = os.lstat(path).st_mtime_ns
+    if os.path.isdir(path) and not os.path.islink(path):
+        for directory, dirs, files in os.walk(path):
+            for name in dirs + files:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(directory, name)).st_mtime_ns)
+    return newest
 
 
 def scan(tier: Tier, under: bytes | None = None, force: bool = False) -> list[int]:

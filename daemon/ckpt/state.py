@@ -13,6 +13,9 @@ Tables:
   nodes(ino, parent, name)      where each local entry is (the root: parent 0)
   pending(ino, since_ns, touched_ns, closed, forced, tries, retry_ns, error)
                                  files whose local bytes are not on the store yet
+  evicted(ino)                   drained files whose local copy was evicted (--ckpt-limit):
+                                 a sparse file of the same size, mtime and inode; reads go
+                                 to the store's copy, a write first copies it back
   drained(ino, size, mtime_ns, relpath, drained_ns)
                                  what the store holds of each local file (the ledger:
                                  a file whose size, mtime or path differs is dirty)
@@ -32,6 +35,7 @@ CREATE TABLE IF NOT EXISTS pending(ino INTEGER PRIMARY KEY, since_ns INTEGER NOT
                                    touched_ns INTEGER NOT NULL, closed INTEGER DEFAULT 0,
                                    forced INTEGER DEFAULT 0, tries INTEGER DEFAULT 0,
                                    retry_ns INTEGER DEFAULT 0, error TEXT);
+CREATE TABLE IF NOT EXISTS evicted(ino INTEGER PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS drained(ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
                                    mtime_ns INTEGER NOT NULL, relpath BLOB NOT NULL,
                                    drained_ns INTEGER NOT NULL);
@@ -91,6 +95,25 @@ class CkptState:
             db.execute("DELETE FROM nodes WHERE ino=?", (ino,))
             db.execute("DELETE FROM pending WHERE ino=?", (ino,))
             db.execute("DELETE FROM drained WHERE ino=?", (ino,))
+            db.execute("DELETE FROM evicted WHERE ino=?", (ino,))
+
+    # -- evicted ---------------------------------------------------------------------
+    def mark_evicted(self, ino: int) -> None:
+        self.db().execute("INSERT OR IGNORE INTO evicted VALUES (?)", (ino,))
+
+    def is_evicted(self, ino: int) -> bool:
+        return self.db().execute("SELECT 1 FROM evicted WHERE ino=?", (ino,)).fetchone() \
+            is not None
+
+    def unevict(self, ino: int) -> None:
+        self.db().execute("DELETE FROM evicted WHERE ino=?", (ino,))
+
+    def evicted(self) -> set[int]:
+        return {row[0] for row in self.db().execute("SELECT ino FROM evicted")}
+
+    def is_pending(self, ino: int) -> bool:
+        return self.db().execute("SELECT 1 FROM pending WHERE ino=?", (ino,)).fetchone() \
+            is not None
 
     # -- pending -----------------------------------------------------------------------
     def touch(self, ino: int, now_ns: int | None = None) -> None:

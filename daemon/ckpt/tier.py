@@ -59,7 +59,7 @@ class Tier:
         self.state = CkptState(str(self.root / "state.db"))
         # Bumped whenever an entry is removed or replaced: every process then closes the
         # descriptors it keeps (a new file may reuse a removed one's inode number).
-        self.epoch = mmap.mmap(-1, 8)
+        self.epoch = mmap.mmap(-1, 16)  # [epoch, full: the local copies reached the limit]
         self._mutate_path = self.root / ".mutate"
         self._mutate: tuple[int, int] | None = None  # (pid, fd)
         self._mutate_thread = threading.Lock()
@@ -75,6 +75,13 @@ class Tier:
 
     def current_epoch(self) -> int:
         return int.from_bytes(self.epoch[:8], "little")
+
+    def set_full(self, full: bool) -> None:
+        """--ckpt-limit reached: writes wait (dlfsd.ckpt.tree), the drain evicts."""
+        self.epoch[8:16] = int(full).to_bytes(8, "little")
+
+    def full(self) -> bool:
+        return self.epoch[8] != 0
 
     @contextlib.contextmanager
     def mutating(self):

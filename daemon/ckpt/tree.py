@@ -69,9 +69,12 @@ def _checked_name(name: bytes) -> bytes:
 class CkptTree:
     """The checkpoint subtree's POSIX operations, by node id (any process)."""
 
-    def __init__(self, tier: Tier, written=None) -> None:
-        """`written`: a shared int64 array with a row per process (dlfsd.ckpt.counters)."""
+    def __init__(self, tier: Tier, written=None, limit_wait: float = 60.0) -> None:
+        """`written`: dlfsd.ckpt.counters.WriteCounter; `limit_wait`: seconds a write
+        waits for room under --ckpt-limit before ENOSPC."""
         self.tier = tier
+        self.limit_wait = limit_wait
+        self._from_store: set[int] = set()  # inodes whose kept descriptor is the store's
         self.state = tier.state
         self.root_nodeid = CKPT_BIT | tier.root_ino
         self.written = written
@@ -144,12 +147,20 @@ class CkptTree:
             self._epoch = epoch
         ino = nodeid & ~CKPT_BIT
         fd = self._fds.get(ino)
-        if fd is not None:
+        if fd is not None and not (writing and ino in self._from_store):
             self._fds.move_to_end(ino)
             return fd
         path, st = self._resolve(nodeid)
         if not stat.S_ISREG(st.st_mode):
             raise PosixError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        if self.state.is_evicted(ino):
+            if not writing:  # served from the store's copy (the local one is a hole)
+                fd = self._store_fd(ino)
+                self._keep(ino, fd)
+                self._from_store.add(ino)
+                return fd
+            self._restore(ino, path)
+        self._from_store.discard(ino)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except PermissionError:
@@ -158,6 +169,48 @@ class CkptTree:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._keep(ino, fd)
         return fd
+
+    def _store_fd(self, ino: int) -> int:
+        relpath = self.state.drained_at(ino)
+        if relpath is None:
+            raise PosixError(errno.EIO, "evicted checkpoint file without a store copy")
+        try:
+            return os.open(self.tier.store_path(relpath), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise PosixError(errno.EIO, f"the store's copy of an evicted checkpoint file: "
+                                        f"{err.strerror}") from None
+
+    def _restore(self, ino: int, path: bytes) -> None:
+        """An evicted file is written again: copy the store's bytes back first."""
+        with self.tier.mutating():
+            if not self.state.is_evicted(ino):
+                return  # another process did
+            ledger = self.state.ledger().get(ino)
+            source = self._store_fd(ino)
+            try:
+                target = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    offset = 0
+                    while chunk := os.pread(source, 4 << 20, offset):
+                        os.pwrite(target, chunk, offset)
+                        offset += len(chunk)
+                    os.fsync(target)
+                finally:
+                    os.close(target)
+            finally:
+                os.close(source)
+            if ledger is not None:
+                os.utime(path, ns=(time.time_ns(), ledger[1]))  # still the drained bytes
+            self.state.unevict(ino)
+            self.tier.bump_epoch()
+
+    def _wait_for_room(self) -> None:
+        """--ckpt-limit reached: wait for the drain to make room, else ENOSPC."""
+        deadline = time.monotonic() + self.limit_wait
+        while self.tier.full():
+            if time.monotonic() > deadline:
+                raise PosixError(errno.ENOSPC, "checkpoint tier full (--ckpt-limit)")
+            time.sleep(0.05)
 
     def _keep(self, ino: int, fd: int) -> None:
         old = self._fds.pop(ino, None)
@@ -171,8 +224,10 @@ class CkptTree:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._from_store.clear()
 
     def _drop_fd(self, ino: int) -> None:
+        self._from_store.discard(ino)
         fd = self._fds.pop(ino, None)
         if fd is not None:
             os.close(fd)
@@ -208,6 +263,8 @@ class CkptTree:
             if size is not None:
                 if not stat.S_ISREG(st.st_mode):
                     raise PosixError(errno.EISDIR)
+                if self.state.is_evicted(ino):
+                    self._restore(ino, path)
                 os.truncate(path, size)
                 self._touch(ino)
             if atime_ns is not None or mtime_ns is not None or now_atime or now_mtime:
@@ -260,6 +317,13 @@ class CkptTree:
         except OSError as err:
             raise PosixError(err.errno or errno.EIO, "create") from None
         attr = self._learn(directory, name, st)
+        if self.state.is_evicted(st.st_ino):  # an existing file whose copy was evicted
+            os.close(fd)
+            if flags & os.O_TRUNC:
+                self._unevict_truncated(attr.ino)
+            else:
+                self._restore(st.st_ino, path)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self._keep(st.st_ino, fd)
         self._touch(st.st_ino)
         return attr
@@ -347,15 +411,29 @@ class CkptTree:
     # -- data ----------------------------------------------------------------------------
     def open(self, nodeid: int, flags: int) -> None:
         """An open the daemon answers: O_TRUNC is done here (the kernel leaves it to us)."""
-        fd = self._fd(nodeid, writing=bool(flags & (os.O_WRONLY | os.O_RDWR)))
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if writing and flags & os.O_TRUNC:
+            self._unevict_truncated(nodeid)
+        fd = self._fd(nodeid, writing=writing)
         if flags & os.O_TRUNC:
             os.ftruncate(fd, 0)
             self._touch(nodeid & ~CKPT_BIT)
+
+    def _unevict_truncated(self, nodeid: int) -> None:
+        """An evicted file opened with O_TRUNC: nothing to copy back."""
+        path, st = self._resolve(nodeid)
+        if self.state.is_evicted(st.st_ino):
+            with self.tier.mutating():
+                os.truncate(path, 0)
+                self.state.unevict(st.st_ino)
+                self.tier.bump_epoch()
 
     def read(self, nodeid: int, offset: int, size: int) -> bytes:
         return os.pread(self._fd(nodeid, writing=False), size, offset)
 
     def write(self, nodeid: int, offset: int, data) -> int:
+        if self.tier.full():
+            self._wait_for_room()
         fd = self._fd(nodeid, writing=True)
         n = os.pwrite(fd, data, offset)
         self._touch(nodeid & ~CKPT_BIT)

@@ -101,6 +101,19 @@ def _add_ckpt_flags(p: argparse.ArgumentParser) -> None:
                         "together, e.g. 500M (default: as fast as the store takes them)")
     g.add_argument("--drain-jobs", type=_positive, default=MountConfig.drain_jobs,
                    help="files copied to the checkpoint store at once (default 2)")
+    g.add_argument("--ckpt-limit", type=_size, metavar="SIZE",
+                   help="the local copies take at most SIZE, e.g. 200G: drained files are "
+                        "evicted from the node cache oldest drain first (read from the store "
+                        "afterwards); when nothing can go, writes wait for the drain, then "
+                        "fail with ENOSPC (default: no limit, nothing evicted)")
+    g.add_argument("--ckpt-keep", type=_non_negative, default=MountConfig.ckpt_keep,
+                   metavar="N",
+                   help="with --ckpt-limit: never evict the N newest checkpoints (entries of "
+                        "MOUNTPOINT/ckpt/, by mtime), for a fast restart (default 1)")
+    g.add_argument("--ckpt-limit-wait", type=_seconds, default=MountConfig.ckpt_limit_wait,
+                   metavar="SECONDS",
+                   help="how long a write waits for room under --ckpt-limit before it fails "
+                        "with ENOSPC (default 60)")
 
 
 def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
@@ -349,8 +362,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
 def _ckpt_settings(args: argparse.Namespace) -> dict:
     """The checkpoint flags, checked before any daemon starts."""
     if not args.ckpt_store:
-        if args.drain_bandwidth:
-            raise UsageError("--drain-bandwidth needs --ckpt-store")
+        if args.drain_bandwidth or args.ckpt_limit:
+            raise UsageError("--drain-bandwidth and --ckpt-limit need --ckpt-store")
         return {}
     if not args.cache_dir:
         raise UsageError("--ckpt-store needs --cache-dir (the node-local directory "
@@ -367,7 +380,8 @@ def _ckpt_settings(args: argparse.Namespace) -> dict:
     if not os.path.isdir(store):
         raise DlfsError(f"--ckpt-store {store} is not a directory")
     return dict(ckpt_store=store, drain_bandwidth=args.drain_bandwidth or 0,
-                drain_jobs=args.drain_jobs)
+                drain_jobs=args.drain_jobs, ckpt_limit=args.ckpt_limit or 0,
+                ckpt_keep=args.ckpt_keep, ckpt_limit_wait=args.ckpt_limit_wait)
 
 
 def _check_file_target(flag: str, path: str | None) -> None:

@@ -124,6 +124,10 @@ def ckpt_lines(c: dict | None) -> list[str]:
              f"{format_size(c['drained_bytes'])} drained ({c['drained_files']} files) to "
              f"{c['store']}; {c['queued_files']} files ({format_size(c['queued_bytes'])}) "
              f"queued, {format_size(c['drain_rate'])}/s, eta {_eta(c['eta_seconds'])}"]
+    if c.get("limit"):
+        lines.append(f"  local copies {format_size(c.get('local_bytes') or 0)} of "
+                     f"{format_size(c['limit'])} (--ckpt-limit), {c['evicted_files']} evicted"
+                     + (": FULL, writes wait for the drain" if c.get("full") else ""))
     if c.get("oldest_undrained"):
         lines.append(f"  oldest undrained: {c['oldest_undrained']} "
                      f"({c['oldest_undrained_age']:.0f} s)")
