@@ -567,7 +567,9 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     report = SharedJson()
     namespace.observe.add_section("ckpt", report.read)
     services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
-                                 config.ckpt_idle, config.ckpt_limit, config.ckpt_keep),
+                                 config.ckpt_idle, config.ckpt_limit, config.ckpt_keep,
+                                 (config.uid, config.gid if config.gid is not None
+                                  else config.uid) if config.uid is not None else None),
                          written, report)
     log.info("checkpoint directory %s/ckpt: written to %s, drained to %s%s",
              config.mountpoint, tier.tree, tier.store,

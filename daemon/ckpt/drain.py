@@ -104,10 +104,14 @@ class Drainer:
     """The drain: `jobs` copying threads and a scanning thread, started by `start()`."""
 
     def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
-                 idle: float = IDLE, limit: int = 0, keep: int = 1) -> None:
+                 idle: float = IDLE, limit: int = 0, keep: int = 1,
+                 owner: tuple[int, int] | None = None) -> None:
         """`limit`: bytes the local copies may take (0: none; nothing is evicted);
-        `keep`: the newest top-level entries of the tree never evicted."""
+        `keep`: the newest top-level entries of the tree never evicted; `owner`:
+        (uid, gid) the store's copies and the directories made for them get (a root
+        daemon mounting for a job's user, --uid), so the user can remove them later."""
         self.tier = tier
+        self.owner = owner
         self.limit, self.keep = limit, keep
         self.local_bytes = 0
         self.evicted_files = 0
@@ -267,7 +271,7 @@ class Drainer:
             self.state.drop_pending(ino)
             return
         target_dir = os.path.dirname(self.tier.store_path(self.tier.relpath(path)))
-        os.makedirs(target_dir, exist_ok=True)
+        self._makedirs(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
         try:
             digest = self._copy(path, tmp, st.st_size)
@@ -307,12 +311,24 @@ class Drainer:
             return False
         relpath = self.tier.relpath(path)
         target = self.tier.store_path(relpath)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        self._makedirs(os.path.dirname(target))
+        if self.owner is not None:
+            os.chown(tmp, *self.owner)
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
         os.rename(tmp, target)
         _fsync_dir(os.path.dirname(target))
         self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, relpath)
         return True
+
+    def _makedirs(self, directory: bytes) -> None:
+        """The store's directories of a file, made (and given to `owner`) if missing."""
+        if os.path.isdir(directory):
+            return
+        self._makedirs(os.path.dirname(directory))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o755)
+            if self.owner is not None:
+                os.chown(directory, *self.owner)
 
     def _copy(self, source: bytes, tmp: bytes, size: int) -> int:
         """Copy `source` to `tmp` (paced to --drain-bandwidth);

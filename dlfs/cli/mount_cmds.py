@@ -260,7 +260,7 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slurm", action="store_true",
                    help="inside a Slurm job or prolog: --nodes and --node from the job's "
                         "environment; %%j (job id) and %%n (node) expand in the mountpoint, "
-                        "--cache-dir, --secret-file, --log-file, --summary-file")
+                        "--cache-dir, --secret-file, --log-file, --summary-file, --ckpt-store")
     g.add_argument("--mpi", action="store_true",
                    help="under mpirun/srun: one daemon per rank; the ranks exchange host "
                         "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
@@ -305,7 +305,8 @@ def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
         raise UsageError("--slurm takes the nodes from the job; drop --nodes, --nodes-file "
                          "and --node")
     job = job_from_env(env)
-    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file", "summary_file"):
+    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file", "summary_file",
+                 "ckpt_store"):
         value = getattr(args, flag)
         if value:
             setattr(args, flag, expand_pattern(value, job.job_id, job.node))
