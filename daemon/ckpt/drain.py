@@ -38,6 +38,11 @@ from dlfsd.ckpt.tree import CkptTree
 log = logging.getLogger("dlfsd")
 
 BLOCK = 4 << 20
+#: The copy's bytes are written back every this many bytes: with the default dirty
+#: ratios a 2 GiB copy would otherwise stay in the page cache and be written at the
+#: final fsync, after the paced copy instead of during it (measured: 131 MiB/s of a
+#: 200 MiB/s pace for 2 GiB, the cache disk and the store being one disk here).
+WRITEBACK_EVERY = 64 << 20
 SCAN_EVERY = 5.0  # seconds between scans of the tree for files nobody queued
 IDLE = 2.0  # seconds without a write after which an open file is drained anyway
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0
@@ -353,6 +358,8 @@ class Drainer:
                     while done < n:
                         done += os.write(dst, view[done:n])
                     offset += n
+                    if offset % WRITEBACK_EVERY < n:
+                        os.fdatasync(dst)  # write back as we go, not all at the end
                     self.pace.wait(n, started)
                 os.fsync(dst)
             finally:

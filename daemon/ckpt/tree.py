@@ -132,10 +132,10 @@ class CkptTree:
         directory = self._dir(parent)
         return directory, os.path.join(directory, _checked_name(name))
 
-    def _learn(self, parent_path: bytes, name: bytes, st: os.stat_result) -> Attr:
-        parent_ino = os.lstat(parent_path).st_ino if parent_path != self.tier.tree_bytes \
-            else self.tier.root_ino
-        self.state.remember(st.st_ino, parent_ino, name)
+    def _learn(self, parent: int, parent_path: bytes, name: bytes,
+               st: os.stat_result) -> Attr:
+        """Record entry `name` of directory node `parent` (so any process finds it)."""
+        self.state.remember(st.st_ino, parent & ~CKPT_BIT, name)
         self._paths[st.st_ino] = os.path.join(parent_path, name)
         return _attr(st.st_ino, st)
 
@@ -245,7 +245,7 @@ class CkptTree:
             st = os.lstat(path)
         except OSError as err:
             raise PosixError(err.errno or errno.ENOENT, "lookup") from None
-        return self._learn(directory, name, st)
+        return self._learn(parent, directory, name, st)
 
     def getattr(self, nodeid: int) -> Attr:
         _path, st = self._resolve(nodeid)
@@ -283,21 +283,23 @@ class CkptTree:
         return os.readlink(self._resolve(nodeid)[0])
 
     def readdir(self, nodeid: int, start: int):
-        """(name, Attr, next offset) from offset `start` (names sorted: stable offsets)."""
+        """(name, Attr, next offset) from offset `start` (names sorted: stable offsets).
+        Every entry is recorded before any is handed out: READDIRPLUS makes the kernel
+        know each as a node, and its next request may reach another process."""
         directory = self._dir(nodeid)
-        parent_ino = os.lstat(directory).st_ino
-        names = sorted(os.listdir(directory))
-        learned = []
-        for offset in range(start, len(names)):
-            name = names[offset]
+        parent_ino = nodeid & ~CKPT_BIT
+        entries, learned = [], []
+        for offset, name in enumerate(sorted(os.listdir(directory))[start:], start + 1):
+            path = os.path.join(directory, name)
             try:
-                st = os.lstat(os.path.join(directory, name))
+                st = os.lstat(path)
             except OSError:
                 continue
             learned.append((st.st_ino, parent_ino, name))
-            self._paths[st.st_ino] = os.path.join(directory, name)
-            yield name, _attr(st.st_ino, st), offset + 1
+            self._paths[st.st_ino] = path
+            entries.append((name, _attr(st.st_ino, st), offset))
         self.state.remember_many(learned)
+        return iter(entries)
 
     def statfs(self) -> StatFs:
         s = os.statvfs(self.tier.tree)
@@ -316,7 +318,7 @@ class CkptTree:
             st = os.fstat(fd)
         except OSError as err:
             raise PosixError(err.errno or errno.EIO, "create") from None
-        attr = self._learn(directory, name, st)
+        attr = self._learn(parent, directory, name, st)
         if self.state.is_evicted(st.st_ino):  # an existing file whose copy was evicted
             os.close(fd)
             if flags & os.O_TRUNC:
@@ -342,7 +344,7 @@ class CkptTree:
             st = os.lstat(path)
         except OSError as err:
             raise PosixError(err.errno or errno.EIO, "mkdir") from None
-        return self._learn(directory, name, st)
+        return self._learn(parent, directory, name, st)
 
     def symlink(self, parent: int, name: bytes, target: bytes) -> Attr:
         directory, path = self._child(parent, name)
@@ -351,7 +353,7 @@ class CkptTree:
             st = os.lstat(path)
         except OSError as err:
             raise PosixError(err.errno or errno.EIO, "symlink") from None
-        return self._learn(directory, name, st)
+        return self._learn(parent, directory, name, st)
 
     def unlink(self, parent: int, name: bytes) -> None:
         self._remove(parent, name, directory=False)
@@ -385,7 +387,7 @@ class CkptTree:
         rename on the store), so a checkpoint written then renamed into place is not
         copied twice."""
         _old_dir, old = self._child(parent, name)
-        new_dir, new = self._child(new_parent, new_name)
+        _, new = self._child(new_parent, new_name)
         with self.tier.mutating():
             try:
                 st = os.lstat(old)
@@ -401,8 +403,7 @@ class CkptTree:
                 self.tier.bump_epoch()
                 if not stat.S_ISDIR(replaced.st_mode) and replaced.st_nlink <= 1:
                     self.state.forget(replaced.st_ino)
-            new_parent_ino = os.lstat(new_dir).st_ino
-            self.state.remember(st.st_ino, new_parent_ino, new_name)
+            self.state.remember(st.st_ino, new_parent & ~CKPT_BIT, new_name)
             self._paths[st.st_ino] = new
             old_rel, new_rel = self.tier.relpath(old), self.tier.relpath(new)
             if _rename_on_store(self.tier, old_rel, new_rel):
@@ -458,10 +459,8 @@ class CkptTree:
         """The kernel closed a file the daemon opened or created: drain it now if written."""
         ino = nodeid & ~CKPT_BIT
         self._drop_fd(ino)
-        if self._touched.pop(ino, None) is not None:
-            self.state.closed(ino)
-        else:
-            self.state.closed(ino)  # written through another process: its row, if any
+        self._touched.pop(ino, None)
+        self.state.closed(ino)  # its pending row, if written (by any process)
 
     def fallocate(self, nodeid: int, offset: int, length: int, mode: int) -> None:
         if mode:
