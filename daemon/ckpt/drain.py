@@ -32,6 +32,7 @@ import time
 
 import xxhash
 
+from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.tier import Tier
 from dlfsd.ckpt.tree import CkptTree
 
@@ -264,8 +265,6 @@ class Drainer:
 
     def _drain(self, ino: int, touched_ns: int) -> None:
         tree = self._tree()
-        from dlfsd.ckpt.nodeids import CKPT_BIT
-
         try:
             path = tree.path_of(CKPT_BIT | ino)
         except Exception:
@@ -304,8 +303,6 @@ class Drainer:
     def _publish(self, tree: CkptTree, ino: int, touched_ns: int, st: os.stat_result,
                  tmp: bytes) -> bool:
         """Rename the checked copy into place at the path the file has now."""
-        from dlfsd.ckpt.nodeids import CKPT_BIT
-
         try:
             path = tree.path_of(CKPT_BIT | ino)
         except Exception:
@@ -389,8 +386,6 @@ class Drainer:
     def report(self) -> dict:
         """Pending files and bytes, the oldest, rate, ETA, totals, trouble."""
         tree = self._tree()
-        from dlfsd.ckpt.nodeids import CKPT_BIT
-
         queued = queued_bytes = 0
         oldest = None
         oldest_ns = None

@@ -28,6 +28,7 @@ dlfsd.ckpt.drain does the rest.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import time
@@ -41,6 +42,8 @@ from dlfsd.namespace import Attr, StatFs
 OPEN_FDS = 128  # descriptors kept per process
 TOUCH_EVERY_NS = 1_000_000_000  # a written file's pending row is refreshed this often
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+log = logging.getLogger("dlfsd")
 
 
 class PosixError(DlfsError):
@@ -477,15 +480,13 @@ def _lstat_or_none(path: bytes) -> os.stat_result | None:
 
 
 def _remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:
-    import logging
-
     target = tier.store_path(relpath)
     try:
         os.rmdir(target) if directory else os.unlink(target)
     except FileNotFoundError:
         pass
     except OSError as err:
-        logging.getLogger("dlfsd").warning(
+        log.warning(
             "checkpoint %s removed here but not on the store (%s): remove %s by hand",
             os.fsdecode(relpath), err.strerror, os.fsdecode(target))
 
@@ -493,8 +494,6 @@ def _remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:
 def _rename_on_store(tier: Tier, old: bytes, new: bytes) -> bool:
     """Move the store's copy of `old` to `new` if there is one; False if it could not
     (the drain then copies the file again under its new name)."""
-    import logging
-
     source, target = tier.store_path(old), tier.store_path(new)
     if not os.path.lexists(source):
         return True
@@ -503,7 +502,7 @@ def _rename_on_store(tier: Tier, old: bytes, new: bytes) -> bool:
         os.rename(source, target)
         return True
     except OSError as err:
-        logging.getLogger("dlfsd").warning(
+        log.warning(
             "checkpoint %s renamed to %s here but not on the store (%s); it is drained "
             "again under its new name", os.fsdecode(old), os.fsdecode(new), err.strerror)
         return False
