@@ -231,7 +231,7 @@ def test_a_read_only_store_keeps_the_local_copy_and_drains_once_writable(
         assert result.returncode == 0, result.stderr
         assert (store / "w.pt").read_bytes() == payload
         assert "works again" in m.log_text()
-        assert status_of(m)["ckpt"]["error"] is None
+        assert wait_for(lambda: status_of(m)["ckpt"]["error"] is None)  # each second
         run_dlfs("umount", m.path)
 
 
