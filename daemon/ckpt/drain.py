@@ -21,6 +21,7 @@ and the trouble is logged once when it starts and once when it ends, and shown i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -39,11 +40,24 @@ from dlfsd.ckpt.tree import CkptTree
 log = logging.getLogger("dlfsd")
 
 BLOCK = 4 << 20
-#: The copy's bytes are written back every this many bytes: with the default dirty
-#: ratios a 2 GiB copy would otherwise stay in the page cache and be written at the
-#: final fsync, after the paced copy instead of during it (measured: 131 MiB/s of a
-#: 200 MiB/s pace for 2 GiB, the cache disk and the store being one disk here).
+#: Writeback of the copy is started (not waited for) every this many bytes: with the
+#: default dirty ratios a 2 GiB copy would otherwise stay in the page cache and be
+#: written at the final fsync, after the paced copy instead of during it. Not an
+#: fdatasync each time: on ext4 each one also waits for a journal commit (measured,
+#: 2 GiB paced at 200 MiB/s: 92-148 MiB/s with fdatasync every 64 MiB).
 WRITEBACK_EVERY = 64 << 20
+SYNC_FILE_RANGE_WRITE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing back a range of `fd` without waiting (sync_file_range; where the
+    C library lacks it, the final fsync does all the work)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, max(offset, 0), length, SYNC_FILE_RANGE_WRITE)
 SCAN_EVERY = 5.0  # seconds between scans of the tree for files nobody queued
 IDLE = 2.0  # seconds without a write after which an open file is drained anyway
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0
@@ -355,8 +369,8 @@ class Drainer:
                     while done < n:
                         done += os.write(dst, view[done:n])
                     offset += n
-                    if offset % WRITEBACK_EVERY < n:
-                        os.fdatasync(dst)  # write back as we go, not all at the end
+                    if offset % WRITEBACK_EVERY < n:  # write back as we go, not at the end
+                        start_writeback(dst, offset - WRITEBACK_EVERY, WRITEBACK_EVERY)
                     self.pace.wait(n, started)
                 os.fsync(dst)
             finally:
