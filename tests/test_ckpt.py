@@ -137,9 +137,12 @@ def test_posix_calls_in_ckpt_drain_byte_identical_and_datasets_stay_read_only(
                           os.path.join(b"step-1", b"\xff\xfeshard", b"r\xe90.bin")}
     assert files_of(os.fsencode(tmp_path / "ckstore")) == local
     assert local[b"model.pt"] == hashlib.sha256(payload).hexdigest()
-    ckpt = status_of(m)["ckpt"]
-    assert ckpt["queued_files"] == 0 and ckpt["written_bytes"] >= len(payload)
-    assert ckpt["drained_bytes"] >= len(payload)
+    def settled() -> bool:  # the status file is rewritten each second
+        ckpt = status_of(m)["ckpt"]
+        return (ckpt["queued_files"] == 0 and ckpt["written_bytes"] >= len(payload)
+                and ckpt["drained_bytes"] >= len(payload))
+
+    assert wait_for(settled)
     metrics = (m.path / ".dlfs" / "metrics").read_text()
     assert "dlfs_ckpt_drained_bytes_total" in metrics
 
