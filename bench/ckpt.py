@@ -33,9 +33,13 @@ Targets (issue 22):
   drain rate / cp rate (same throttle)     >= 0.8
   reads during a drain / after a local write  >= 0.9
 
+--drain-only measures the drain alone against cp (a synced file, no FUSE): what the
+drain costs where the cache disk and the store are separate devices.
+
 examples (from the repository root, as root):
   .venv/bin/python bench/ckpt.py --quick
   .venv/bin/python bench/ckpt.py --size 2G --rounds 3
+  .venv/bin/python bench/ckpt.py --drain-only --size 2G --rounds 3
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="files of the read-side dataset (default 2000; --quick 400)")
     p.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
     p.add_argument("--mount-args", default="", help="extra `dlfs mount` arguments")
+    p.add_argument("--drain-only", action="store_true",
+                   help="only the drain against cp, in this process, of a file already on "
+                        "disk (no FUSE, no writeback of the local copy competing)")
     args = p.parse_args(argv)
     if args.quick:
         args.size = min(args.size, 256 << 20)
@@ -252,8 +259,63 @@ def summary(values: list[float]) -> str:
     return f"{min(values):.3f} / {median(values):.3f} / {max(values):.3f}"
 
 
+def drain_only(work: Path, args) -> int:
+    """The drain (dlfsd.ckpt.drain.Drainer, as the daemon runs it) of one synced file vs
+    `cp` + sync of it, unpaced and paced; rounds alternate which goes first."""
+    from dlfsd.ckpt.drain import Drainer, scan
+    from dlfsd.ckpt.tier import Tier
+
+    (work / "ckstore").mkdir()
+    tier = Tier(str(work / "cache"), str(work / "ckstore"))
+    block = os.urandom(BLOCK)
+    with open(tier.tree / "f.bin", "wb") as f:
+        write_blocks(f, args.size, block)
+    sync()
+    res: dict[str, list[float]] = {}
+
+    def drain(rate: int) -> float:
+        for name in os.listdir(work / "ckstore"):
+            os.unlink(work / "ckstore" / name)
+        tier.state.db().execute("DELETE FROM drained")
+        sync()
+        scan(tier, force=True)
+        drainer = Drainer(tier, jobs=2, bandwidth=rate)
+        started = time.monotonic()
+        drainer.start()
+        while tier.state.pending_rows():
+            time.sleep(0.01)
+        took = time.monotonic() - started
+        drainer.stop()
+        return took
+
+    for rnd in range(args.rounds):
+        for rate in (0, args.store_rate):
+            label = "unpaced" if not rate else f"{args.store_rate >> 20} MiB/s"
+            runs = ["drain", "cp"] if rnd % 2 == 0 else ["cp", "drain"]
+            for run in runs:
+                if run == "drain":
+                    took = drain(rate)
+                else:
+                    took = max(cp_seconds(tier.tree / "f.bin", work / "cp", 1 << 60)[0],
+                               args.size / rate if rate else 0.0)
+                res.setdefault(f"{run} {label}", []).append(args.size / took / 2**20)
+                print(f"  {run:5} {label:10} {args.size / took / 2**20:8.1f} MiB/s", flush=True)
+    rows = [(k + " (MiB/s)", summary(v)) for k, v in res.items()]
+    print_table(("measure", "min / median / max"), rows, title=f"{args.rounds} rounds")
+    label = f"{args.store_rate >> 20} MiB/s"
+    print_targets([Target("drain / cp, paced", median(res[f"drain {label}"])
+                          / median(res[f"cp {label}"]), ">=", 0.8),
+                   Target("drain / cp, unpaced", median(res["drain unpaced"])
+                          / median(res["cp unpaced"]), ">=", 0.8)], args.quick)
+    tier.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.drain_only:
+        with workdir(args.workdir, args.keep, "ckpt-drain") as work:
+            return drain_only(work, args)
     kinds = ["block"]
     try:
         import torch  # noqa: F401
