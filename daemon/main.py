@@ -69,7 +69,9 @@ INIT_TIMEOUT = 60.0  # seconds the kernel may take to send FUSE INIT after mount
 
 
 def mount_options(config: MountConfig) -> set[str]:
-    options = {"fsname=dlfs", "subtype=dlfs", "ro", "default_permissions", "noatime"}
+    options = {"fsname=dlfs", "subtype=dlfs", "default_permissions", "noatime"}
+    if not config.ckpt_store:  # with a checkpoint tier the core refuses writes (EROFS)
+        options.add("ro")
     if config.allow_other or config.uid is not None:
         options.add("allow_other")  # a root-made mount for one user: 0700 root keeps others out
     if config.debug:
@@ -401,6 +403,7 @@ class Services:
                 from dlfsd.pool.scrub import Scrubber
 
                 self.scrubber = Scrubber(pool, config.scrub_rate)
+        self.drainer = None  # the checkpoint tier's drain (attach_ckpt)
         self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
                                   observe.health, observe.peer_marks, pool, self.stager)
 
@@ -420,7 +423,20 @@ class Services:
             status["scrub"] = self.scrubber.counters()
         if self.replicas is not None:
             status["replication"] = self.replicas.snapshot()
+        if self.drainer is not None:
+            status["ckpt"] = self.ckpt_report()
         return status
+
+    def attach_ckpt(self, drainer, written, report) -> None:
+        """The checkpoint tier's drain (run here), its write counter and the shared
+        report `.dlfs/metrics` renders in the workers."""
+        self.drainer, self.ckpt_written, self.ckpt_shared = drainer, written, report
+
+    def ckpt_report(self) -> dict:
+        report = self.drainer.report()
+        report["written_bytes"], report["write_requests"] = self.ckpt_written.totals()
+        self.ckpt_shared.publish(report)
+        return report
 
     def listen(self) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a
@@ -446,6 +462,8 @@ class Services:
                     nursery.start_soon(self.stager.run)
                 if self.scrubber is not None:
                     nursery.start_soon(self.scrubber.run)
+                if self.drainer is not None:  # threads: started after every fork
+                    self.drainer.start()
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint),
                                    self.status, self._current)
                 task_status.started()
@@ -453,6 +471,8 @@ class Services:
             self.stop_listening()
             if self.replicas is not None:
                 self.replicas.close()
+            if self.drainer is not None:
+                self.drainer.stop()
 
 
 def run(config: MountConfig, readiness: Readiness | None = None) -> int:
@@ -498,6 +518,7 @@ class _Loaded:
     services: Services
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
     order: OrderService | None  # samplers' announcements -> the look-ahead
+    ckpt: object | None = None  # dlfsd.ckpt.control.CkptControl: `dlfs flush`
 
 
 def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
@@ -525,10 +546,44 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1)
                    + peer_fds)
     services = Services(config, namespace.datasets, namespace.observe, pool)
+    ckpt = _ckpt_tier(config, namespace, services, release)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)
-    return _Loaded(namespace, pool, services, fuse_fds(), order)
+    return _Loaded(namespace, pool, services, fuse_fds(), order, ckpt)
+
+
+def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
+               release: contextlib.ExitStack):
+    """The writable `ckpt/` subtree and its drain (None without --ckpt-store); made
+    before the fork: the workers share its epoch word and write counter."""
+    if not config.ckpt_store:
+        return None
+    from dlfsd.ckpt.control import CkptControl
+    from dlfsd.ckpt.counters import WriteCounter
+    from dlfsd.ckpt.drain import Drainer, scan
+    from dlfsd.ckpt.tier import Tier
+    from dlfsd.ckpt.tree import CkptTree
+    from dlfsd.obs.sharedjson import SharedJson
+
+    tier = Tier(config.cache_dir, config.ckpt_store)
+    release.callback(tier.close)
+    tier.state.reset_nodes(tier.root_ino)
+    undrained = scan(tier)  # resume: files an earlier mount did not drain
+    written = WriteCounter(namespace.observe.slot)
+    namespace.attach_ckpt(CkptTree(tier, written, config.ckpt_limit_wait))
+    report = SharedJson()
+    namespace.observe.add_section("ckpt", report.read)
+    services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
+                                 config.ckpt_idle, config.ckpt_limit, config.ckpt_keep,
+                                 (config.uid, config.gid if config.gid is not None
+                                  else config.uid) if config.uid is not None else None),
+                         written, report)
+    log.info("checkpoint directory %s/ckpt: written to %s, drained to %s%s",
+             config.mountpoint, tier.tree, tier.store,
+             f" ({len(undrained)} files from an earlier mount still to drain)"
+             if undrained else "")
+    return CkptControl(tier)
 
 
 def _order_service(config: MountConfig, namespace: Namespace, pool) -> OrderService | None:
@@ -553,7 +608,8 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
     release.callback(lambda: session.close(unmount=state.unmount))
     release.callback(namespace.observe.write_summary, config.summary_file)
     control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe,
-                            (daemon.order,) if daemon.order is not None else ())
+                            (daemon.order,) if daemon.order is not None else (),
+                            ckpt=daemon.ckpt, ckpt_uid=config.uid)
     release.callback(control.stop)
     release.callback(lambda: stop_workers(state.workers))
     release.callback(services.stop_listening)
@@ -675,7 +731,8 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
                         if pool is not None:
                             pool.after_fork()
                         code = WireWorker(namespace, fuse_fd, uid, gid, config.cache_timeout,
-                                          config.count_opens, pipe_size).serve()
+                                          config.count_opens, pipe_size,
+                                          ckpt=namespace.ckpt).serve()
                     if not parent_alive(parent):
                         log.error("worker %d stops: the main daemon process %d died (killed?); "
                                   "the mount ends with its last worker (readers get "

@@ -22,17 +22,27 @@ import time
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, NamedTuple
 
-from dlfs.errors import IsADirError, NoAttributeError, NotADirError, NotFoundError, ReadOnlyError
+from dlfs.errors import (
+    DlfsError,
+    IsADirError,
+    NoAttributeError,
+    NotADirError,
+    NotFoundError,
+    ReadOnlyError,
+)
 from dlfs.store.directory import SampleDirectory
 from dlfs.store.store import Dataset
+from dlfsd.ckpt.nodeids import CKPT_BIT, CKPT_NAME
 from dlfsd.obs.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
 from dlfsd.obs.observe import Observability, ObserveConfig
 from dlfsd.obs.trace import (
+    CKPT_DATASET,
     OP_GETATTR,
     OP_LOOKUP,
     OP_OPEN,
     OP_READ,
     OP_RELEASE,
+    OP_WRITE,
     TRACED_FH,
     handle_inode,
 )
@@ -131,6 +141,16 @@ class Namespace:
         self._end = base
         self._by_name = {d.name.encode(): i for i, d in enumerate(self.datasets)}
         self.mounted_ns = time.time_ns()
+        self.ckpt = None  # the writable checkpoint subtree (dlfsd.ckpt.tree), if any
+
+    def attach_ckpt(self, ckpt) -> None:
+        """Show `ckpt/` in the root: a dlfsd.ckpt.tree.CkptTree, whose node ids are all
+        >= CKPT_BIT (one comparison tells them from the inodes here)."""
+        if CKPT_NAME in self._by_name:
+            raise DlfsError("a dataset named ckpt cannot be mounted with --ckpt-store (the "
+                            "checkpoint directory takes MOUNTPOINT/ckpt); mount the other "
+                            "datasets with --dataset, or rename that dataset")
+        self.ckpt = ckpt
 
     def use_spans(self, max_length: int) -> None:
         """Worker processes that splice replies: reads of verified bytes up to
@@ -166,10 +186,14 @@ class Namespace:
             if k is None:
                 if name == CONTROL_DIR_NAME:
                     return CONTROL_DIR_INODE
+                if name == CKPT_NAME and self.ckpt is not None:
+                    return self.ckpt.root_nodeid
                 raise NotFoundError(name)
             return self._bases[k]
         if self.control.owns(parent):
             return self.control.lookup(parent, name)
+        if parent >= CKPT_BIT:
+            return self.ckpt.lookup(parent, name).ino
         k, row = self._locate(parent)
         directory = self._dirs[k]
         if not directory.is_dir(row):
@@ -189,7 +213,10 @@ class Namespace:
 
     def _getattr(self, ino: int) -> Attr:
         if ino == ROOT_INODE:
-            return Attr(ROOT_INODE, self.root_mode, 0, self.mounted_ns, 2 + len(self.datasets))
+            return Attr(ROOT_INODE, self.root_mode, 0, self.mounted_ns,
+                        2 + len(self.datasets) + (self.ckpt is not None))
+        if ino >= CKPT_BIT:
+            return self.ckpt.getattr(ino)
         if ino < FIRST_DATASET_INODE:
             return Attr(*self.control.attr(ino))
         k, row = self._locate(ino)
@@ -202,6 +229,8 @@ class Namespace:
         return Attr(*self.control.latest_attr(ino, pid))
 
     def readlink(self, ino: int) -> bytes:
+        if ino >= CKPT_BIT:
+            return self.ckpt.readlink(ino)
         k, row = self._locate(ino)
         try:
             return self._dirs[k].readlink(row)
@@ -209,7 +238,10 @@ class Namespace:
             raise NotFoundError(f"inode {ino} is not a symlink") from None
 
     def check_dir(self, ino: int) -> None:
-        if self.control.owns(ino):
+        if ino >= CKPT_BIT:
+            if not stat.S_ISDIR(self.ckpt.getattr(ino).mode):
+                raise NotADirError(ino)
+        elif self.control.owns(ino):
             if not self.control.is_dir(ino):
                 raise NotADirError(ino)
         elif ino != ROOT_INODE:
@@ -235,6 +267,8 @@ class Namespace:
         if ino == ROOT_INODE:
             for i in range(start, len(self.datasets)):
                 yield self.datasets[i].name.encode(), _attr(self._dirs[i], self._bases[i], 0), i + 1
+            if self.ckpt is not None and start <= len(self.datasets):
+                yield CKPT_NAME, self.ckpt.getattr(self.ckpt.root_nodeid), len(self.datasets) + 1
             return
         if ino == CONTROL_DIR_INODE:
             for name, attr, next_offset in self.control.readdir(start):
@@ -271,7 +305,11 @@ class Namespace:
             raise ReadOnlyError(ino)
 
     def check_access(self, ino: int, mode: int) -> None:
-        """access(2): anything but write access to an existing entry is granted."""
+        """access(2): anything but write access to an existing entry is granted (and
+        write access in the checkpoint subtree)."""
+        if ino >= CKPT_BIT:
+            self.ckpt.getattr(ino)
+            return
         if mode & os.W_OK:
             raise ReadOnlyError(ino)
         self._getattr(ino)
@@ -365,10 +403,22 @@ class Namespace:
             pid, uid = self.trace.opener(fh)
             self.trace.record(OP_RELEASE, k, row, 0, 0, 0, pid, uid)
 
+    def write_ckpt(self, ino: int, offset: int, data, caller) -> int:
+        """A WRITE into the checkpoint subtree, traced like reads while tracing."""
+        if not self._tracing[0]:
+            return self.ckpt.write(ino, offset, data)
+        started = perf_counter_ns()
+        n = self.ckpt.write(ino, offset, data)
+        self.trace.record(OP_WRITE, CKPT_DATASET, ino & ~CKPT_BIT, offset, n,
+                          perf_counter_ns() - started, caller.pid, caller.uid)
+        return n
+
     def _trace_inode(self, op: int, ino: int, caller, started: int) -> None:
         """Trace a metadata operation on `ino` (dataset -1, row = inode outside datasets)."""
         if FIRST_DATASET_INODE <= ino < self._end:
             k, row = self._locate(ino)
+        elif ino >= CKPT_BIT:
+            k, row = CKPT_DATASET, ino & ~CKPT_BIT
         else:
             k, row = -1, ino
         self.trace.record(op, k, row, 0, 0, perf_counter_ns() - started, caller.pid,

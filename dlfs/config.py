@@ -69,6 +69,15 @@ class MountConfig:
     lookahead_streams: int = 8  # fetches at once (threads; one paced store stream each)
     lookahead_stale: float = 60.0  # seconds without a read before an announcement is dropped
 
+    # -- the checkpoint tier (dlfsd.ckpt, docs/CKPT.md): needs cache_dir --
+    ckpt_store: str | None = None  # store directory MOUNTPOINT/ckpt/ drains to (None: no tier)
+    drain_bandwidth: int = 0  # bytes/s all drain copies together (0: as fast as they go)
+    drain_jobs: int = 2  # files copied to the checkpoint store at once
+    ckpt_idle: float = 2.0  # seconds without a write before an unclosed file is drained
+    ckpt_limit: int = 0  # bytes the local copies may take (0: no limit, nothing evicted)
+    ckpt_keep: int = 1  # newest checkpoints (top-level entries of ckpt/) never evicted
+    ckpt_limit_wait: float = 60.0  # seconds a write waits for room before ENOSPC
+
     @property
     def pooled(self) -> bool:
         return self.cache_dir is not None

@@ -26,11 +26,14 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("readers", ["dlfs.obs"]),  # renders what daemons report (the daemon reuses the renderers)
     # epoch order for training jobs: the sampler, its plans, its client to the daemon
     ("training order", ["dlfs.order", "dlfs.orderclient", "dlfs.sampler"]),
-    ("daemon basics", ["dlfsd", "dlfsd.slots", "dlfsd.throttle", "dlfsd.nowait", "dlfsd.kernel"]),
+    ("daemon basics", ["dlfsd", "dlfsd.slots", "dlfsd.throttle", "dlfsd.nowait", "dlfsd.kernel",
+                       "dlfsd.ckpt.nodeids"]),
     ("daemon observability", ["dlfsd.obs"]),
     ("chunk pool", ["dlfsd.pool"]),
     ("namespace and reader", ["dlfsd.namespace", "dlfsd.reader", "dlfsd.prefetch",
                               "dlfsd.lookahead", "dlfsd.ordersock"]),
+    # the writable checkpoint subtree: a passthrough onto the node cache, and its drain
+    ("checkpoint tier", ["dlfsd.ckpt"]),
     ("fuse adapters", ["dlfsd.fuse"]),
     ("daemon lifecycle", ["dlfsd.main", "dlfsd.commit", "dlfsd.warmup", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other

@@ -405,3 +405,35 @@ def test_srun_warmup_then_a_job_reads_nothing_from_the_store(site):
     finally:
         site.conf()
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_a_job_checkpoint_is_on_the_store_after_the_epilog_and_the_node_cache_is_clean(site):
+    """Each node of a 3-node job writes its shard into MOUNT/ckpt/ and the job ends at
+    once; the epilog's `dlfs flush` drains it before unmounting: every shard is on the
+    per-job checkpoint store byte-exact, and the per-job cache is gone."""
+    site.conf(DLFS_CKPT_STORE=f"{site.base}/ckstore/%j", DLFS_CKPT_FLUSH_TIMEOUT="120",
+              DLFS_CKPT_ARGS="--drain-bandwidth 4M")
+    try:
+        script = site.out("ckpt.sh")
+        script.write_text(
+            "#!/bin/bash\n"
+            "srun bash -c 'ck=" + str(site.base) + "/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME/ckpt; "
+            "mkdir -p $ck/step-9 && head -c 3000000 /dev/urandom > $ck/step-9/$SLURMD_NODENAME.pt"
+            " && cd $ck && sha256sum step-9/$SLURMD_NODENAME.pt "
+            "> " + str(site.base) + "/out/$SLURM_JOB_ID-$SLURMD_NODENAME.ckpt'\n")
+        job = site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
+                                  str(script))
+        assert site.cluster.wait_finished(job) == "COMPLETED", \
+            site.out(f"{job}.out").read_text()
+        deadline = time.monotonic() + 120
+        while site.leftovers() and time.monotonic() < deadline:  # the epilog's flush
+            time.sleep(0.2)
+        store = site.base / "ckstore" / job
+        for node in SIM_NODES:
+            digest, rel = site.out(f"{job}-{node}.ckpt").read_text().split()
+            assert hashlib.sha256((store / rel).read_bytes()).hexdigest() == digest, node
+        assert sorted(p.name for p in (store / "step-9").iterdir()) == \
+            sorted(f"{n}.pt" for n in SIM_NODES)
+        _assert_cleaned(site, job, SIM_NODES)
+    finally:
+        site.conf()

@@ -82,6 +82,22 @@ OPEN_IN = struct.Struct("<II")  # flags open_flags
 SIZE_IN = struct.Struct("<II")  # getxattr_in / listxattr_in: size, padding
 ACCESS_IN = struct.Struct("<II")  # mask, padding
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
+# -- the writable checkpoint subtree (dlfsd.ckpt) --
+WRITE_IN = struct.Struct("<QQIIQII")  # fh offset size write_flags lock_owner flags padding
+WRITE_OUT = struct.Struct("<II")  # size padding
+# valid padding fh size lock_owner atime mtime ctime atimensec mtimensec ctimensec mode
+# unused4 uid gid unused5
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
+CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags, then the name
+MKNOD_IN = struct.Struct("<IIII")  # mode rdev umask padding, then the name
+MKDIR_IN = struct.Struct("<II")  # mode umask, then the name
+RENAME_IN = struct.Struct("<Q")  # newdir, then oldname NUL newname NUL
+RENAME2_IN = struct.Struct("<QII")  # newdir flags padding, then the names
+FSYNC_IN = struct.Struct("<QII")  # fh fsync_flags padding
+FALLOCATE_IN = struct.Struct("<QQQII")  # fh offset length mode padding
+FATTR_MODE, FATTR_SIZE, FATTR_ATIME, FATTR_MTIME = 1 << 0, 1 << 3, 1 << 4, 1 << 5
+FATTR_ATIME_NOW, FATTR_MTIME_NOW = 1 << 7, 1 << 8
+FSYNC_FDATASYNC = 1
 XATTR_SIZE_OUT = struct.Struct("<II")  # size padding
 # fuse_entry_out = nodeid generation entry_valid attr_valid entry_nsec attr_nsec + fuse_attr;
 # fuse_attr = ino size blocks atime mtime ctime atimensec mtimensec ctimensec mode nlink
@@ -123,10 +139,12 @@ class AttrPacker:
         self.uid, self.gid = uid, gid
         self.valid, self.valid_ns = _seconds(timeout)
 
+    blksize = staticmethod(st_blksize)
+
     def _attr(self, ino: int, mode: int, size: int, mtime_ns: int, nlink: int) -> tuple:
         sec, nsec = divmod(mtime_ns, 1_000_000_000)
         return (ino, size, st_blocks(size), sec, sec, sec, nsec, nsec, nsec, mode, nlink,
-                self.uid, self.gid, 0, st_blksize(mode), 0)
+                self.uid, self.gid, 0, self.blksize(mode), 0)
 
     def entry(self, attr) -> bytes:
         """fuse_entry_out for a dlfsd.namespace.Attr."""
@@ -136,6 +154,13 @@ class AttrPacker:
     def attr(self, attr) -> bytes:
         """fuse_attr_out for a dlfsd.namespace.Attr."""
         return ATTR_OUT.pack(self.valid, self.valid_ns, 0, *self._attr(*attr))
+
+
+class CkptAttrPacker(AttrPacker):
+    """Checkpoint entries: 1 MiB st_blksize (Python's buffered writer then hands the
+    kernel 1 MiB writes, its largest WRITE request)."""
+
+    blksize = staticmethod(lambda mode: 1 << 20)
 
 
 def dirent(name: bytes, ino: int, mode: int, next_offset: int) -> bytes:

@@ -26,6 +26,8 @@ import os
 import signal
 
 from dlfs.signals import STOP_SIGNALS, unblock_stop_signals
+from dlfsd.ckpt.nodeids import CKPT_BIT
+from dlfsd.ckpt.tree import CkptTree
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker
@@ -79,10 +81,15 @@ class WireWorker:
     """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
 
     def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
-                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
+                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0,
+                 ckpt: CkptTree | None = None) -> None:
         self.ns = namespace
         self.fd = fd
-        self.answer_opens = workers_answer_opens(count_opens)
+        self.ckpt = ckpt
+        # A checkpoint tier needs the opens: O_TRUNC of an existing file is done by the
+        # answer to OPEN (the kernel asks for atomic O_TRUNC), and RELEASE says a
+        # written file is closed, so its drain can begin.
+        self.answer_opens = workers_answer_opens(count_opens or ckpt is not None)
         self.no_opendir = kernel_skips_opens()[1]
         self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
         # `.dlfs/` files change all the time: the kernel must ask again on each read.
@@ -111,6 +118,9 @@ class WireWorker:
         }
         for opcode, name in fw.MUTATING.items():  # the core refuses them all (EROFS)
             self._handlers[opcode] = self._refusal(name)
+        if ckpt is not None:
+            self.ckpt_attrs = fw.CkptAttrPacker(uid, gid, CKPT_ATTR_TIMEOUT)
+            self._handlers.update(CkptRequests(self, ckpt).handlers())
 
     # -- the loop ---------------------------------------------------------------------
     def serve(self) -> int:
@@ -245,6 +255,8 @@ class WireWorker:
         return bytes(self._view[start:end])
 
     def _packer(self, ino: int) -> fw.AttrPacker:
+        if ino >= CKPT_BIT:
+            return self.ckpt_attrs
         return self.control_attrs if self.ns.is_control(ino) else self.attrs
 
     def _attr(self, ino: int, caller: Caller | None):
@@ -267,6 +279,9 @@ class WireWorker:
 
     def open(self, nodeid: int, n: int) -> bytes:
         flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
+        if nodeid >= CKPT_BIT:
+            self.ckpt.open(nodeid, flags)
+            return fw.OPEN_OUT.pack(CKPT_FH, _ckpt_open_flags(flags), 0)
         self.ns.check_open(nodeid, flags)
         if not self.answer_opens:
             # FUSE no_open: from this reply on the kernel opens and closes files
@@ -277,15 +292,22 @@ class WireWorker:
 
     def read(self, nodeid: int, n: int):
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
+        if nodeid >= CKPT_BIT:  # the one test a dataset read pays for the checkpoint tier
+            return self.ckpt.read(nodeid, offset, size)
         if fh == 0:  # opened by the kernel alone (no_open)
             return self.ns.read_inode(nodeid, offset, size, self.caller)
         return self.ns.read(fh, offset, size)
 
     def release(self, nodeid: int, n: int) -> None:
         fh, _, _ = fw.RELEASE_IN.unpack_from(self._buf, _HEADER)
+        if nodeid >= CKPT_BIT:
+            self.ckpt.release(nodeid)
+            return
         self.ns.release(fh)
 
     def statfs(self, nodeid: int, n: int) -> bytes:
+        if nodeid >= CKPT_BIT:
+            return fw.statfs(self.ckpt.statfs())
         return fw.statfs(self.ns.statfs())
 
     def getxattr(self, nodeid: int, n: int) -> bytes:
@@ -304,8 +326,11 @@ class WireWorker:
         # treats them as opened with FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE: listings never
         # change, so it keeps them, and a second walk of the tree costs no request.
         # Listing requests then name the directory by its inode only (handle 0).
-        if self.no_opendir:
+        if self.no_opendir and self.ckpt is None:
             raise _Errno(errno.ENOSYS)
+        if nodeid >= CKPT_BIT:  # listings change: the kernel must not keep them
+            self.ckpt.getattr(nodeid)
+            return fw.OPEN_OUT.pack(0, 0, 0)
         self.ns.check_dir(nodeid)  # ENOTDIR for a file, ENOENT for an unknown inode
         return fw.OPEN_OUT.pack(0, fw.FOPEN_KEEP_CACHE | fw.FOPEN_CACHE_DIR, 0)
 
@@ -319,7 +344,7 @@ class WireWorker:
         """Directory entries from the request's offset while they fit its size; with
         `plus` (READDIRPLUS) each carries the entry's attributes too."""
         _, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
-        found = self.ns.dataset_directory(nodeid)
+        found = self.ns.dataset_directory(nodeid) if nodeid < CKPT_BIT else None
         if found is not None:  # a dataset directory: packed in bulk
             directory, base, row = found
             lister = self._listers.get(base)
@@ -327,7 +352,9 @@ class WireWorker:
                 lister = self._listers[base] = ListingPacker(directory, base, self.attrs)
             return lister.pack(row, offset, size, plus)
         out, used = [], 0  # the root and `.dlfs/`: a few entries
-        for name, attr, next_offset in self.ns.readdir(nodeid, offset):
+        entries = (self.ckpt.readdir(nodeid, offset) if nodeid >= CKPT_BIT
+                   else self.ns.readdir(nodeid, offset))
+        for name, attr, next_offset in entries:
             entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
             if plus:
                 entry = self._packer(attr.ino).entry(attr) + entry
@@ -351,6 +378,124 @@ class WireWorker:
         return refuse
 
 
+CKPT_FH = 1  # the handle of an open checkpoint file (descriptors are per process)
+CKPT_ATTR_TIMEOUT = 1.0  # seconds the kernel keeps a checkpoint entry's attributes
+
+
+#: Checkpoint files opened for writing bypass the kernel's page cache (the backing file
+#: has one already): each write() reaches the daemon as it is (up to max_write), with
+#: one copy less and no second cached copy; set DLFS_CKPT_CACHED_WRITES=1 to compare.
+CKPT_DIRECT_WRITES = os.environ.get("DLFS_CKPT_CACHED_WRITES") != "1"
+
+
+def _ckpt_open_flags(flags: int) -> int:
+    if CKPT_DIRECT_WRITES and flags & (os.O_WRONLY | os.O_RDWR):
+        return fw.FOPEN_DIRECT_IO
+    return fw.FOPEN_KEEP_CACHE
+
+
+class CkptRequests:
+    """The requests that change the checkpoint subtree: each becomes one CkptTree call;
+    outside it the core refuses them (EROFS), as without a checkpoint tier."""
+
+    def __init__(self, worker: WireWorker, ckpt: CkptTree) -> None:
+        self.w, self.ckpt, self.ns = worker, ckpt, worker.ns
+
+    def handlers(self) -> dict:
+        return {fw.WRITE: self.write, fw.SETATTR: self.setattr, fw.CREATE: self.create,
+                fw.MKNOD: self.mknod, fw.MKDIR: self.mkdir, fw.UNLINK: self.unlink,
+                fw.RMDIR: self.rmdir, fw.RENAME: self.rename, fw.RENAME2: self.rename2,
+                fw.SYMLINK: self.symlink, fw.FSYNC: self.fsync, fw.FSYNCDIR: self.fsync,
+                fw.FALLOCATE: self.fallocate}
+
+    def _mine(self, nodeid: int, request: str) -> None:
+        if nodeid < CKPT_BIT:
+            self.ns.refuse_change(request)
+
+    def _entry(self, attr) -> bytes:
+        return self.w.ckpt_attrs.entry(attr)
+
+    def write(self, nodeid: int, n: int) -> bytes:
+        self._mine(nodeid, "write")
+        _, offset, size, _, _, _, _ = fw.WRITE_IN.unpack_from(self.w._buf, _HEADER)
+        start = _HEADER + fw.WRITE_IN.size
+        written = self.ns.write_ckpt(nodeid, offset, self.w._view[start:start + size],
+                                     self.w.caller)
+        return fw.WRITE_OUT.pack(written, 0)
+
+    def setattr(self, nodeid: int, n: int) -> bytes:
+        self._mine(nodeid, "setattr")
+        (valid, _, _, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, _, _,
+         _) = fw.SETATTR_IN.unpack_from(self.w._buf, _HEADER)
+        attr = self.ckpt.setattr(
+            nodeid, mode=mode if valid & fw.FATTR_MODE else None,
+            size=size if valid & fw.FATTR_SIZE else None,
+            atime_ns=atime * 1_000_000_000 + atimensec if valid & fw.FATTR_ATIME else None,
+            mtime_ns=mtime * 1_000_000_000 + mtimensec if valid & fw.FATTR_MTIME else None,
+            now_atime=bool(valid & fw.FATTR_ATIME_NOW),
+            now_mtime=bool(valid & fw.FATTR_MTIME_NOW))
+        return self.w.ckpt_attrs.attr(attr)
+
+    def create(self, nodeid: int, n: int) -> bytes:
+        self._mine(nodeid, "create")
+        flags, mode, umask, _ = fw.CREATE_IN.unpack_from(self.w._buf, _HEADER)
+        name = self.w._name_arg(n, _HEADER + fw.CREATE_IN.size)
+        attr = self.ckpt.create(nodeid, name, flags, mode & ~umask)
+        return self._entry(attr) + fw.OPEN_OUT.pack(CKPT_FH, _ckpt_open_flags(flags), 0)
+
+    def mknod(self, nodeid: int, n: int) -> bytes:
+        self._mine(nodeid, "mknod")
+        mode, _, umask, _ = fw.MKNOD_IN.unpack_from(self.w._buf, _HEADER)
+        name = self.w._name_arg(n, _HEADER + fw.MKNOD_IN.size)
+        return self._entry(self.ckpt.mknod(nodeid, name, mode & ~umask))
+
+    def mkdir(self, nodeid: int, n: int) -> bytes:
+        self._mine(nodeid, "mkdir")
+        mode, umask = fw.MKDIR_IN.unpack_from(self.w._buf, _HEADER)
+        name = self.w._name_arg(n, _HEADER + fw.MKDIR_IN.size)
+        return self._entry(self.ckpt.mkdir(nodeid, name, mode & ~umask))
+
+    def symlink(self, nodeid: int, n: int) -> bytes:
+        self._mine(nodeid, "symlink")
+        name = self.w._name_arg(n)
+        target = self.w._name_arg(n, _HEADER + len(name) + 1)
+        return self._entry(self.ckpt.symlink(nodeid, name, target))
+
+    def unlink(self, nodeid: int, n: int) -> None:
+        self._mine(nodeid, "unlink")
+        self.ckpt.unlink(nodeid, self.w._name_arg(n))
+
+    def rmdir(self, nodeid: int, n: int) -> None:
+        self._mine(nodeid, "rmdir")
+        self.ckpt.rmdir(nodeid, self.w._name_arg(n))
+
+    def rename(self, nodeid: int, n: int) -> None:
+        (new_dir,) = fw.RENAME_IN.unpack_from(self.w._buf, _HEADER)
+        self._rename(nodeid, new_dir, 0, _HEADER + fw.RENAME_IN.size, n)
+
+    def rename2(self, nodeid: int, n: int) -> None:
+        new_dir, flags, _ = fw.RENAME2_IN.unpack_from(self.w._buf, _HEADER)
+        self._rename(nodeid, new_dir, flags, _HEADER + fw.RENAME2_IN.size, n)
+
+    def _rename(self, nodeid: int, new_dir: int, flags: int, start: int, n: int) -> None:
+        self._mine(nodeid, "rename")
+        self._mine(new_dir, "rename")
+        old = self.w._name_arg(n, start)
+        new = self.w._name_arg(n, start + len(old) + 1)
+        self.ckpt.rename(nodeid, old, new_dir, new, flags)
+
+    def fsync(self, nodeid: int, n: int) -> None:
+        if nodeid < CKPT_BIT:
+            return  # datasets: nothing to write (and an ENOSYS would stop all fsyncs)
+        _, fsync_flags, _ = fw.FSYNC_IN.unpack_from(self.w._buf, _HEADER)
+        self.ckpt.fsync(nodeid, bool(fsync_flags & fw.FSYNC_FDATASYNC))
+
+    def fallocate(self, nodeid: int, n: int) -> None:
+        self._mine(nodeid, "fallocate")
+        _, offset, length, mode, _ = fw.FALLOCATE_IN.unpack_from(self.w._buf, _HEADER)
+        self.ckpt.fallocate(nodeid, offset, length, mode)
+
+
 class _Errno(Exception):
     def __init__(self, value: int) -> None:
         super().__init__(value)
@@ -358,7 +503,7 @@ class _Errno(Exception):
 
 
 _OPNAMES = {v: k.lower() for k, v in vars(fw).items() if k.isupper() and isinstance(v, int)
-            and not k.startswith(("FOPEN", "BLK", "REQUEST"))}
+            and not k.startswith(("FOPEN", "BLK", "REQUEST", "FATTR", "FSYNC_", "CKPT"))}
 
 
 def _name(opcode: int) -> str:

@@ -45,19 +45,22 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 REQUEST_TIMEOUT = 10.0
-_MAX_REQUEST = 256
+_MAX_REQUEST = 8192  # a flush names a path (hex)
 
 
 class ControlServer:
     """The control socket and the process answering it (main daemon process side)."""
 
-    def __init__(self, path: str, observe: Observability, services: tuple = ()) -> None:
+    def __init__(self, path: str, observe: Observability, services: tuple = (),
+                 ckpt=None, ckpt_uid: int | None = None) -> None:
         """`services`: more sockets this process answers (each with a bound listening
         `sock`, `start()`, `handle(conn)`, `stop()` and `close()`, e.g. the look-ahead's
         dlfsd.ordersock.OrderService); started in the control process."""
         self.path = path
         self.observe = observe
         self.services = list(services)
+        # `dlfs flush` (dlfsd.ckpt.control): also answered for the mount's --uid user
+        self.ckpt, self.ckpt_uid = ckpt, ckpt_uid
         self.pid = 0
         self._inode = 0  # of the socket we bound: a later daemon's socket is not ours
 
@@ -87,7 +90,8 @@ class ControlServer:
         with stop_signals_blocked():  # a SIGTERM before SIG_DFL is in must still end it
             pid = os.fork()
             if pid == 0:
-                _child(sock, self.observe, parent, close_in_child, self.services)
+                _child(sock, self.observe, parent, close_in_child, self.services,
+                       (self.ckpt, self.ckpt_uid))
         sock.close()
         for service in self.services:
             service.close()  # the control process answers it
@@ -113,7 +117,7 @@ class ControlServer:
 
 
 def _child(sock: socket.socket, observe: Observability, parent: int,
-           close: Collection[int], services: list) -> None:
+           close: Collection[int], services: list, ckpt: tuple = (None, None)) -> None:
     """The control process: answer until SIGTERM from the main process, or until that
     process dies (the kernel then sends the SIGTERM: dlfsd.lineage). Ctrl-C and a
     terminal's hangup reach the whole process group; the main process acts on them
@@ -131,7 +135,7 @@ def _child(sock: socket.socket, observe: Observability, parent: int,
         if alive:
             for service in services:
                 service.start()
-            _serve(sock, observe, parent, services)
+            _serve(sock, observe, parent, services, ckpt)
     except BaseException:
         log.exception("trace control process failed")
         code = 1
@@ -140,11 +144,12 @@ def _child(sock: socket.socket, observe: Observability, parent: int,
         os._exit(code)
 
 
-def _serve(sock: socket.socket, observe: Observability, parent: int, services: list) -> None:
+def _serve(sock: socket.socket, observe: Observability, parent: int, services: list,
+           ckpt: tuple = (None, None)) -> None:
     """Answer one connection at a time until SIGTERM, or until the main process `parent`
     is gone (its death signal ends us at once; looking for a new parent every second
     is the second line of defence)."""
-    handlers = {sock.fileno(): (sock, lambda conn: _handle(conn, observe))}
+    handlers = {sock.fileno(): (sock, lambda conn: _handle(conn, observe, *ckpt))}
     for service in services:
         handlers[service.sock.fileno()] = (service.sock, service.handle)
     try:
@@ -180,12 +185,27 @@ def _peer_uid(conn: socket.socket) -> int:
     return struct.unpack("3i", creds)[1]
 
 
-def _handle(conn: socket.socket, observe: Observability) -> None:
-    if _peer_uid(conn) not in (0, os.getuid()):
+def _handle(conn: socket.socket, observe: Observability, ckpt=None,
+            ckpt_uid: int | None = None) -> None:
+    uid = _peer_uid(conn)
+    command = _read_line(conn)
+    if command.startswith("ckpt-"):
+        if uid not in (0, os.getuid(), ckpt_uid):
+            _reply(conn, {"ok": False, "error": "permission denied: only root, the daemon's "
+                                                "and the mount's user flush checkpoints"})
+        elif ckpt is None:
+            _reply(conn, {"ok": False, "error": "this mount has no checkpoint directory "
+                                                "(mount with --ckpt-store)"})
+        else:
+            try:
+                _reply(conn, ckpt.handle(command.split()))
+            except (OSError, ValueError) as err:
+                _reply(conn, {"ok": False, "error": str(err)})
+        return
+    if uid not in (0, os.getuid()):
         _reply(conn, {"ok": False, "error": "permission denied: only root and the mount's "
                                             "owner control the trace"})
         return
-    command = _read_line(conn)
     if command == "start":
         try:
             observe.start_trace()

@@ -83,7 +83,38 @@ def prometheus_text(snapshot: dict) -> str:
         lines += [f'{metric}{{dataset="{_label(ds)}"}} {c["adopted"][key]}'
                   for ds, c in datasets.items()]
     _health(lines, snapshot.get("health") or {})
+    _ckpt(lines, snapshot.get("ckpt") or {})
     return "\n".join(lines) + "\n"
+
+
+#: The checkpoint tier's report (dlfsd.ckpt.drain.Drainer.report): key -> metric.
+CKPT_METRICS = (
+    ("written_bytes", "dlfs_ckpt_written_bytes_total", "counter",
+     "Bytes written into MOUNTPOINT/ckpt/."),
+    ("queued_bytes", "dlfs_ckpt_queued_bytes", "gauge", "Bytes not on the checkpoint store yet."),
+    ("queued_files", "dlfs_ckpt_queued_files", "gauge", "Files not on the checkpoint store yet."),
+    ("drained_bytes", "dlfs_ckpt_drained_bytes_total", "counter",
+     "Bytes copied to the checkpoint store."),
+    ("drained_files", "dlfs_ckpt_drained_files_total", "counter",
+     "Files copied to the checkpoint store."),
+    ("drain_rate", "dlfs_ckpt_drain_bytes_per_second", "gauge",
+     "Drain rate over the last 10 s."),
+    ("eta_seconds", "dlfs_ckpt_drain_eta_seconds", "gauge",
+     "Seconds until the queued bytes are drained at that rate."),
+    ("oldest_undrained_age", "dlfs_ckpt_oldest_undrained_seconds", "gauge",
+     "Age of the oldest file not drained yet."),
+    ("failures", "dlfs_ckpt_drain_failures_total", "counter",
+     "Drain attempts that failed (each retried with back-off)."),
+)
+
+
+def _ckpt(lines: list[str], report: dict) -> None:
+    """The checkpoint tier (absent without --ckpt-store, or before its first report)."""
+    for key, metric, kind, help_ in CKPT_METRICS:
+        if key in report:
+            _header(lines, metric, help_, kind)
+            value = report[key]
+            lines.append(f"{metric} {0 if value is None else value:.9g}")
 
 
 def _lookahead(lines: list[str], datasets: dict, engine: dict | None) -> None:

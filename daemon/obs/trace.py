@@ -33,8 +33,11 @@ import numpy as np
 
 from dlfsd.slots import ProcessSlot
 
-OP_NAMES = ("lookup", "getattr", "open", "read", "release")
-OP_LOOKUP, OP_GETATTR, OP_OPEN, OP_READ, OP_RELEASE = range(len(OP_NAMES))
+OP_NAMES = ("lookup", "getattr", "open", "read", "release", "write")
+OP_LOOKUP, OP_GETATTR, OP_OPEN, OP_READ, OP_RELEASE, OP_WRITE = range(len(OP_NAMES))
+#: A write into the checkpoint subtree: dataset CKPT_DATASET, row = the file's inode
+#: number in the node cache (dlfsd.ckpt).
+CKPT_DATASET = -2
 TRACE_FORMAT_VERSION = 1
 DEFAULT_CAPACITY = 1 << 20
 

@@ -33,6 +33,24 @@ MOUNT=$(readlink -m -- "$(expand "$DLFS_MOUNT")")
 CACHE=$(expand "$DLFS_CACHE")
 RUN_DIR=$(expand "$DLFS_RUN_DIR")
 LOG=$(expand "$DLFS_LOG")
+CKPT=""
+[ -n "${DLFS_CKPT_STORE:-}" ] && CKPT=$(readlink -m -- "$(expand "$DLFS_CKPT_STORE")")
+
+# The node-local tier of $CKPT (dlfsd.ckpt.tier.tier_path: a hash of its real path).
+ckpt_tier() {
+    printf '%s/ckpt/%s' "$CACHE" "$(printf '%s' "$CKPT" | sha256sum | cut -c1-16)"
+}
+
+# Before unmounting: drain the job's checkpoints to $CKPT (bounded); on failure say
+# what is left (dlfs flush's one line) and return 1: the caller keeps the cache.
+flush_checkpoints() {
+    [ -n "$CKPT" ] && is_mounted || return 0
+    local out
+    out=$("$DLFS_BIN" flush "$MOUNT" --quiet --timeout "${DLFS_CKPT_FLUSH_TIMEOUT:-600}" \
+          </dev/null 2>&1) && return 0
+    say "checkpoints not drained to $CKPT, kept in the node cache $(ckpt_tier): $(printf '%s' "$out" | tail -n 1)"
+    return 1
+}
 
 # Does this job ask for DLFS? (DLFS_OPT_IN; a 22.05 prolog sees the comment and the
 # constraints, not the job's environment.)
@@ -72,9 +90,11 @@ cache_is_per_job() {
 }
 
 # Unmount (lazy if busy), stop any daemon left, remove the job dir, and the cache
-# if it is the job's own or the site wipes it.
+# if it is the job's own or the site wipes it (never while it holds checkpoints the
+# store lacks: `cleanup_job keep-ckpt`); a drained checkpoint tier goes.
 # Returns non-zero only if a mount or a daemon survived everything.
 cleanup_job() {
+    local keep_ckpt=${1:-}
     if is_mounted; then
         "$DLFS_BIN" umount "$MOUNT" --timeout 20 </dev/null >/dev/null 2>&1 \
             || "$DLFS_BIN" umount --lazy "$MOUNT" </dev/null >/dev/null 2>&1 \
@@ -94,8 +114,12 @@ cleanup_job() {
         # shellcheck disable=SC2086
         [ -n "$pids" ] && kill -KILL $pids 2>/dev/null && sleep 0.2
     fi
-    if cache_is_per_job || [ "${DLFS_CACHE_AFTER_JOB:-keep}" = wipe ]; then
+    if [ -n "$keep_ckpt" ]; then
+        :  # undrained checkpoints: the cache stays for an admin
+    elif cache_is_per_job || [ "${DLFS_CACHE_AFTER_JOB:-keep}" = wipe ]; then
         rm -rf -- "$CACHE"
+    elif [ -n "$CKPT" ]; then
+        rm -rf -- "$(ckpt_tier)"  # drained: on the store now
     fi
     rm -rf -- "$RUN_DIR"
     rmdir -- "$MOUNT" 2>/dev/null

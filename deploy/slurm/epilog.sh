@@ -1,6 +1,8 @@
 #!/bin/bash
-# Slurm Epilog for DLFS: unmounts the job's datasets, stops the daemon, removes the
-# job's secret, and its cache if it is per job or the site wipes it (dlfs.conf).
+# Slurm Epilog for DLFS: drains the job's checkpoints to the store (dlfs flush,
+# bounded), unmounts the job's datasets, stops the daemon, removes the job's secret,
+# and its cache if it is per job or the site wipes it (dlfs.conf), never while it
+# holds checkpoints the store lacks.
 #
 # slurm.conf: Epilog=/etc/slurm/dlfs/epilog.sh. Runs as root on every node of the
 # job after it ends, also where the prolog failed or was never asked for DLFS,
@@ -16,5 +18,7 @@ if ! is_mounted && [ ! -e "$RUN_DIR" ] && { ! cache_is_per_job || [ ! -e "$CACHE
     rmdir -- "$MOUNT" 2>/dev/null
     exit 0  # not a DLFS job (the common case): nothing to do
 fi
-cleanup_job || exit 1
+keep_ckpt=""
+flush_checkpoints || keep_ckpt=keep-ckpt
+cleanup_job $keep_ckpt || exit 1
 exit 0

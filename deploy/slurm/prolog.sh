@@ -32,6 +32,14 @@ out=$("$DLFS_BIN" slurm-secret --key-file "$DLFS_SITE_KEY" --job-id "$JOB" \
       --out "$RUN_DIR/secret" --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
       </dev/null 2>&1) || fail "${out:-cannot write the job secret}"
 
+ckpt=()
+if [ -n "$CKPT" ]; then
+    mkdir -p -- "$CKPT" && chown "$SLURM_JOB_UID:${SLURM_JOB_GID:-$SLURM_JOB_UID}" -- "$CKPT" \
+        || fail "cannot create the checkpoint dir $CKPT (DLFS_CKPT_STORE in $DLFS_CONF)"
+    # shellcheck disable=SC2206
+    ckpt=(--ckpt-store "$CKPT" ${DLFS_CKPT_ARGS:-})
+fi
+
 replicas=${DLFS_REPLICAS:-1}
 node_limit=()
 [ -n "${DLFS_CACHE_NODE_LIMIT:-}" ] && node_limit=(--node-cache-limit "$DLFS_CACHE_NODE_LIMIT")
@@ -43,7 +51,7 @@ node_limit=()
 # shellcheck disable=SC2086
 out=$("$DLFS_BIN" mount "$MOUNT" --slurm --store "$DLFS_STORE" \
       --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" \
-      --cache-dir "$CACHE" "${node_limit[@]}" --secret-file "$RUN_DIR/secret" \
+      --cache-dir "$CACHE" "${node_limit[@]}" "${ckpt[@]}" --secret-file "$RUN_DIR/secret" \
       --replicas "$replicas" \
       --port-base "$DLFS_PORT_BASE" --port-span "${DLFS_PORT_SPAN:-1}" \
       --node-host "$DLFS_NODE_HOST" \

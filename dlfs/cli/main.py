@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dlfs import __version__
 from dlfs.cli import (
     cache_cmds,
+    ckpt_cmds,
     mount_cmds,
     obs_cmds,
     order_cmds,
@@ -59,6 +60,7 @@ FAMILIES: tuple[Callable[[Subparsers], None], ...] = (
     order_cmds.register,  # order
     cache_cmds.register,  # cache
     warmup_cmds.register,  # warmup
+    ckpt_cmds.register,  # flush
 )
 
 

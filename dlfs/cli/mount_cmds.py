@@ -82,6 +82,39 @@ def _add_mount(subs: Subparsers) -> None:
     p.add_argument("--gid", type=_id, help="group shown for every file (with --uid)")
     _add_daemon_flags(p)
     _add_pool_flags(p)
+    _add_ckpt_flags(p)
+
+
+def _add_ckpt_flags(p: argparse.ArgumentParser) -> None:
+    """The checkpoint tier's flags (docs/CKPT.md)."""
+    g = p.add_argument_group(
+        "checkpoints",
+        "With --ckpt-store, MOUNTPOINT/ckpt/ is writable: files written there land in\n"
+        "the node-local --cache-dir at its speed, and each file closed after writing is\n"
+        "copied to the checkpoint store in the background (complete or not at all).\n"
+        "fsync: durable on this node; `dlfs flush MOUNTPOINT`: durable on the store.\n"
+        "The datasets stay read-only (EROFS).")
+    g.add_argument("--ckpt-store", type=_path, metavar="DIR",
+                   help="directory on the store's file system that checkpoints drain to "
+                        "(per job; needs --cache-dir; created if missing)")
+    g.add_argument("--drain-bandwidth", type=_size, metavar="BYTES/S",
+                   help="at most this many bytes/s to the checkpoint store, all copies "
+                        "together, e.g. 500M (default: as fast as the store takes them)")
+    g.add_argument("--drain-jobs", type=_positive, default=MountConfig.drain_jobs,
+                   help="files copied to the checkpoint store at once (default 2)")
+    g.add_argument("--ckpt-limit", type=_size, metavar="SIZE",
+                   help="the local copies take at most SIZE, e.g. 200G: drained files are "
+                        "evicted from the node cache oldest drain first (read from the store "
+                        "afterwards); when nothing can go, writes wait for the drain, then "
+                        "fail with ENOSPC (default: no limit, nothing evicted)")
+    g.add_argument("--ckpt-keep", type=_non_negative, default=MountConfig.ckpt_keep,
+                   metavar="N",
+                   help="with --ckpt-limit: never evict the N newest checkpoints (entries of "
+                        "MOUNTPOINT/ckpt/, by mtime), for a fast restart (default 1)")
+    g.add_argument("--ckpt-limit-wait", type=_seconds, default=MountConfig.ckpt_limit_wait,
+                   metavar="SECONDS",
+                   help="how long a write waits for room under --ckpt-limit before it fails "
+                        "with ENOSPC (default 60)")
 
 
 def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
@@ -242,7 +275,7 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slurm", action="store_true",
                    help="inside a Slurm job or prolog: --nodes and --node from the job's "
                         "environment; %%j (job id) and %%n (node) expand in the mountpoint, "
-                        "--cache-dir, --secret-file, --log-file, --summary-file")
+                        "--cache-dir, --secret-file, --log-file, --summary-file, --ckpt-store")
     g.add_argument("--mpi", action="store_true",
                    help="under mpirun/srun: one daemon per rank; the ranks exchange host "
                         "names and a fresh secret; %%n = host (HOST-RANK where ranks share "
@@ -287,7 +320,8 @@ def apply_slurm(args: argparse.Namespace, env: dict[str, str]) -> None:
         raise UsageError("--slurm takes the nodes from the job; drop --nodes, --nodes-file "
                          "and --node")
     job = job_from_env(env)
-    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file", "summary_file"):
+    for flag in ("mountpoint", "log_file", "cache_dir", "secret_file", "summary_file",
+                 "ckpt_store"):
         value = getattr(args, flag)
         if value:
             setattr(args, flag, expand_pattern(value, job.job_id, job.node))
@@ -330,7 +364,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
                   "mode, which is gone: worker processes serve one request each); drop it",
                   file=sys.stderr)
     return MountConfig(
-        **_cluster_settings(args),
+        **_cluster_settings(args), **_ckpt_settings(args),
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
         workers=args.workers,
@@ -344,6 +378,28 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
         lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
+
+
+def _ckpt_settings(args: argparse.Namespace) -> dict:
+    """The checkpoint flags, checked before any daemon starts."""
+    if not args.ckpt_store:
+        if args.drain_bandwidth or args.ckpt_limit:
+            raise UsageError("--drain-bandwidth and --ckpt-limit need --ckpt-store")
+        return {}
+    if not args.cache_dir:
+        raise UsageError("--ckpt-store needs --cache-dir (the node-local directory "
+                         "checkpoints are written to before they drain)")
+    store = os.path.abspath(args.ckpt_store)
+    try:
+        os.makedirs(store, exist_ok=True)
+    except OSError as err:
+        raise DlfsError(f"--ckpt-store {store}: cannot create it ({err.strerror}); give a "
+                        "directory on the store's file system") from None
+    if not os.path.isdir(store):
+        raise DlfsError(f"--ckpt-store {store} is not a directory")
+    return dict(ckpt_store=store, drain_bandwidth=args.drain_bandwidth or 0,
+                drain_jobs=args.drain_jobs, ckpt_limit=args.ckpt_limit or 0,
+                ckpt_keep=args.ckpt_keep, ckpt_limit_wait=args.ckpt_limit_wait)
 
 
 def _check_file_target(flag: str, path: str | None) -> None:

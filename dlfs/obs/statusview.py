@@ -101,6 +101,7 @@ def plain_lines(status: dict) -> list[str]:
         lines.append(replication_line(status["replication"]))
     if status.get("peer_server"):
         lines.append(peer_server_line(status["peer_server"]))
+    lines += ckpt_lines(status.get("ckpt"))
     return lines + history_lines(status.get("health")) + problem_lines(status.get("health"))
 
 
@@ -144,6 +145,27 @@ def replication_line(c: dict) -> str:
             "for them")
 
 
+def ckpt_lines(c: dict | None) -> list[str]:
+    """The checkpoint tier: written, drained, queued (rate, ETA, oldest), trouble."""
+    if not c:
+        return []
+    lines = [f"checkpoints: {format_size(c.get('written_bytes', 0))} written, "
+             f"{format_size(c['drained_bytes'])} drained ({c['drained_files']} files) to "
+             f"{c['store']}; {c['queued_files']} files ({format_size(c['queued_bytes'])}) "
+             f"queued, {format_size(c['drain_rate'])}/s, eta {_eta(c['eta_seconds'])}"]
+    if c.get("limit"):
+        lines.append(f"  local copies {format_size(c.get('local_bytes') or 0)} of "
+                     f"{format_size(c['limit'])} (--ckpt-limit), {c['evicted_files']} evicted"
+                     + (": FULL, writes wait for the drain" if c.get("full") else ""))
+    if c.get("oldest_undrained"):
+        lines.append(f"  oldest undrained: {c['oldest_undrained']} "
+                     f"({c['oldest_undrained_age']:.0f} s)")
+    if c.get("error"):
+        lines.append(f"  drain failing: {c['error']} (local copies kept in {c['local']}, "
+                     "retried with back-off)")
+    return lines
+
+
 def rich_view(status: dict) -> Group:
     head = (f"[bold]{status['mountpoint']}[/] store {status['store']} pid {status['pid']}"
             f"\nlog {status.get('log', '?')}")
@@ -171,6 +193,7 @@ def rich_view(status: dict) -> Group:
         parts.append(replication_line(status["replication"]))
     if status.get("peer_server"):
         parts.append(peer_server_line(status["peer_server"]))
+    parts += ckpt_lines(status.get("ckpt"))
     parts += [Text(line, style="dim") for line in history_lines(status.get("health"))]
     parts += [Text(line, style="bold red") for line in problem_lines(status.get("health"))]
     return Group(*parts)

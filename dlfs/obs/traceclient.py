@@ -28,6 +28,7 @@ from dlfs.errors import DlfsError
 from dlfs.runtime import control_socket_path, mountpoint_path
 
 CSV_VERSION = 1
+CKPT_DATASET = -2  # a write into MOUNTPOINT/ckpt/ (row: its inode in the node cache)
 COLUMNS = ("time_ns", "pid", "uid", "op", "dataset", "path", "offset", "size", "latency_ns",
            "source")
 _TIMEOUT = 600.0  # a dump of a million records with paths takes seconds, not minutes
@@ -126,7 +127,8 @@ def _write_rows(tmp: Path, header: dict, records: np.ndarray, paths: dict, ops: 
         out.writerow(COLUMNS)
         for r in records.tolist():
             time_ns, row, offset, size, latency, pid, uid, ds, op, mask = r
-            out.writerow((time_ns, pid, uid, ops[op], names[ds] if ds >= 0 else "",
+            dataset = names[ds] if ds >= 0 else ("ckpt" if ds == CKPT_DATASET else "")
+            out.writerow((time_ns, pid, uid, ops[op], dataset,
                           paths.get((ds, row), "") if ds >= 0 else "", offset, size, latency,
                           _sources_text(mask, sources)))
 

@@ -1,0 +1,215 @@
+"""CkptState: what every daemon process must agree on about the checkpoint tier, in one
+SQLite database next to the local tree (WAL; one connection per process and thread).
+
+Why a database and not shared memory: the tree's node ids are its backing inode
+numbers (dlfsd.ckpt.tree), and a request for one may reach any worker process, so
+each must find the entry's path from its inode; entries come and go, names are up
+to 255 bytes, and the drain state must outlive a crash of the daemon (resume on the
+next mount). Checkpoints have few files, each written in large requests: the
+database is asked once per lookup or per file and second of writing, never per
+WRITE.
+
+Tables:
+  nodes(ino, parent, name)      where each local entry is (the root: parent 0)
+  pending(ino, since_ns, touched_ns, closed, forced, tries, retry_ns, error)
+                                 files whose local bytes are not on the store yet
+  evicted(ino)                   drained files whose local copy was evicted (--ckpt-limit):
+                                 a sparse file of the same size, mtime and inode; reads go
+                                 to the store's copy, a write first copies it back
+  drained(ino, size, mtime_ns, relpath, drained_ns)
+                                 what the store holds of each local file (the ledger:
+                                 a file whose size, mtime or path differs is dirty)
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes(ino INTEGER PRIMARY KEY, parent INTEGER NOT NULL,
+                                 name BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS pending(ino INTEGER PRIMARY KEY, since_ns INTEGER NOT NULL,
+                                   touched_ns INTEGER NOT NULL, closed INTEGER DEFAULT 0,
+                                   forced INTEGER DEFAULT 0, tries INTEGER DEFAULT 0,
+                                   retry_ns INTEGER DEFAULT 0, error TEXT);
+CREATE TABLE IF NOT EXISTS evicted(ino INTEGER PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS drained(ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
+                                   mtime_ns INTEGER NOT NULL, relpath BLOB NOT NULL,
+                                   drained_ns INTEGER NOT NULL);
+"""
+BUSY_TIMEOUT_MS = 30_000
+
+
+class CkptState:
+    """The tier's database; `db()` is this process's and thread's connection."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._local = threading.local()
+        db = self.db()
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+
+    def db(self) -> sqlite3.Connection:
+        """A connection made by this process and thread (a forked child makes its own:
+        SQLite connections must not cross a fork)."""
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000,
+                                   isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            local.conn, local.pid = conn, os.getpid()
+        return local.conn
+
+    # -- nodes -----------------------------------------------------------------------
+    def reset_nodes(self, root_ino: int) -> None:
+        db = self.db()
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM nodes")
+            db.execute("INSERT INTO nodes VALUES (?, 0, x'')", (root_ino,))
+
+    def remember(self, ino: int, parent: int, name: bytes) -> None:
+        self.db().execute("INSERT OR REPLACE INTO nodes VALUES (?, ?, ?)", (ino, parent, name))
+
+    def remember_many(self, rows: list[tuple[int, int, bytes]]) -> None:
+        if rows:
+            db = self.db()
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.executemany("INSERT OR REPLACE INTO nodes VALUES (?, ?, ?)", rows)
+
+    def where(self, ino: int) -> tuple[int, bytes] | None:
+        """(parent ino, name) of a known entry."""
+        row = self.db().execute("SELECT parent, name FROM nodes WHERE ino=?", (ino,)).fetchone()
+        return (row[0], bytes(row[1])) if row else None
+
+    def forget(self, ino: int) -> None:
+        db = self.db()
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM nodes WHERE ino=?", (ino,))
+            db.execute("DELETE FROM pending WHERE ino=?", (ino,))
+            db.execute("DELETE FROM drained WHERE ino=?", (ino,))
+            db.execute("DELETE FROM evicted WHERE ino=?", (ino,))
+
+    # -- evicted ---------------------------------------------------------------------
+    def mark_evicted(self, ino: int) -> None:
+        self.db().execute("INSERT OR IGNORE INTO evicted VALUES (?)", (ino,))
+
+    def is_evicted(self, ino: int) -> bool:
+        return self.db().execute("SELECT 1 FROM evicted WHERE ino=?", (ino,)).fetchone() \
+            is not None
+
+    def unevict(self, ino: int) -> None:
+        self.db().execute("DELETE FROM evicted WHERE ino=?", (ino,))
+
+    def evicted(self) -> set[int]:
+        return {row[0] for row in self.db().execute("SELECT ino FROM evicted")}
+
+    def is_pending(self, ino: int) -> bool:
+        return self.db().execute("SELECT 1 FROM pending WHERE ino=?", (ino,)).fetchone() \
+            is not None
+
+    # -- pending -----------------------------------------------------------------------
+    def touch(self, ino: int, now_ns: int | None = None) -> None:
+        """`ino` was written: it must be drained (again) once closed or idle."""
+        now = now_ns or time.time_ns()
+        self.db().execute(
+            "INSERT INTO pending(ino, since_ns, touched_ns) VALUES (?, ?, ?) ON CONFLICT(ino) "
+            "DO UPDATE SET touched_ns=excluded.touched_ns, closed=0", (ino, now, now))
+
+    def ensure_pending(self, rows: list[tuple[int, int]]) -> None:
+        """(ino, mtime_ns) of files a scan found undrained: pending unless already."""
+        if rows:
+            db = self.db()
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.executemany("INSERT OR IGNORE INTO pending(ino, since_ns, touched_ns) "
+                               "VALUES (?, ?, ?)", [(i, t, t) for i, t in rows])
+
+    def closed(self, ino: int) -> None:
+        """The last descriptor of a written file was closed: drain it now."""
+        self.db().execute("UPDATE pending SET closed=1 WHERE ino=?", (ino,))
+
+    def force(self, inos: list[int], now_ns: int) -> None:
+        """`dlfs flush`: drain these now, closed or not (inserted if missing)."""
+        db = self.db()
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany(
+                "INSERT INTO pending(ino, since_ns, touched_ns, forced) VALUES (?, ?, ?, 1) "
+                "ON CONFLICT(ino) DO UPDATE SET forced=1, retry_ns=0",
+                [(ino, now_ns, now_ns) for ino in inos])
+
+    def due(self, idle_ns: int, now_ns: int, limit: int) -> list[tuple[int, int]]:
+        """(ino, touched_ns) of pending files to drain now, oldest first: closed, forced,
+        or not written for `idle_ns`, and not waiting out a back-off."""
+        return self.db().execute(
+            "SELECT ino, touched_ns FROM pending WHERE retry_ns <= ? AND (closed OR forced "
+            "OR touched_ns <= ?) ORDER BY since_ns LIMIT ?",
+            (now_ns, now_ns - idle_ns, limit)).fetchall()
+
+    def done(self, ino: int, touched_ns: int, size: int, mtime_ns: int, relpath: bytes) -> None:
+        """`ino` as it was when touched last at `touched_ns` is on the store at `relpath`."""
+        db = self.db()
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM pending WHERE ino=? AND touched_ns=?", (ino, touched_ns))
+            db.execute("UPDATE pending SET tries=0, error=NULL WHERE ino=?", (ino,))
+            db.execute("INSERT OR REPLACE INTO drained VALUES (?, ?, ?, ?, ?)",
+                       (ino, size, mtime_ns, relpath, time.time_ns()))
+
+    def failed(self, ino: int, error: str, retry_ns: int) -> None:
+        """A drain of `ino` failed: try again at `retry_ns`."""
+        self.db().execute("UPDATE pending SET tries=tries+1, retry_ns=?, error=? WHERE ino=?",
+                          (retry_ns, error, ino))
+
+    def tries(self, ino: int) -> int:
+        row = self.db().execute("SELECT tries FROM pending WHERE ino=?", (ino,)).fetchone()
+        return row[0] if row else 0
+
+    def postpone(self, ino: int, retry_ns: int) -> None:
+        """Not a failure: the file changed while it was copied; copy it again later."""
+        self.db().execute("UPDATE pending SET retry_ns=? WHERE ino=?", (retry_ns, ino))
+
+    def drop_pending(self, ino: int) -> None:
+        self.db().execute("DELETE FROM pending WHERE ino=?", (ino,))
+
+    def pending_rows(self) -> list[tuple[int, int, int, str | None]]:
+        """(ino, since_ns, tries, error) of every pending file."""
+        return self.db().execute(
+            "SELECT ino, since_ns, tries, error FROM pending ORDER BY since_ns").fetchall()
+
+    # -- the ledger ----------------------------------------------------------------------
+    def ledger(self) -> dict[int, tuple[int, int, bytes]]:
+        """ino -> (size, mtime_ns, relpath) of what the store holds."""
+        return {ino: (size, mtime, bytes(rel)) for ino, size, mtime, rel in
+                self.db().execute("SELECT ino, size, mtime_ns, relpath FROM drained")}
+
+    def drained_at(self, ino: int) -> bytes | None:
+        row = self.db().execute("SELECT relpath FROM drained WHERE ino=?", (ino,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def moved(self, old: bytes, new: bytes) -> None:
+        """The store's copies under `old` (a file or a directory) are now under `new`."""
+        db = self.db()
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("UPDATE drained SET relpath=? WHERE relpath=?", (new, old))
+            prefix = old + b"/"
+            db.execute("UPDATE drained SET relpath=? || substr(relpath, ?) "
+                       "WHERE substr(relpath, 1, ?)=?",
+                       (new + b"/", len(prefix) + 1, len(prefix), prefix))
+
+    def drop_drained(self, ino: int) -> None:
+        self.db().execute("DELETE FROM drained WHERE ino=?", (ino,))
+
+    def drained_rows(self) -> list[tuple[int, int, int]]:
+        """(ino, size, drained_ns) of the ledger, oldest drain first (eviction order)."""
+        return self.db().execute(
+            "SELECT ino, size, drained_ns FROM drained ORDER BY drained_ns").fetchall()

@@ -1,0 +1,509 @@
+"""CkptTree: the writable `MOUNTPOINT/ckpt/` subtree, a passthrough onto the tier's
+local directory (POSIX create/write/read/rename/unlink/mkdir/rmdir/readdir/truncate/
+fsync/stat), addressed by FUSE node ids.
+
+Why a passthrough onto a real directory: the FUSE requests of one file reach any of
+the forked worker processes, so whatever the tree is must be shared by all of them;
+the local directory already is, and its bytes are written at the cache disk's speed.
+
+Node ids: CKPT_BIT | st_ino of the backing entry. The top bit keeps them apart from
+the mount root, `.dlfs/` and dataset inodes (all far below 2**63), so the read path
+tells a checkpoint node from a dataset one with one comparison. An inode number is
+stable across renames, so the kernel's node id stays right when an entry (or a
+directory above it) is renamed. Any process finds the path of a node id through
+dlfsd.ckpt.state's `nodes` table (parent inode, name), written at every lookup,
+create and rename; each process caches the path and checks it with the lstat it
+needs anyway (the inode must match), walking the table again only after a rename.
+
+Descriptors: each process keeps its own descriptor per written/read node id
+(no handle can name a descriptor of another process); all are closed when any
+process removes or replaces an entry (Tier.epoch), since the inode number may
+then be reused by a new file.
+
+Drain bookkeeping: a write marks the file pending (at most once a second per file
+and process); the close of a file the daemon opened (RELEASE) marks it closed.
+dlfsd.ckpt.drain does the rest.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections import OrderedDict
+
+from dlfs.errors import DlfsError
+from dlfsd.ckpt.nodeids import CKPT_BIT
+from dlfsd.ckpt.tier import Tier
+from dlfsd.namespace import Attr, StatFs
+
+OPEN_FDS = 128  # descriptors kept per process
+TOUCH_EVERY_NS = 1_000_000_000  # a written file's pending row is refreshed this often
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+log = logging.getLogger("dlfsd")
+
+
+class PosixError(DlfsError):
+    """An expected failure of a checkpoint request, answered with its errno (not
+    logged: ENOENT from a lookup is how a program asks whether a file exists)."""
+
+    def __init__(self, code: int, what: str = "") -> None:
+        super().__init__(f"{os.strerror(code)}: {what}")
+        self.errno = code
+
+
+def is_ckpt(nodeid: int) -> bool:
+    return nodeid >= CKPT_BIT
+
+
+def _attr(ino: int, st: os.stat_result) -> Attr:
+    return Attr(CKPT_BIT | ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_nlink)
+
+
+def _checked_name(name: bytes) -> bytes:
+    if not name or b"/" in name or name in (b".", b".."):
+        raise PosixError(errno.EINVAL, repr(name))
+    return name
+
+
+class CkptTree:
+    """The checkpoint subtree's POSIX operations, by node id (any process)."""
+
+    def __init__(self, tier: Tier, written=None, limit_wait: float = 60.0) -> None:
+        """`written`: dlfsd.ckpt.counters.WriteCounter; `limit_wait`: seconds a write
+        waits for room under --ckpt-limit before ENOSPC."""
+        self.tier = tier
+        self.limit_wait = limit_wait
+        self._from_store: set[int] = set()  # inodes whose kept descriptor is the store's
+        self.state = tier.state
+        self.root_nodeid = CKPT_BIT | tier.root_ino
+        self.written = written
+        self._paths: dict[int, bytes] = {tier.root_ino: tier.tree_bytes}
+        self._fds: OrderedDict[int, int] = OrderedDict()  # ino -> descriptor
+        self._epoch = tier.current_epoch()
+        self._touched: dict[int, int] = {}  # ino -> when its pending row was refreshed
+
+    # -- node ids -> paths ------------------------------------------------------------
+    def _resolve(self, nodeid: int) -> tuple[bytes, os.stat_result]:
+        ino = nodeid & ~CKPT_BIT
+        path = self._paths.get(ino)
+        if path is not None:
+            try:
+                st = os.lstat(path)
+                if st.st_ino == ino:
+                    return path, st
+            except OSError:
+                pass
+        path = self._walk(ino)
+        try:
+            st = os.lstat(path)
+        except OSError as err:
+            raise PosixError(err.errno or errno.ENOENT, "checkpoint entry gone") from None
+        if st.st_ino != ino:
+            raise PosixError(errno.ENOENT, "checkpoint entry gone")
+        self._paths[ino] = path
+        return path, st
+
+    def _walk(self, ino: int) -> bytes:
+        parts = []
+        root = self.tier.root_ino
+        current = ino
+        for _ in range(4096):
+            if current == root:
+                return os.path.join(self.tier.tree_bytes, *reversed(parts))
+            where = self.state.where(current)
+            if where is None:
+                break
+            current, name = where
+            parts.append(name)
+        raise PosixError(errno.ENOENT, f"checkpoint inode {ino} unknown")
+
+    def path_of(self, nodeid: int) -> bytes:
+        return self._resolve(nodeid)[0]
+
+    def _dir(self, nodeid: int) -> bytes:
+        path, st = self._resolve(nodeid)
+        if not stat.S_ISDIR(st.st_mode):
+            raise PosixError(errno.ENOTDIR)
+        return path
+
+    def _child(self, parent: int, name: bytes) -> tuple[bytes, bytes]:
+        """(path of the parent directory, path of its entry `name`)."""
+        directory = self._dir(parent)
+        return directory, os.path.join(directory, _checked_name(name))
+
+    def _learn(self, parent: int, parent_path: bytes, name: bytes,
+               st: os.stat_result) -> Attr:
+        """Record entry `name` of directory node `parent` (so any process finds it)."""
+        self.state.remember(st.st_ino, parent & ~CKPT_BIT, name)
+        self._paths[st.st_ino] = os.path.join(parent_path, name)
+        return _attr(st.st_ino, st)
+
+    # -- descriptors -------------------------------------------------------------------
+    def _fd(self, nodeid: int, writing: bool) -> int:
+        epoch = self.tier.current_epoch()
+        if epoch != self._epoch:
+            self._close_all()
+            self._epoch = epoch
+        ino = nodeid & ~CKPT_BIT
+        fd = self._fds.get(ino)
+        if fd is not None and not (writing and ino in self._from_store):
+            self._fds.move_to_end(ino)
+            return fd
+        path, st = self._resolve(nodeid)
+        if not stat.S_ISREG(st.st_mode):
+            raise PosixError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        if self.state.is_evicted(ino):
+            if not writing:  # served from the store's copy (the local one is a hole)
+                fd = self._store_fd(ino)
+                self._keep(ino, fd)
+                self._from_store.add(ino)
+                return fd
+            self._restore(ino, path)
+        self._from_store.discard(ino)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except PermissionError:
+            if writing:
+                raise PosixError(errno.EACCES, "checkpoint file not writable") from None
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._keep(ino, fd)
+        return fd
+
+    def _store_fd(self, ino: int) -> int:
+        relpath = self.state.drained_at(ino)
+        if relpath is None:
+            raise PosixError(errno.EIO, "evicted checkpoint file without a store copy")
+        try:
+            return os.open(self.tier.store_path(relpath), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise PosixError(errno.EIO, f"the store's copy of an evicted checkpoint file: "
+                                        f"{err.strerror}") from None
+
+    def _restore(self, ino: int, path: bytes) -> None:
+        """An evicted file is written again: copy the store's bytes back first."""
+        with self.tier.mutating():
+            if not self.state.is_evicted(ino):
+                return  # another process did
+            ledger = self.state.ledger().get(ino)
+            source = self._store_fd(ino)
+            try:
+                target = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    offset = 0
+                    while chunk := os.pread(source, 4 << 20, offset):
+                        os.pwrite(target, chunk, offset)
+                        offset += len(chunk)
+                    os.fsync(target)
+                finally:
+                    os.close(target)
+            finally:
+                os.close(source)
+            if ledger is not None:
+                os.utime(path, ns=(time.time_ns(), ledger[1]))  # still the drained bytes
+            self.state.unevict(ino)
+            self.tier.bump_epoch()
+
+    def _wait_for_room(self) -> None:
+        """--ckpt-limit reached: wait for the drain to make room, else ENOSPC."""
+        deadline = time.monotonic() + self.limit_wait
+        while self.tier.full():
+            if time.monotonic() > deadline:
+                raise PosixError(errno.ENOSPC, "checkpoint tier full (--ckpt-limit)")
+            time.sleep(0.05)
+
+    def _keep(self, ino: int, fd: int) -> None:
+        old = self._fds.pop(ino, None)
+        if old is not None and old != fd:
+            os.close(old)
+        self._fds[ino] = fd
+        while len(self._fds) > OPEN_FDS:
+            os.close(self._fds.popitem(last=False)[1])
+
+    def _close_all(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._from_store.clear()
+
+    def _drop_fd(self, ino: int) -> None:
+        self._from_store.discard(ino)
+        fd = self._fds.pop(ino, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _touch(self, ino: int) -> None:
+        now = time.monotonic_ns()
+        if now - self._touched.get(ino, -TOUCH_EVERY_NS) >= TOUCH_EVERY_NS:
+            self._touched[ino] = now
+            self.state.touch(ino)
+
+    # -- metadata ----------------------------------------------------------------------
+    def lookup(self, parent: int, name: bytes) -> Attr:
+        directory, path = self._child(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError as err:
+            raise PosixError(err.errno or errno.ENOENT, "lookup") from None
+        return self._learn(parent, directory, name, st)
+
+    def getattr(self, nodeid: int) -> Attr:
+        _path, st = self._resolve(nodeid)
+        return _attr(st.st_ino, st)
+
+    def setattr(self, nodeid: int, mode: int | None = None, size: int | None = None,
+                atime_ns: int | None = None, mtime_ns: int | None = None,
+                now_atime: bool = False, now_mtime: bool = False) -> Attr:
+        """chmod, truncate, utimens of a checkpoint entry (owners are the mount's)."""
+        path, st = self._resolve(nodeid)
+        ino = st.st_ino
+        try:
+            if mode is not None:
+                os.chmod(path, stat.S_IMODE(mode))
+            if size is not None:
+                if not stat.S_ISREG(st.st_mode):
+                    raise PosixError(errno.EISDIR)
+                if self.state.is_evicted(ino):
+                    self._restore(ino, path)
+                os.truncate(path, size)
+                self._touch(ino)
+            if atime_ns is not None or mtime_ns is not None or now_atime or now_mtime:
+                now = time.time_ns()
+                atime = now if now_atime else (atime_ns if atime_ns is not None
+                                                else st.st_atime_ns)
+                mtime = now if now_mtime else (mtime_ns if mtime_ns is not None
+                                                else st.st_mtime_ns)
+                os.utime(path, ns=(atime, mtime), follow_symlinks=False)
+            st = os.lstat(path)
+        except OSError as err:
+            raise PosixError(err.errno or errno.EIO, "setattr") from None
+        return _attr(ino, st)
+
+    def readlink(self, nodeid: int) -> bytes:
+        return os.readlink(self._resolve(nodeid)[0])
+
+    def readdir(self, nodeid: int, start: int):
+        """(name, Attr, next offset) from offset `start` (names sorted: stable offsets).
+        Every entry is recorded before any is handed out: READDIRPLUS makes the kernel
+        know each as a node, and its next request may reach another process."""
+        directory = self._dir(nodeid)
+        parent_ino = nodeid & ~CKPT_BIT
+        entries, learned = [], []
+        for offset, name in enumerate(sorted(os.listdir(directory))[start:], start + 1):
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            learned.append((st.st_ino, parent_ino, name))
+            self._paths[st.st_ino] = path
+            entries.append((name, _attr(st.st_ino, st), offset))
+        self.state.remember_many(learned)
+        return iter(entries)
+
+    def statfs(self) -> StatFs:
+        s = os.statvfs(self.tier.tree)
+        return StatFs(blocks=s.f_blocks * s.f_frsize // 4096, files=s.f_files,
+                      bfree=s.f_bfree * s.f_frsize // 4096,
+                      bavail=s.f_bavail * s.f_frsize // 4096, ffree=s.f_ffree)
+
+    # -- entries -------------------------------------------------------------------------
+    def create(self, parent: int, name: bytes, flags: int, mode: int) -> Attr:
+        """Create (or open, without O_EXCL) a regular file; it is pending at once (an
+        empty checkpoint file is a file too)."""
+        directory, path = self._child(parent, name)
+        flags = (flags & (os.O_EXCL | os.O_TRUNC)) | os.O_CREAT | os.O_RDWR | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, stat.S_IMODE(mode) or 0o644)
+            st = os.fstat(fd)
+        except OSError as err:
+            raise PosixError(err.errno or errno.EIO, "create") from None
+        attr = self._learn(parent, directory, name, st)
+        if self.state.is_evicted(st.st_ino):  # an existing file whose copy was evicted
+            os.close(fd)
+            if flags & os.O_TRUNC:
+                self._unevict_truncated(attr.ino)
+            else:
+                self._restore(st.st_ino, path)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self._keep(st.st_ino, fd)
+        self._touch(st.st_ino)
+        return attr
+
+    def mknod(self, parent: int, name: bytes, mode: int) -> Attr:
+        if not stat.S_ISREG(mode):
+            raise PosixError(errno.EPERM, "only regular files, directories and symlinks")
+        attr = self.create(parent, name, os.O_EXCL, mode)
+        self._drop_fd(attr.ino & ~CKPT_BIT)
+        return attr
+
+    def mkdir(self, parent: int, name: bytes, mode: int) -> Attr:
+        directory, path = self._child(parent, name)
+        try:
+            os.mkdir(path, stat.S_IMODE(mode) or 0o755)
+            st = os.lstat(path)
+        except OSError as err:
+            raise PosixError(err.errno or errno.EIO, "mkdir") from None
+        return self._learn(parent, directory, name, st)
+
+    def symlink(self, parent: int, name: bytes, target: bytes) -> Attr:
+        directory, path = self._child(parent, name)
+        try:
+            os.symlink(target, path)
+            st = os.lstat(path)
+        except OSError as err:
+            raise PosixError(err.errno or errno.EIO, "symlink") from None
+        return self._learn(parent, directory, name, st)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        self._remove(parent, name, directory=False)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        self._remove(parent, name, directory=True)
+
+    def _remove(self, parent: int, name: bytes, directory: bool) -> None:
+        """Remove the local entry and, where the drain put it on the store, the store's
+        copy too: the store mirrors the tree (a program deleting old checkpoints means
+        the store's)."""
+        _, path = self._child(parent, name)
+        with self.tier.mutating():
+            try:
+                st = os.lstat(path)
+                os.rmdir(path) if directory else os.unlink(path)
+            except OSError as err:
+                raise PosixError(err.errno or errno.EIO, "remove") from None
+            self.tier.bump_epoch()
+            self._drop_fd(st.st_ino)
+            relpath = self.tier.relpath(path)
+            drained = self.state.drained_at(st.st_ino)
+            if directory or drained == relpath:
+                _remove_on_store(self.tier, relpath, directory)
+            if directory or st.st_nlink <= 1:
+                self.state.forget(st.st_ino)
+
+    def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,
+               flags: int = 0) -> None:
+        """Rename locally; what the store holds under the old name moves with it (one
+        rename on the store), so a checkpoint written then renamed into place is not
+        copied twice."""
+        _old_dir, old = self._child(parent, name)
+        _, new = self._child(new_parent, new_name)
+        with self.tier.mutating():
+            try:
+                st = os.lstat(old)
+                replaced = _lstat_or_none(new)
+                if flags & RENAME_EXCHANGE:
+                    raise PosixError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+                if flags & RENAME_NOREPLACE and replaced is not None:
+                    raise PosixError(errno.EEXIST, "rename")
+                os.rename(old, new)
+            except OSError as err:
+                raise PosixError(err.errno or errno.EIO, "rename") from None
+            if replaced is not None:
+                self.tier.bump_epoch()
+                if not stat.S_ISDIR(replaced.st_mode) and replaced.st_nlink <= 1:
+                    self.state.forget(replaced.st_ino)
+            self.state.remember(st.st_ino, new_parent & ~CKPT_BIT, new_name)
+            self._paths[st.st_ino] = new
+            old_rel, new_rel = self.tier.relpath(old), self.tier.relpath(new)
+            if _rename_on_store(self.tier, old_rel, new_rel):
+                self.state.moved(old_rel, new_rel)
+
+    # -- data ----------------------------------------------------------------------------
+    def open(self, nodeid: int, flags: int) -> None:
+        """An open the daemon answers: O_TRUNC is done here (the kernel leaves it to us)."""
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if writing and flags & os.O_TRUNC:
+            self._unevict_truncated(nodeid)
+        fd = self._fd(nodeid, writing=writing)
+        if flags & os.O_TRUNC:
+            os.ftruncate(fd, 0)
+            self._touch(nodeid & ~CKPT_BIT)
+
+    def _unevict_truncated(self, nodeid: int) -> None:
+        """An evicted file opened with O_TRUNC: nothing to copy back."""
+        path, st = self._resolve(nodeid)
+        if self.state.is_evicted(st.st_ino):
+            with self.tier.mutating():
+                os.truncate(path, 0)
+                self.state.unevict(st.st_ino)
+                self.tier.bump_epoch()
+
+    def read(self, nodeid: int, offset: int, size: int) -> bytes:
+        return os.pread(self._fd(nodeid, writing=False), size, offset)
+
+    def write(self, nodeid: int, offset: int, data) -> int:
+        if self.tier.full():
+            self._wait_for_room()
+        fd = self._fd(nodeid, writing=True)
+        n = os.pwrite(fd, data, offset)
+        self._touch(nodeid & ~CKPT_BIT)
+        if self.written is not None:
+            self.written.add(n)
+        return n
+
+    def fsync(self, nodeid: int, datasync: bool) -> None:
+        """Durable on this node: the local copy is on the cache disk (docs/CKPT.md)."""
+        path, st = self._resolve(nodeid)
+        if stat.S_ISDIR(st.st_mode):
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        fd = self._fd(nodeid, writing=False)
+        os.fdatasync(fd) if datasync else os.fsync(fd)
+
+    def release(self, nodeid: int) -> None:
+        """The kernel closed a file the daemon opened or created: drain it now if written."""
+        ino = nodeid & ~CKPT_BIT
+        self._drop_fd(ino)
+        self._touched.pop(ino, None)
+        self.state.closed(ino)  # its pending row, if written (by any process)
+
+    def fallocate(self, nodeid: int, offset: int, length: int, mode: int) -> None:
+        if mode:
+            raise PosixError(errno.EOPNOTSUPP, "fallocate mode")
+        os.posix_fallocate(self._fd(nodeid, writing=True), offset, length)
+        self._touch(nodeid & ~CKPT_BIT)
+
+
+def _lstat_or_none(path: bytes) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:
+    target = tier.store_path(relpath)
+    try:
+        os.rmdir(target) if directory else os.unlink(target)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        log.warning(
+            "checkpoint %s removed here but not on the store (%s): remove %s by hand",
+            os.fsdecode(relpath), err.strerror, os.fsdecode(target))
+
+
+def _rename_on_store(tier: Tier, old: bytes, new: bytes) -> bool:
+    """Move the store's copy of `old` to `new` if there is one; False if it could not
+    (the drain then copies the file again under its new name)."""
+    source, target = tier.store_path(old), tier.store_path(new)
+    if not os.path.lexists(source):
+        return True
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(source, target)
+        return True
+    except OSError as err:
+        log.warning(
+            "checkpoint %s renamed to %s here but not on the store (%s); it is drained "
+            "again under its new name", os.fsdecode(old), os.fsdecode(new), err.strerror)
+        return False
+
