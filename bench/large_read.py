@@ -18,7 +18,7 @@ Target (from the issue): cold mount/source >= 0.85.
 examples (from the repository root; run as root for cache drops):
   .venv/bin/python bench/large_read.py --quick
   .venv/bin/python bench/large_read.py
-  .venv/bin/python bench/large_read.py --mount-args='--workers 1'
+  .venv/bin/python bench/large_read.py --mount-args='--workers 1'   # one worker process
   .venv/bin/python bench/large_read.py --pipe-max-size 2M   # as root with CAP_SYS_RESOURCE
   .venv/bin/python bench/large_read.py --mount-args='--no-splice'
   .venv/bin/python bench/large_read.py --file-size 1G --block-size 4M

@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="reader processes (default 2)")
     p.add_argument("--mount-args", default="",
                    help="extra arguments for `dlfs mount`, one string, e.g. "
-                        "--mount-args='--no-verify --io-threads 8' (note the '=')")
+                        "--mount-args='--no-verify --workers 8' (note the '=')")
     p.add_argument("--populate-args", default="",
                    help="extra arguments for `dlfs populate`, e.g. --populate-args='-j 4'")
     args = p.parse_args(argv)

@@ -1,5 +1,5 @@
-"""dlfsd: the per-node DLFS daemon (FUSE ops, sample reader, lifecycle).
+"""dlfsd: the per-node DLFS daemon (FUSE adapter, sample reader, lifecycle).
 
-Only `dlfsd.fuse.ops` and `dlfsd.main` import pyfuse3; the namespace and the reader
-are plain trio code that tests drive directly.
+Only `dlfsd.fuse.session` (mount and INIT) and `dlfsd.main` import pyfuse3; the
+namespace and the reader are plain blocking code that tests drive directly.
 """

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pyfuse3
 import trio
 
 from dlfs.cluster.nodes import node_addresses, resolve_cluster
@@ -47,7 +46,7 @@ from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
 from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.fuse import fusewire as fw
-from dlfsd.fuse.ops import DlfsOperations
+from dlfsd.fuse import session
 from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 from dlfsd.kernel import kernel_release, kernel_skips_opens
 from dlfsd.lineage import die_with_parent, parent_alive
@@ -324,7 +323,7 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
                     fuse_fd: int = -1, held: HeldStopSignals | None = None,
                     commit: LaunchCommit | None = None) -> bool:
     """The main process: run the background services (stager, peer server, status) and
-    either serve FUSE itself (single-process mode) or watch the workers that do.
+    watch the workers that serve FUSE.
 
     Returns True if the mount must be unmounted by us (signal, workers died, or the
     launcher went away without committing the mount).
@@ -336,10 +335,7 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
         def stop() -> None:
             nonlocal must_unmount
             must_unmount = True
-            if worker_pids:
-                nursery.cancel_scope.cancel()
-            else:
-                pyfuse3.terminate()
+            nursery.cancel_scope.cancel()
 
         async def watch_signals() -> None:
             with trio.open_signal_receiver(*STOP_SIGNALS) as sigs:
@@ -362,11 +358,8 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
         nursery.start_soon(watch_signals)
         if commit is not None and commit.pending:
             nursery.start_soon(watch_commit)
-        if worker_pids:
-            if not await watch_workers(worker_pids, fuse_fd):
-                must_unmount = True
-        else:
-            await pyfuse3.main(min_tasks=2, max_tasks=config.max_tasks)
+        if not await watch_workers(worker_pids, fuse_fd):
+            must_unmount = True
         nursery.cancel_scope.cancel()
     return must_unmount
 
@@ -447,9 +440,6 @@ class Services:
                 task_status.started()
         finally:
             self.stop_listening()
-            if self.pool is not None:
-                with trio.CancelScope(shield=True):
-                    await self.pool.aclose()
 
 
 def run(config: MountConfig, readiness: Readiness | None = None) -> int:
@@ -471,17 +461,17 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
         except Exception as err:
             return _mount_failed(config, readiness, err)
         # From the mount on, a stop signal must end in the unmount below, never cut in
-        # between (a Ctrl-C on `dlfs mount --foreground` right after pyfuse3.init used to
+        # between (a Ctrl-C on `dlfs mount --foreground` right after the mount used to
         # leave a dead mount): it is held, and acted on once supervise listens.
         held = HeldStopSignals()
         held.install()
         release.callback(held.restore)
         try:
-            pyfuse3.init(daemon.ops, config.mountpoint, mount_options(config))
+            session.mount(config.mountpoint, mount_options(config))
         except Exception as err:  # e.g. RuntimeError from fuse_session_mount
             return _mount_failed(config, readiness, err)
         names = ", ".join(d.name for d in daemon.namespace.datasets)
-        log.info("mounted %s at %s (datasets: %s, %d worker processes)", config.store,
+        log.info("mounted %s at %s (datasets: %s; worker processes: %d)", config.store,
                  config.mountpoint, names, config.workers)
         return _serve(config, daemon, readiness, commit, held, release)
 
@@ -492,14 +482,13 @@ class _Loaded:
 
     namespace: Namespace
     pool: ChunkPool | None
-    ops: DlfsOperations
     services: Services
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
     order: OrderService | None  # samplers' announcements -> the look-ahead
 
 
 def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
-    """Datasets, chunk pool, namespace and the pyfuse3 adapter, before mounting."""
+    """Datasets, chunk pool, namespace and the services, before mounting."""
     datasets = load_datasets(config)
     pool = load_pool(config, datasets)
     if pool is not None:
@@ -508,19 +497,17 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
         config.prefetch, pool is not None, bool(config.store_bandwidth),
         sum(int(d.stats["bytes"]) for d in datasets), available_memory())
     log.info("chunk prefetch %s", why)
-    namespace = Namespace(datasets, trio.CapacityLimiter(config.io_threads),
-                          verify=config.verify, observe=ObserveConfig.from_mount(config),
+    namespace = Namespace(datasets, verify=config.verify, observe=ObserveConfig.from_mount(config),
                           pool=pool, store_rate=config.store_bandwidth,
                           root_mode=ROOT_MODE if config.uid is None else PRIVATE_ROOT_MODE,
                           prefetch=prefetch)
     release.callback(namespace.close)
-    ops = DlfsOperations(namespace, config.cache_timeout, config.uid, config.gid)
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1))
     services = Services(config, namespace.datasets, namespace.observe, pool)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)
-    return _Loaded(namespace, pool, ops, services, fuse_fds(), order)
+    return _Loaded(namespace, pool, services, fuse_fds(), order)
 
 
 def _order_service(config: MountConfig, namespace: Namespace, pool) -> OrderService | None:
@@ -542,7 +529,7 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
     release.callback(log.info, "unmounted %s; daemon exits", config.mountpoint)
     release.callback(remove_record, config.mountpoint, os.getpid())
     release.callback(lambda: state.aborted and _unmount_dead(config.mountpoint))
-    release.callback(lambda: pyfuse3.close(unmount=state.unmount))
+    release.callback(lambda: session.close(unmount=state.unmount))
     release.callback(namespace.observe.write_summary, config.summary_file)
     control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe,
                             (daemon.order,) if daemon.order is not None else ())
@@ -551,11 +538,10 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
     release.callback(services.stop_listening)
     ready = False
     try:
-        trio.run(_answer_kernel_init, daemon.ops)
+        session.answer_init(INIT_TIMEOUT)
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
-        state.workers = start_workers(config, namespace, daemon.ops, daemon.fds_before_mount,
-                                      daemon.pool)
+        state.workers = start_workers(config, namespace, daemon.fds_before_mount, daemon.pool)
         if daemon.order is not None and daemon.order.listen():  # after the workers fork
             release.callback(daemon.order.close)
         # `dlfs trace` (after the workers: it must not serve FUSE, nor hold /dev/fuse)
@@ -566,7 +552,7 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
         write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send(READY)
         ready = True
-        fuse_fd = find_fuse_fd(daemon.fds_before_mount) if state.workers else -1
+        fuse_fd = find_fuse_fd(daemon.fds_before_mount)
         state.unmount = trio.run(supervise, config, state.workers, services, fuse_fd, held,
                                  commit)
         state.aborted = _still_mounted(config.mountpoint, ours) if not state.unmount else False
@@ -627,39 +613,24 @@ async def _send_self(signum: int) -> None:
     await trio.lowlevel.checkpoint()
 
 
-async def _answer_kernel_init(ops: DlfsOperations) -> None:
-    """Serve until the kernel's INIT request is answered, then stop (session stays open).
-
-    libfuse answers every request with EIO in a process that did not itself
-    handle INIT, so workers may only be forked after this; and INIT sets the
-    mount's read-ahead, which we raise afterwards.
-    """
-    with trio.fail_after(INIT_TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            answered = trio.Event()
-            ops.on_init = answered.set
-            nursery.start_soon(pyfuse3.main, 1, 1)
-            await answered.wait()
-            nursery.cancel_scope.cancel()
-
-
-def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations,
-                  fds_before_mount: set[int], pool=None) -> list[int]:
-    """Fork config.workers processes serving the same FUSE session (none for 1 worker).
+def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: set[int],
+                  pool=None) -> list[int]:
+    """Fork config.workers processes (at least one) serving the same FUSE session.
 
     The kernel hands each request to exactly one reader of /dev/fuse, so N
-    processes serve N requests at once on N cores. With several processes a
-    blocked read() of /dev/fuse must never strand an unfinished request, so
-    every process then handles one request at a time with blocking I/O (the
-    libfuse multi-thread model); data is immutable and handles are
-    stateless, so no state needs sharing. Workers speak the kernel protocol
-    themselves (dlfsd.fuse.wireworker: pyfuse3's per-request cost is most of a
-    small file's). The main process then only supervises and runs the
-    services (see supervise).
+    processes serve N requests at once on N cores. A blocked read() of
+    /dev/fuse must never strand an unfinished request, so every process
+    handles one request at a time with blocking I/O (the libfuse multi-thread
+    model); data is immutable and handles are stateless, so no state needs
+    sharing. Workers speak the kernel protocol themselves
+    (dlfsd.fuse.wireworker: pyfuse3's per-request cost is most of a small
+    file's). The main process only supervises and runs the services (see
+    supervise). There is no single-process mode: pyfuse3 serving requests in
+    the main process's trio loop reached 0.07-0.41 of the source's rate in
+    bench/random_read.py where the workers reach 0.6-0.9 (docs/ARCHITECTURE.md).
     """
-    if config.workers <= 1:
-        return []
-    namespace.use_inline_io()
+    uid = os.getuid() if config.uid is None else config.uid  # owner shown for every entry
+    gid = os.getgid() if config.gid is None else config.gid
     fuse_fd = find_fuse_fd(fds_before_mount)
     pipe_size = usable_pipe_size() if config.splice else 0
     if config.splice:
@@ -682,9 +653,8 @@ def start_workers(config: MountConfig, namespace: Namespace, ops: DlfsOperations
                     if die_with_parent(parent):
                         if pool is not None:
                             pool.after_fork()
-                        code = WireWorker(namespace, fuse_fd, ops.uid, ops.gid,
-                                          config.cache_timeout, config.count_opens,
-                                          pipe_size).serve()
+                        code = WireWorker(namespace, fuse_fd, uid, gid, config.cache_timeout,
+                                          config.count_opens, pipe_size).serve()
                     if not parent_alive(parent):
                         log.error("worker %d stops: the main daemon process %d died (killed?); "
                                   "the mount ends with its last worker (readers get "

@@ -10,7 +10,7 @@ File handles: a dataset file's handle is its inode (stateless), except while
 tracing, when it also names the opener (dlfsd.obs.trace); `.dlfs/` files get
 per-open handles (dlfsd.obs.control). Counters and the trace are recorded here,
 the one place that sees (dataset, row) and the caller (`caller`: anything
-with .pid and .uid, pyfuse3's RequestContext in the daemon).
+with .pid and .uid: the FUSE request header's, in the worker processes).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import stat
 import time
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, NamedTuple
-
-import trio
 
 from dlfs.errors import IsADirError, NoAttributeError, NotADirError, NotFoundError, ReadOnlyError
 from dlfs.store.directory import SampleDirectory
@@ -104,14 +102,14 @@ def _attr(d: SampleDirectory, base: int, row: int) -> Attr:
 class Namespace:
     """Maps inodes to (dataset, row) and answers lookup/getattr/readdir/read."""
 
-    def __init__(self, datasets: list[Dataset], limiter: trio.CapacityLimiter,
-                 verify: bool = True, observe: ObserveConfig | None = None,
-                 pool: ChunkPool | None = None, store_rate: int = 0,
+    def __init__(self, datasets: list[Dataset], verify: bool = True,
+                 observe: ObserveConfig | None = None, pool: ChunkPool | None = None,
+                 store_rate: int = 0,
                  root_mode: int = ROOT_MODE, prefetch: bool = False) -> None:
         """Datasets are ordered by name; a pool must index them in that order too."""
         self.root_mode = root_mode
         self.datasets = sorted(datasets, key=lambda d: d.name)
-        self.readers = [SampleReader(d, limiter, verify, pool=pool, ds_index=i,
+        self.readers = [SampleReader(d, verify, pool=pool, ds_index=i,
                                      store_rate=store_rate, prefetch=prefetch)
                         for i, d in enumerate(self.datasets)]
         self.observe = Observability(self.datasets, observe or ObserveConfig())
@@ -133,11 +131,6 @@ class Namespace:
         self._end = base
         self._by_name = {d.name.encode(): i for i, d in enumerate(self.datasets)}
         self.mounted_ns = time.time_ns()
-
-    def use_inline_io(self) -> None:
-        """Switch every reader to blocking I/O in the handler (worker-process mode)."""
-        for reader in self.readers:
-            reader.inline_io = True
 
     def use_spans(self, max_length: int) -> None:
         """Worker processes that splice replies: reads of verified bytes up to
@@ -318,7 +311,7 @@ class Namespace:
                           caller.uid)
         return fh, False
 
-    async def read(self, fh: int, offset: int, size: int):
+    def read(self, fh: int, offset: int, size: int):
         """Read through an open handle (the daemon answered the open)."""
         if fh >= TRACED_FH:
             if fh >= CONTROL_FH:
@@ -328,10 +321,10 @@ class Namespace:
             ino = fh
         k, row = self._locate(ino)
         if not self._counting:
-            return await self.readers[k].read(row, offset, size)
-        return await self._read_counted(k, row, offset, size, fh, None)
+            return self.readers[k].read(row, offset, size)
+        return self._read_counted(k, row, offset, size, fh, None)
 
-    async def read_inode(self, ino: int, offset: int, size: int, caller):
+    def read_inode(self, ino: int, offset: int, size: int, caller):
         """Read a file the kernel opened without asking us (no handle; FUSE no_open).
 
         `caller` (.pid, .uid) is the process whose read this is.
@@ -341,10 +334,10 @@ class Namespace:
             return self.control.read_latest(ino, caller.pid, offset, size)
         k, row = self._locate(ino)
         if not self._counting:
-            return await self.readers[k].read(row, offset, size)
-        return await self._read_counted(k, row, offset, size, 0, caller)
+            return self.readers[k].read(row, offset, size)
+        return self._read_counted(k, row, offset, size, 0, caller)
 
-    async def _read_counted(self, k: int, row: int, offset: int, size: int, fh: int, caller):
+    def _read_counted(self, k: int, row: int, offset: int, size: int, fh: int, caller):
         """Read, count it, and trace it (caller: the reader; None: the handle's opener)."""
         tracing = self._tracing[0]
         if tracing:
@@ -352,7 +345,7 @@ class Namespace:
         started = perf_counter_ns()
         self._requests.begin(k, row, started)
         try:
-            data = await self.readers[k].read(row, offset, size)
+            data = self.readers[k].read(row, offset, size)
         finally:
             self._requests.end()
         latency = perf_counter_ns() - started

@@ -1,8 +1,8 @@
 """Reads that never wait for the disk: preadv(RWF_NOWAIT) of what the page cache holds.
 
-The reader (a cached extent served inline, no thread hop) and the peer server
-(a cached range answered at once, the rest handed to disk threads) both need
-it; it lives below both so the pool does not import the reader.
+The peer server answers a cached range at once and hands the rest to its disk
+threads. (The single-process mode's reader used it too, to stay in its trio
+loop on a page-cache hit; the worker processes just read, blocking.)
 """
 
 from __future__ import annotations
@@ -10,17 +10,6 @@ from __future__ import annotations
 import os
 
 HAVE_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
-
-
-def pread_nowait(fd: int, length: int, pos: int) -> bytearray | None:
-    """The bytes if all are in the page cache (never blocks), else None.
-
-    Raises OSError (EOPNOTSUPP, EINVAL) where the file system cannot do RWF_NOWAIT.
-    """
-    if not HAVE_NOWAIT:
-        return None
-    buf = bytearray(length)
-    return buf if read_cached_into(fd, buf, pos) else None
 
 
 def read_cached_into(fd: int, buf, pos: int) -> bool:

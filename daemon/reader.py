@@ -6,12 +6,12 @@ range, checked against its checksum), else from the store (and the chunk is
 demanded from the stager if this node owns it). Without a pool, from the
 store only.
 
-The hot path: a read of cached data is served inline with preadv(RWF_NOWAIT)
-and never leaves the trio loop; anything that could block (a disk read, the
-first open of a chunk, hashing a large extent) goes to a bounded thread pool,
-or runs inline in worker processes (one request at a time each, see dlfsd.main).
-Each extent's checksum is checked the first time it is read; concurrent first
-reads of one extent share one load. Wrong bytes never leave this class.
+Every call is blocking and synchronous: the worker processes that serve FUSE
+handle one request at a time each (see dlfsd.main), the libfuse multi-thread
+model, so a read just reads. Each extent's checksum is checked the first time
+it is read; workers whose first reads of one extent coincide wait for the one
+that loads it (STORE_LOADING) and peer fetches are shared by the node's
+processes (dlfsd.pool.peershare). Wrong bytes never leave this class.
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ import os
 import resource
 import time
 
-import trio
-
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
-from dlfsd.nowait import HAVE_NOWAIT, pread_nowait
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.pool.peershare import extent_key
@@ -86,15 +83,10 @@ class FileSpan:
 class SampleReader:
     """Reads (row, offset, size) of one dataset; verifies extents on first touch."""
 
-    def __init__(self, dataset: Dataset, limiter: trio.CapacityLimiter, verify: bool = True,
-                 inline_io: bool = False, pool=None, ds_index: int = 0,
+    def __init__(self, dataset: Dataset, verify: bool = True, pool=None, ds_index: int = 0,
                  store_rate: int = 0, prefetch: bool = False):
         self.dataset = dataset
-        # inline_io: do blocking I/O right in the handler. Used by worker processes,
-        # which serve one request at a time like libfuse's threads (see dlfsd.main).
-        self.inline_io = inline_io
         self.directory = dataset.directory
-        self._limiter = limiter
         self._fds: list[int] = [-1] * dataset.chunk_count
         # One byte of state bits per extent in an anonymous shared mapping, so
         # worker processes forked later share it: an extent is verified once per
@@ -102,14 +94,9 @@ class SampleReader:
         self._state = mmap.mmap(-1, max(1, self.directory.extent_count))
         if not verify:
             self._state.write(bytes([STORE_OK | LOCAL_OK]) * self.directory.extent_count)
-        # In-flight loads by ("store" | "local" | "peer", extent).
-        self._loading: dict[tuple[str, int], trio.Event] = {}
-        self._flights: dict[tuple[str, int], tuple[trio.Event, list]] = {}
         self._unusable_chunks: set[int] = set()  # logged already
         self._unusable_copies: set[int] = set()  # staged copies that failed to open: logged
         self._fd_purges = 0  # times this worker ran out of descriptors (see _open)
-        # A throttled store (benchmarks) must not be bypassed through the page cache.
-        self._nowait = HAVE_NOWAIT and not store_rate
         self._store_rate = store_rate
         d = self.directory
         self._ext_chunk, self._ext_off, self._ext_len = (
@@ -176,15 +163,14 @@ class SampleReader:
                 os.close(fd)
                 self._fds[i] = -1
 
-    async def _open(self, path, chunk: int) -> int:
+    def _open(self, path, chunk: int) -> int:
         """Open a chunk file; out of descriptors, a worker process closes the ones it
         keeps open and tries again (a dataset with more chunk files than the open-file
-        limit). A worker serves one request at a time, so none of them is in use; the
-        trio loop (--workers 1) cannot tell, and answers EIO."""
+        limit). A worker serves one request at a time, so none of them is in use."""
         try:
-            return await self._blocking(open_chunk, path, chunk, self.dataset.uuid)
+            return open_chunk(path, chunk, self.dataset.uuid)
         except OSError as err:
-            if err.errno not in (errno.EMFILE, errno.ENFILE) or not self.inline_io:
+            if err.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
         if not self._fd_purges:
             log.warning("worker %d: out of file descriptors (open-file limit %d) with %d "
@@ -194,9 +180,9 @@ class SampleReader:
                         sum(fd >= 0 for fd in self._fds), self.dataset.name)
         self._fd_purges += 1
         self._close_fds()
-        return await self._blocking(open_chunk, path, chunk, self.dataset.uuid)
+        return open_chunk(path, chunk, self.dataset.uuid)
 
-    async def read(self, row: int, offset: int, size: int) -> bytes | bytearray | memoryview:
+    def read(self, row: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Up to `size` bytes of file `row` at `offset` (short at end of file)."""
         file_size = self.directory.size(row)
         end = min(offset + size, file_size)
@@ -210,36 +196,36 @@ class SampleReader:
             self._prefetch.touch(base + first, offset - first * piece,
                                  base + (file_size - 1) // piece, file_size)
         if first == last:
-            return await self._read_extent(base + first, offset - first * piece, end - offset,
+            return self._read_extent(base + first, offset - first * piece, end - offset,
                                            self._span is not None)
         parts = []
         for i in range(first, last + 1):
             lo = max(offset, i * piece) - i * piece
             hi = min(end, (i + 1) * piece) - i * piece
-            parts.append(await self._read_extent(base + i, lo, hi - lo, False, lasting=True))
+            parts.append(self._read_extent(base + i, lo, hi - lo, False, lasting=True))
         return b"".join(parts)
 
-    async def _read_extent(self, ext: int, rel: int, length: int, span: bool,
+    def _read_extent(self, ext: int, rel: int, length: int, span: bool,
                            lasting: bool = False):
         """`span`: the bytes may be returned as a FileSpan if verified already (never
         from a throttled store: the pacing is in the reads). `lasting`: they must stay
         valid across further reads (a peer's may be a view of its client's buffer)."""
         span = span and SPAN_MIN <= length <= self._span_max and not self._store_rate
         if self._lookahead[0]:
-            data = await self._read_ahead(ext, rel, length)
+            data = self._read_ahead(ext, rel, length)
             if data is not None:
                 return data
         if self.pool is not None:
-            data = await self._read_pooled(ext, rel, length, span, lasting)
+            data = self._read_pooled(ext, rel, length, span, lasting)
             if data is not None:
                 return data
         started = time.perf_counter_ns()
         self.requests.waiting(WAIT_STORE)
-        data = await self._read_store(ext, rel, length, span)
+        data = self._read_store(ext, rel, length, span)
         self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
         return data
 
-    async def _read_ahead(self, ext: int, rel: int, length: int):
+    def _read_ahead(self, ext: int, rel: int, length: int):
         """Mark the extent TAKEN (the look-ahead moves by it); if the look-ahead fetched
         it, read it from the store copy's page cache, unpaced; else None."""
         state = self._state[ext]
@@ -249,16 +235,16 @@ class SampleReader:
             return None
         started = time.perf_counter_ns()
         self.requests.waiting(WAIT_STORE)
-        fd = await self._fd(self._ext_chunk[ext])
-        data = await self._pread(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
+        fd = self._fd(self._ext_chunk[ext])
+        data = _pread_exact(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
         if rel + length >= self._ext_len[ext]:
             self._state[ext] &= ~AHEAD & 0xFF  # taken whole: the next read pays again
         self.stats.record_lookahead(self.ds, True)
         self.stats.record_source(self.ds, SOURCE_STORE, length, time.perf_counter_ns() - started)
         return data
 
-    async def _read_store(self, ext: int, rel: int, length: int, span: bool):
-        if not self._state[ext] & STORE_OK and self.inline_io:
+    def _read_store(self, ext: int, rel: int, length: int, span: bool):
+        if not self._state[ext] & STORE_OK:
             self._wait_for_other_load(ext)
         if not self._state[ext] & STORE_OK:
             # Check a large extent where it lies (mapped) when this read does not need
@@ -267,39 +253,31 @@ class SampleReader:
             whole = self._ext_len[ext]
             in_place = whole >= MAP_HASH_MIN and (span or length < whole) \
                 and not self._store_rate
-            data = await self._load_verified(ext, keep=not in_place)
-            if data is not None and not in_place:
+            data = self._load_verified(ext, keep=not in_place)
+            if not in_place:
                 return _slice(data, rel, length)
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
-        fd = await self._fd(self._ext_chunk[ext])
+        fd = self._fd(self._ext_chunk[ext])
         if span:
             return self._span.set(fd, pos, length)
-        return await self._pread(fd, length, pos, self._store_rate)
-
-    async def _pread(self, fd: int, length: int, pos: int, rate: int = 0):
-        """Read verified bytes: inline from the page cache if possible, else may block."""
-        if self._nowait and not self.inline_io:  # inline callers may block anyway
-            buf = self._pread_cached(fd, length, pos)
-            if buf is not None:
-                return buf
-        if rate:
-            return await self._blocking(_pread_paced, fd, length, pos, rate)
-        return await self._blocking(_pread_exact, fd, length, pos)
+        if self._store_rate:
+            return _pread_paced(fd, length, pos, self._store_rate)
+        return _pread_exact(fd, length, pos)
 
     # -- the chunk pool: local NVMe, then peers -----------------------------------------
-    async def _read_pooled(self, ext: int, rel: int, length: int, span: bool,
+    def _read_pooled(self, ext: int, rel: int, length: int, span: bool,
                            lasting: bool):
         """From the staged copy or an owner peer; None: go to the store."""
         chunk = self._ext_chunk[ext]
         started = time.perf_counter_ns()
         if self._cache.is_staged(chunk):
             self.requests.waiting(WAIT_LOCAL)
-            data = await self._read_local(ext, rel, length, chunk, span)
+            data = self._read_local(ext, rel, length, chunk, span)
             if data is not None:
                 self._count(SOURCE_LOCAL, length, started)
                 return data
         if self._remote[chunk]:
-            data = await self._read_peer(ext, rel, length, chunk, lasting)
+            data = self._read_peer(ext, rel, length, chunk, lasting)
             if data is not None:
                 self._count(SOURCE_PEER, length, started)
                 return data
@@ -310,11 +288,11 @@ class SampleReader:
     def _count(self, source: int, nbytes: int, started: int) -> None:
         self.stats.record_source(self.ds, source, nbytes, time.perf_counter_ns() - started)
 
-    async def _read_local(self, ext: int, rel: int, length: int, chunk: int, span: bool):
+    def _read_local(self, ext: int, rel: int, length: int, chunk: int, span: bool):
         fd = self._cache.cached_fd(chunk)
         if fd < 0:
             try:
-                fd = await self._blocking(self._cache.open_fd, chunk)
+                fd = self._cache.open_fd(chunk)
             except OSError as err:  # out of descriptors, permissions, a failing NVMe
                 self._local_open_failed(chunk, err)
                 return None  # the read goes on to the peers or the store
@@ -325,17 +303,17 @@ class SampleReader:
             if span:  # if the splice fails, the worker reads again without a span:
                 return self._span.set(fd, pos, length)  # a bad copy is evicted then
             try:
-                return await self._pread(fd, length, pos)
+                return _pread_exact(fd, length, pos)
             except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
                 self._evict(chunk, fd, str(err) or "unreadable")
                 return None
-        data = await self._single_flight(("local", ext), self._verify_local, ext, fd, chunk)
+        data = self._verify_local(ext, fd, chunk)
         return None if data is None else _slice(data, rel, length)
 
-    async def _verify_local(self, ext: int, fd: int, chunk: int) -> bytes | None:
+    def _verify_local(self, ext: int, fd: int, chunk: int) -> bytes | None:
         try:
-            data, digest = await self._blocking(
-                _pread_and_hash, fd, self._ext_len[ext], CHUNK_HEADER_SIZE + self._ext_off[ext])
+            data, digest = _pread_and_hash(fd, self._ext_len[ext],
+                                           CHUNK_HEADER_SIZE + self._ext_off[ext])
         except (CorruptDataError, OSError) as err:  # truncated copy, failing NVMe
             self._evict(chunk, fd, str(err) or "unreadable")
             return None
@@ -365,64 +343,12 @@ class SampleReader:
         for e in order[bounds[chunk] : bounds[chunk + 1]]:
             self._state[e] &= ~LOCAL_OK & 0xFF
 
-    async def _read_peer(self, ext: int, rel: int, length: int, chunk: int, lasting: bool):
+    def _read_peer(self, ext: int, rel: int, length: int, chunk: int, lasting: bool):
         """From an owner: the node fetches the whole extent once (checked by the pool) and
         keeps it where its other processes find it (PeerShare) for their partial reads."""
-        whole = self._ext_len[ext]
-        key = extent_key(self.ds, ext)
-        if self.inline_io:  # a worker process: one request at a time, blocking calls
-            return self._share.read_blocking(
-                key, rel, length, lasting, self.pool.fetch_blocking, self.ds, chunk,
-                self._ext_off[ext], whole, self._ext_sum[ext])
-        data = self._share.copy_out(key, rel, length, lasting=True)  # tasks interleave
-        if data is None:
-            data = await self._single_flight(("peer", ext), self._fetch_peer, ext, chunk,
-                                             length < whole)
-            if data is not None:
-                data = _slice(data, rel, length)  # bytes from the trio client: they last
-        return data
-
-    async def _fetch_peer(self, ext: int, chunk: int, partial: bool) -> bytes | None:
-        """--workers 1: one task fetches, the others of the flight share its result; a
-        partial read keeps the extent for the reads of its other parts."""
-        data = await self.pool.fetch(self.ds, chunk, self._ext_off[ext], self._ext_len[ext],
-                                     self._ext_sum[ext])
-        if data is not None and partial:
-            self._share.store(extent_key(self.ds, ext), data)
-        return data
-
-    async def _single_flight(self, key: tuple[str, int], load, *args):
-        """Run `load(*args)` once for concurrent callers with the same key; all of them
-        get its result (None if it failed: each then tries the next source)."""
-        flight = self._flights.get(key)
-        if flight is not None:
-            done, result = flight
-            await done.wait()
-            return result[0] if result else None
-        done, result = trio.Event(), []
-        self._flights[key] = (done, result)
-        try:
-            result.append(await load(*args))
-            return result[0]
-        finally:
-            del self._flights[key]
-            done.set()
-
-    async def _blocking(self, fn, *args):
-        """Run a call that may block: inline in worker processes, else in the thread pool."""
-        if self.inline_io:
-            return fn(*args)
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-
-    def _pread_cached(self, fd: int, length: int, pos: int) -> bytearray | None:
-        """Read without blocking if the bytes are in the page cache, else None."""
-        try:
-            return pread_nowait(fd, length, pos)
-        except OSError as err:
-            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            self._nowait = False  # the chunk file system cannot do it; always use threads
-            return None
+        return self._share.read(extent_key(self.ds, ext), rel, length, lasting,
+                                self.pool.fetch, self.ds, chunk, self._ext_off[ext],
+                                self._ext_len[ext], self._ext_sum[ext])
 
     def _wait_for_other_load(self, ext: int) -> None:
         """Worker processes: if another one is loading this extent, wait for its result.
@@ -441,41 +367,32 @@ class SampleReader:
                 return
             time.sleep(0.0002)
 
-    async def _load_verified(self, ext: int, keep: bool = True) -> bytes | None:
-        """Load and check a whole extent once; None if another task checked it meanwhile.
+    def _load_verified(self, ext: int, keep: bool = True) -> bytes:
+        """Load a whole extent and check it (STORE_LOADING meanwhile: other workers wait
+        for it, see _wait_for_other_load).
 
         keep=False: only check it (hashed where it lies, no copy); returns b"".
         """
-        while not self._state[ext] & STORE_OK:
-            pending = self._loading.get(("store", ext))
-            if pending is not None:
-                await pending.wait()
-                continue
-            done = self._loading[("store", ext)] = trio.Event()
-            self._state[ext] |= STORE_LOADING  # other processes wait (_wait_for_other_load)
+        self._state[ext] |= STORE_LOADING
+        try:
+            fd = self._fd(self._ext_chunk[ext])
+            pos = CHUNK_HEADER_SIZE + self._ext_off[ext]
             try:
-                fd = await self._fd(self._ext_chunk[ext])
-                try:
-                    pos = CHUNK_HEADER_SIZE + self._ext_off[ext]
-                    if keep:
-                        data, digest = await self._blocking(
-                            _pread_and_hash, fd, self._ext_len[ext], pos, self._store_rate)
-                    else:
-                        data, digest = await self._blocking(
-                            _map_and_hash, fd, self._ext_len[ext], pos)
-                except CorruptDataError as err:
-                    self._report_corrupt(ext, str(err))
-                    raise
-                if digest != self._ext_sum[ext]:
-                    self._report_corrupt(ext, "checksum mismatch")
-                    raise CorruptDataError(f"checksum mismatch in extent {ext}")
-                self._state[ext] |= STORE_OK
-                return data
-            finally:
-                self._state[ext] &= ~STORE_LOADING & 0xFF
-                del self._loading[("store", ext)]
-                done.set()
-        return None
+                if keep:
+                    data, digest = _pread_and_hash(fd, self._ext_len[ext], pos,
+                                                   self._store_rate)
+                else:
+                    data, digest = _map_and_hash(fd, self._ext_len[ext], pos)
+            except CorruptDataError as err:
+                self._report_corrupt(ext, str(err))
+                raise
+            if digest != self._ext_sum[ext]:
+                self._report_corrupt(ext, "checksum mismatch")
+                raise CorruptDataError(f"checksum mismatch in extent {ext}")
+            self._state[ext] |= STORE_OK
+            return data
+        finally:
+            self._state[ext] &= ~STORE_LOADING & 0xFF
 
     def _report_corrupt(self, ext: int, what: str) -> None:
         if self._state[ext] & STORE_BAD:
@@ -486,22 +403,19 @@ class SampleReader:
                   what, self.dataset.name, display_path(self.directory.path(row)),
                   self._ext_chunk[ext], self.dataset.chunk_path(self._ext_chunk[ext]))
 
-    async def _fd(self, chunk: int) -> int:
+    def _fd(self, chunk: int) -> int:
         """The store's chunk file, opened once per process."""
         fd = self._fds[chunk]
         if fd < 0:
             path = self.dataset.chunk_path(chunk)
             try:
-                fd = await self._open(path, chunk)
+                fd = self._open(path, chunk)
             except (OSError, FormatError) as err:
                 if chunk not in self._unusable_chunks:
                     self._unusable_chunks.add(chunk)
                     log.error("cannot use chunk %d of dataset %s: %s; reads return EIO",
                               chunk, self.dataset.name, err)
                 raise CorruptDataError(str(err)) from None
-            if self._fds[chunk] >= 0:  # another task opened it meanwhile
-                os.close(fd)
-                fd = self._fds[chunk]
             self._fds[chunk] = fd
         return fd
 

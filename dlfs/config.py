@@ -24,9 +24,7 @@ class MountConfig:
     store: str
     datasets: tuple[str, ...] = ()  # empty: every dataset of the store
     verify: bool = True  # check each extent's checksum the first time it is read
-    workers: int = field(default_factory=default_workers)  # processes serving the mount
-    io_threads: int = 16  # bounded pool for disk reads and checksums that could block
-    max_tasks: int = 64  # FUSE requests handled concurrently
+    workers: int = field(default_factory=default_workers)  # forked processes serving FUSE
     cache_timeout: float = 86400.0  # entry/attr timeout: data is immutable
     read_ahead_kb: int = 4096  # kernel read-ahead for the mount (0: keep the default)
     allow_other: bool = False

@@ -42,7 +42,6 @@ from dlfsd.obs.stalls import (
     WAIT_STORE,
     RequestSlots,
     StallWatch,
-    TaskRequestSlots,
 )
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.stager import DemandChannel, Stager
@@ -194,40 +193,6 @@ def test_a_read_whose_worker_died_is_forgotten_not_reported_stalled_for_ever():
         assert slots.outstanding() != []
         assert watch.scan(now) == ([], 0.0)
         assert slots.outstanding() == [] and watch.stalls_total() == 0
-    finally:
-        slots.close()
-
-
-async def test_a_single_process_mount_watches_each_concurrent_read_in_its_own_slot():
-    slots = TaskRequestSlots(2)
-    watch = StallWatch(slots, 1.0, lambda ds, row: f"ds{ds}/file{row}", lambda n: f"n{n}")
-    now = time.perf_counter_ns()
-    release = trio.Event()
-    began = []
-
-    async def read(row: int, what: int, node: int) -> None:
-        slots.begin(0, row, now - 5 * SECOND)
-        try:
-            slots.waiting(what, node)
-            began.append(row)
-            await release.wait()
-        finally:
-            slots.end()
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read, 1, WAIT_PEER, 3)
-            nursery.start_soon(read, 2, WAIT_STORE, 0)
-            nursery.start_soon(read, 3, WAIT_STORE, 0)  # no slot left: not watched
-            assert await until(lambda: len(began) == 3, 5)
-            # Whichever two began first (trio picks the order) hold the slots, each
-            # with its own read and source.
-            stalled = [(s.path, s.waiting) for s in watch.scan(now)[0]]
-            own = {"ds0/file1": "peer n3", "ds0/file2": "store", "ds0/file3": "store"}
-            assert len(stalled) == 2 and all(own[p] == w for p, w in stalled), stalled
-            release.set()
-        assert watch.scan(now)[0] == []
-        assert sorted(slots._free) == [0, 1]  # every slot back
     finally:
         slots.close()
 

@@ -153,10 +153,10 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
 
 def test_core_and_daemon_internals_import_without_pyfuse3():
     """Populate runs on login nodes and MPI ranks, the CLI starts without the daemon's
-    libraries, and everything of the daemon but its pyfuse3 adapter and lifecycle is
+    libraries, and everything of the daemon but its pyfuse3 session and lifecycle is
     plain code that tests drive directly."""
     modules = [m for m in all_modules()
-               if m not in {"dlfsd.fuse.ops", "dlfsd.main", "dlfsd.__main__"}]
+               if m not in {"dlfsd.fuse.session", "dlfsd.main", "dlfsd.__main__"}]
     code = ("import sys; sys.modules['pyfuse3'] = None\n"
             + "".join(f"import {m}\n" for m in sorted(modules))
             + "assert 'pyfuse3' not in {k for k, v in sys.modules.items() if v is not None}\n")

@@ -811,8 +811,8 @@ def test_a_killed_main_process_takes_its_workers_and_the_mount_down(
     say the daemon died, and the umount cleans up after it."""
     m = mounted(small_store, "--workers", workers)
     children = [pid for pid in m.pids if pid != m.pid]
-    # --workers FUSE processes (none for 1: the main one serves) + the `dlfs trace` one
-    assert len(children) == (int(workers) if workers != "1" else 0) + 1
+    # --workers FUSE processes (one for 1: the minimum) + the `dlfs trace` one
+    assert len(children) == int(workers) + 1
     record = read_record(str(m.path))
     assert record is not None and record.pid == m.pid
     kill_daemon([m.pid])

@@ -103,8 +103,8 @@ def test_a_dataset_copied_within_the_store_mounts_under_its_directory_name(
 
 
 def test_debug_logs_every_request_the_workers_serve(mounted, store_with, tmp_path):
-    """`--debug` ("log every FUSE request") logged none with the default worker
-    processes: only the single-process mode, served by pyfuse3, logged them."""
+    """`--debug` ("log every FUSE request") logged none with the worker processes:
+    only the single-process mode (since removed), served by pyfuse3, logged them."""
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
     (src / "d" / "sample.bin").write_bytes(b"x" * 5000)

@@ -1,20 +1,22 @@
-"""The FUSE operations driven directly under trio: no kernel, real store and reader."""
+"""The read-only file system's core (Namespace + reader) driven directly: no kernel, a
+real store and reader; where the errno boundary matters, through the FUSE adapter
+in this process (tests/wirefake.py)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import random
 import stat
 
-import pyfuse3
 import pytest
-import trio
+from wirefake import WireSide
 
 import dlfsd.reader as reader_module
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.populate import PopulateOptions, populate
 from dlfs.store.store import Store
-from dlfsd.fuse.ops import DlfsOperations
+from dlfsd.fuse.errnomap import errno_for
 from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
 
 FILES = {
@@ -41,85 +43,93 @@ def store(tmp_path):
     return store
 
 
-def make_ops(store: Store, verify: bool = True, namespace_cls=Namespace) -> DlfsOperations:
-    datasets = [store.open(n) for n in store.dataset_names()]
-    return DlfsOperations(namespace_cls(datasets, trio.CapacityLimiter(4), verify))
+@pytest.fixture
+def make_ns(store):
+    made = []
+
+    def make(verify: bool = True, namespace_cls=Namespace) -> Namespace:
+        made.append(namespace_cls([store.open(n) for n in store.dataset_names()], verify))
+        return made[-1]
+
+    yield make
+    for ns in made:
+        ns.close()
 
 
-async def resolve(ops: DlfsOperations, path: bytes) -> int:
+def resolve(ns: Namespace, path: bytes) -> int:
     ino = ROOT_INODE
     for part in path.split(b"/"):
-        ino = (await ops.lookup(ino, part)).st_ino
+        ino = ns.lookup(ino, part)
     return ino
 
 
-async def read_all(ops: DlfsOperations, ino: int, size: int, step: int) -> bytes:
-    fi = await ops.open(ino, os.O_RDONLY)
-    out = b"".join([bytes(await ops.read(fi.fh, off, step)) for off in range(0, size + 1, step)])
-    await ops.release(fi.fh)
+def read_all(ns: Namespace, ino: int, size: int, step: int) -> bytes:
+    ns.check_open(ino, os.O_RDONLY)
+    fh, _ = ns.open(ino)
+    out = b"".join([bytes(ns.read(fh, off, step)) for off in range(0, size + 1, step)])
+    ns.release(fh)
     return out
 
 
-async def test_every_file_reads_back_exactly(store):
-    ops = make_ops(store)
+def errno_of(call) -> int:
+    """The errno a request answers with when the core raises in `call` (0: no error)."""
+    try:
+        call()
+    except Exception as err:
+        return errno_for(err, "test")
+    return 0
+
+
+def test_every_file_reads_back_exactly(make_ns):
+    ns = make_ns()
     for rel, data in FILES.items():
-        ino = await resolve(ops, b"ds/" + rel)
+        ino = resolve(ns, b"ds/" + rel)
         for step in (1000, 4096, 65536):
-            assert await read_all(ops, ino, len(data), step) == data
+            assert read_all(ns, ino, len(data), step) == data
 
 
-async def test_reads_at_odd_offsets_and_past_eof(store):
-    ops = make_ops(store)
+def test_reads_at_odd_offsets_and_past_eof(make_ns):
+    ns = make_ns()
     data = FILES[b"sub/big.bin"]
-    ino = await resolve(ops, b"ds/sub/big.bin")
+    ino = resolve(ns, b"ds/sub/big.bin")
     for off, size in [(4090, 20), (8191, 2), (0, 1 << 20), (len(data) - 1, 10), (len(data), 10)]:
-        assert bytes(await ops.read(ino, off, size)) == data[off : off + size]
+        assert bytes(ns.read(ino, off, size)) == data[off : off + size]
 
 
-async def test_attributes(store):
-    ops = make_ops(store)
-    root = await ops.getattr(ROOT_INODE)
-    assert stat.S_ISDIR(root.st_mode) and root.st_nlink == 4
-    ds = await ops.lookup(ROOT_INODE, b"ds")
-    assert ds.st_ino == FIRST_DATASET_INODE  # datasets are laid out by name: ds, other
-    f = await ops.getattr(await resolve(ops, b"ds/a.bin"))
-    assert (f.st_size, stat.S_ISREG(f.st_mode), f.st_uid) == (5000, True, os.getuid())
-    link = await resolve(ops, b"ds/link")
-    assert stat.S_ISLNK((await ops.getattr(link)).st_mode)
-    assert await ops.readlink(link) == b"a.bin"
+def test_attributes(make_ns):
+    ns = make_ns()
+    root = ns.getattr(ROOT_INODE)
+    assert stat.S_ISDIR(root.mode) and root.nlink == 4
+    ds = ns.lookup(ROOT_INODE, b"ds")
+    assert ds == FIRST_DATASET_INODE  # datasets are laid out by name: ds, other
+    f = ns.getattr(resolve(ns, b"ds/a.bin"))
+    assert (f.size, stat.S_ISREG(f.mode)) == (5000, True)
+    link = resolve(ns, b"ds/link")
+    assert stat.S_ISLNK(ns.getattr(link).mode)
+    assert ns.readlink(link) == b"a.bin"
 
 
 @pytest.mark.parametrize("call, code", [
-    (lambda ops: ops.lookup(ROOT_INODE, b"nope"), errno.ENOENT),
-    (lambda ops: ops.getattr(10**9), errno.ENOENT),
-    (lambda ops: ops.getattr(7), errno.ENOENT),  # reserved control range
-    (lambda ops: ops.open(ROOT_INODE, os.O_RDONLY), errno.EISDIR),
-    (lambda ops: ops.opendir(FIRST_DATASET_INODE + 1, None), errno.ENOTDIR),
-    (lambda ops: ops.open(FIRST_DATASET_INODE + 1, os.O_WRONLY), errno.EROFS),
-    (lambda ops: ops.open(FIRST_DATASET_INODE + 1, os.O_RDWR | os.O_TRUNC), errno.EROFS),
-    (lambda ops: ops.write(FIRST_DATASET_INODE + 1, 0, b"x"), errno.EROFS),
-    (lambda ops: ops.mkdir(ROOT_INODE, b"d", 0o755, None), errno.EROFS),
-    (lambda ops: ops.unlink(FIRST_DATASET_INODE, b"a.bin", None), errno.EROFS),
-    (lambda ops: ops.rename(FIRST_DATASET_INODE, b"a", FIRST_DATASET_INODE, b"b", 0, None),
-     errno.EROFS),
-    (lambda ops: ops.setattr(FIRST_DATASET_INODE, None, None, None, None), errno.EROFS),
-    (lambda ops: ops.create(FIRST_DATASET_INODE, b"n", 0o644, os.O_WRONLY, None), errno.EROFS),
-    (lambda ops: ops.setxattr(FIRST_DATASET_INODE, b"user.x", b"1", None), errno.EROFS),
-    (lambda ops: ops.readlink(FIRST_DATASET_INODE + 1), errno.ENOENT),
+    (lambda ns: ns.lookup(ROOT_INODE, b"nope"), errno.ENOENT),
+    (lambda ns: ns.getattr(10**9), errno.ENOENT),
+    (lambda ns: ns.getattr(7), errno.ENOENT),  # reserved control range
+    (lambda ns: ns.open(ROOT_INODE), errno.EISDIR),
+    (lambda ns: ns.check_dir(FIRST_DATASET_INODE + 1), errno.ENOTDIR),
+    (lambda ns: ns.check_open(FIRST_DATASET_INODE + 1, os.O_WRONLY), errno.EROFS),
+    (lambda ns: ns.check_open(FIRST_DATASET_INODE + 1, os.O_RDWR | os.O_TRUNC), errno.EROFS),
+    (lambda ns: ns.refuse_change("write"), errno.EROFS),
+    (lambda ns: ns.refuse_change("mkdir"), errno.EROFS),
+    (lambda ns: ns.readlink(FIRST_DATASET_INODE + 1), errno.ENOENT),
 ])
-async def test_errno_mapping(store, call, code):
-    ops = make_ops(store)
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        await call(ops)
-    assert info.value.errno == code
+def test_errno_mapping(make_ns, call, code):
+    ns = make_ns()
+    assert errno_of(lambda: call(ns)) == code
 
 
-async def test_lookup_through_a_file_is_enotdir(store):
-    ops = make_ops(store)
-    ino = await resolve(ops, b"ds/a.bin")
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        await ops.lookup(ino, b"x")
-    assert info.value.errno == errno.ENOTDIR
+def test_lookup_through_a_file_is_enotdir(make_ns):
+    ns = make_ns()
+    ino = resolve(ns, b"ds/a.bin")
+    assert errno_of(lambda: ns.lookup(ino, b"x")) == errno.ENOTDIR
 
 
 def _flip_first_byte(store: Store, rel: bytes) -> None:
@@ -134,51 +144,47 @@ def _flip_first_byte(store: Store, rel: bytes) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-async def test_corrupt_extent_reads_eio_and_others_survive(store, caplog):
+async def test_corrupt_extent_reads_eio_and_others_survive(store, make_ns, caplog):
     _flip_first_byte(store, b"a.bin")
-    ops = make_ops(store)
-    bad = await resolve(ops, b"ds/a.bin")
-    for _ in range(2):
-        with pytest.raises(pyfuse3.FUSEError) as info:
-            await ops.read(bad, 100, 10)  # a read anywhere in the extent checks all of it
-        assert info.value.errno == errno.EIO
+    ns = make_ns()
+    bad = resolve(ns, b"ds/a.bin")
+    for _ in range(2):  # a read anywhere in the extent checks all of it
+        assert errno_of(lambda: ns.read(bad, 100, 10)) == errno.EIO
     mismatches = [r for r in caplog.records if "checksum mismatch" in r.getMessage()]
     assert len(mismatches) == 1 and "a.bin" in mismatches[0].getMessage()
-    good = await resolve(ops, b"ds/sub/big.bin")
-    assert await read_all(ops, good, len(FILES[b"sub/big.bin"]), 4096) == FILES[b"sub/big.bin"]
+    good = resolve(ns, b"ds/sub/big.bin")
+    assert read_all(ns, good, len(FILES[b"sub/big.bin"]), 4096) == FILES[b"sub/big.bin"]
 
 
-async def test_concurrent_first_reads_share_one_verified_load(store):
-    ops = make_ops(store)
-    ino = await resolve(ops, b"ds/sub/big.bin")
+def test_first_reads_in_any_order_check_each_extent_and_return_the_file(make_ns):
+    """Pieces of a file read in shuffled order (what read-ahead spread over workers
+    looks like to one of them): each first touch of an extent checks it whole, later
+    pieces come from the checked copy; together they are the file."""
+    ns = make_ns()
+    ino = resolve(ns, b"ds/sub/big.bin")
     data = FILES[b"sub/big.bin"]
-    results = {}
-
-    async def one(off):
-        results[off] = bytes(await ops.read(ino, off, 1000))
-
-    async with trio.open_nursery() as nursery:
-        for off in range(0, len(data), 1000):
-            nursery.start_soon(one, off)
+    offsets = list(range(0, len(data), 1000))
+    random.Random(7).shuffle(offsets)
+    results = {off: bytes(ns.read(ino, off, 1000)) for off in offsets}
     assert b"".join(results[o] for o in sorted(results)) == data
 
 
-async def test_unexpected_exception_becomes_eio_and_is_logged(store, caplog):
+def test_unexpected_exception_becomes_eio_and_is_logged(make_ns, monkeypatch, caplog):
     class Broken(Namespace):
-        async def read(self, ino, offset, size):
+        def read_inode(self, ino, offset, size, caller):
             raise RuntimeError("boom")
 
-    ops = make_ops(store, namespace_cls=Broken)
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        await ops.read(FIRST_DATASET_INODE + 1, 0, 10)
-    assert info.value.errno == errno.EIO
+    wire = WireSide(make_ns(namespace_cls=Broken), monkeypatch)
+    try:
+        assert wire.read(FIRST_DATASET_INODE + 1, 0, 0, 10)[0] == errno.EIO
+    finally:
+        wire.close()
     logged = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info]
     assert len(logged) == 1 and isinstance(logged[0].exc_info[1], RuntimeError)
 
 
-async def test_readdir_offsets_are_stable(store):
-    datasets = [store.open(n) for n in store.dataset_names()]
-    ns = Namespace(datasets, trio.CapacityLimiter(2))
+def test_readdir_offsets_are_stable(make_ns):
+    ns = make_ns()
     ds = ns.lookup(ROOT_INODE, b"ds")
     full = list(ns.readdir(ds, 0))
     assert [name for name, _, _ in full] == sorted([b"a.bin", b"empty", b"link", b"sub"])
@@ -190,16 +196,15 @@ async def test_readdir_offsets_are_stable(store):
             assert attr == ns.getattr(ns.lookup(parent, name))
 
 
-async def test_statfs_reports_dataset_bytes(store):
-    ops = make_ops(store)
-    s = await ops.statfs(None)
+def test_statfs_reports_dataset_bytes(make_ns):
+    s = make_ns().statfs()
     total = sum(len(v) for v in FILES.values()) + len(FILES[b"sub/big.bin"]) + 8
-    assert s.f_blocks * s.f_frsize >= total
-    assert s.f_bfree == 0
+    assert s.blocks * s.frsize >= total
+    assert s.bfree == 0
 
 
 @pytest.mark.parametrize("damage", ["missing", "bad_header"])
-async def test_unusable_chunk_file_reads_eio(store, damage, caplog):
+def test_unusable_chunk_file_reads_eio(store, make_ns, damage, caplog):
     d = store.open("ds")
     ext = d.directory.first_extent(d.directory.resolve(b"a.bin"))
     path = d.chunk_path(d.directory.ext_chunk_view[ext])
@@ -208,12 +213,10 @@ async def test_unusable_chunk_file_reads_eio(store, damage, caplog):
     else:
         with open(path, "r+b") as f:
             f.write(b"NOTDLFS!")
-    ops = make_ops(store)
-    ino = await resolve(ops, b"ds/a.bin")
+    ns = make_ns()
+    ino = resolve(ns, b"ds/a.bin")
     for _ in range(2):
-        with pytest.raises(pyfuse3.FUSEError) as info:
-            await ops.read(ino, 0, 100)
-        assert info.value.errno == errno.EIO
+        assert errno_of(lambda: ns.read(ino, 0, 100)) == errno.EIO
     logged = [r for r in caplog.records if "cannot use chunk" in r.getMessage()]
     assert len(logged) == 1
 

@@ -71,8 +71,8 @@ def status_of(dlfs_cli, path: Path) -> dict:
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_pool_of_one_on_overlayfs_serves_every_byte(overlay, mounted, dlfs_cli, workers):
-    """--workers 1 reads through the trio loop (RWF_NOWAIT first, refused here); 2 has
-    worker processes reading inline and splicing their replies."""
+    """One worker process (the least there is) and two (the kernel's read-ahead hands
+    parts of one extent to both), reading inline and splicing their replies."""
     src = overlay / "src"  # from the lower layer
     files = source_files(src)
     assert len(files) > 300

@@ -78,7 +78,7 @@ def test_processes_reading_parts_of_one_extent_fetch_it_once(share):
         return EXTENT
 
     def read(rel: int, length: int) -> bool:
-        got = share.read_blocking(KEY, rel, length, True, peer)
+        got = share.read(KEY, rel, length, True, peer)
         return got == EXTENT[rel : rel + length]
 
     pids = [fork(lambda r=r, n=n: read(r, n)) for r, n in parts]
@@ -87,7 +87,7 @@ def test_processes_reading_parts_of_one_extent_fetch_it_once(share):
     assert calls.value == 1
     assert counts["waits"] == 2 and counts["shared_reads"] == 2 and counts["stored"] == 1
     # Later reads of the extent, by this process too, come from the slot.
-    assert bytes(share.read_blocking(KEY, 5, 7, False, peer)) == EXTENT[5:12]
+    assert bytes(share.read(KEY, 5, 7, False, peer)) == EXTENT[5:12]
     assert calls.value == 1 and share.counters()["shared_reads"] == 3
 
 
@@ -99,9 +99,9 @@ def test_a_whole_extent_read_keeps_its_bytes_only_for_a_waiter(share):
         until(lambda: share.counters()["waits"] == 1)
         return EXTENT
 
-    alone = share.read_blocking(extent_key(0, 1), 0, len(EXTENT), False, lambda: EXTENT)
+    alone = share.read(extent_key(0, 1), 0, len(EXTENT), False, lambda: EXTENT)
     assert alone == EXTENT and share.counters()["stored"] == 0  # nobody else wanted it
-    pids = [fork(lambda: share.read_blocking(KEY, 0, len(EXTENT), True, peer) == EXTENT)
+    pids = [fork(lambda: share.read(KEY, 0, len(EXTENT), True, peer) == EXTENT)
             for _ in range(2)]
     assert [exit_code(pid) for pid in pids] == [0, 0]
     assert calls.value == 1 and share.counters()["stored"] == 1
@@ -115,7 +115,7 @@ def test_a_fetcher_killed_mid_fetch_holds_up_nobody(share):
         started.add()
         time.sleep(3600)
 
-    pid = fork(lambda: share.read_blocking(KEY, 0, 10, True, stuck_peer) is not None)
+    pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
     try:
         assert until(lambda: started.value == 1)
     finally:
@@ -127,7 +127,7 @@ def test_a_fetcher_killed_mid_fetch_holds_up_nobody(share):
         calls.add()
         return EXTENT
 
-    assert share.read_blocking(KEY, 0, 10, True, peer) == EXTENT[:10]
+    assert share.read(KEY, 0, 10, True, peer) == EXTENT[:10]
     assert calls.value == 1 and share.counters()["wait_timeouts"] == 0
 
 
@@ -139,10 +139,10 @@ def test_a_fetcher_that_hangs_is_waited_for_a_bounded_time(share):
         started.add()
         time.sleep(3600)
 
-    pid = fork(lambda: share.read_blocking(KEY, 0, 10, True, stuck_peer) is not None)
+    pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
     try:
         assert until(lambda: started.value == 1)
-        assert share.read_blocking(KEY, 100, 10, True, lambda: EXTENT) == EXTENT[100:110]
+        assert share.read(KEY, 100, 10, True, lambda: EXTENT) == EXTENT[100:110]
         assert share.counters()["wait_timeouts"] == 1
     finally:
         os.kill(pid, signal.SIGKILL)
@@ -163,9 +163,9 @@ def test_a_failed_fetch_sends_its_waiters_elsewhere_at_once(share):
         asked.add()
         return EXTENT
 
-    pid = fork(lambda: share.read_blocking(KEY, 0, 10, True, failing_peer) is None)
+    pid = fork(lambda: share.read(KEY, 0, 10, True, failing_peer) is None)
     assert until(lambda: started.value == 1)
-    assert share.read_blocking(KEY, 0, 10, True, second_peer) is None
+    assert share.read(KEY, 0, 10, True, second_peer) is None
     assert exit_code(pid) == 0 and asked.value == 0
 
 

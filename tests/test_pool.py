@@ -149,7 +149,7 @@ class Cluster:
         self.mounts = []
         for i, name in enumerate(self.names):
             node_secret = (secrets_by_node or {}).get(i, secret)
-            workers = "1" if i == 0 else "2"  # cover the single-process path too
+            workers = "1" if i == 0 else "2"  # a node with the least workers there is, too
             self.mounts.append(mounted(
                 store, "--cache-dir", str(self.caches[i]), "--nodes", self.nodes, "--node", name,
                 "--replicas", str(replicas), "--secret-file", str(node_secret),

@@ -1,9 +1,9 @@
 """The tiered reader with a real ChunkPool and a real PeerLoopServer, in one process.
 
 No FUSE here: SampleReader, ChunkPool, Stager copies, the daemon's peer server
-(on its own thread, as in the daemon) and the trio PeerClient are the real
-objects; only the processes are collapsed into one, so the test can count
-exactly how many requests reached the peer.
+(on its own thread, as in the daemon) and the blocking peer client the worker
+processes use are the real objects; only the processes are collapsed into one,
+so the test can count exactly how many requests reached the peer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import trio
 from conftest import until
 
 from dlfs.cluster.nodes import ClusterView, Node
@@ -47,7 +46,7 @@ def view(me: int, ports: list[int], secret: bytes) -> ClusterView:
     return ClusterView(nodes, me, 1, secret)
 
 
-async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset, tmp_path):
+def test_remote_files_come_from_the_peer_and_bytes_are_right(dataset, tmp_path):
     ds, src = dataset
     secret = secrets.token_bytes(32)
     d = ds.directory
@@ -75,27 +74,18 @@ async def test_concurrent_reads_share_one_peer_fetch_and_bytes_are_right(dataset
         reader_pool = ChunkPool(view(1 - me, ports, secret), [ds], tmp_path / "cache-reader")
         reader_pool.caches[0].scan()
         stats = Stats(["ds"], [ds.directory], ProcessSlot(1))
-        reader = SampleReader(ds, trio.CapacityLimiter(4), pool=reader_pool)
+        reader = SampleReader(ds, pool=reader_pool)
         reader.stats = stats
         name = remote_files[0]
-        row = d.resolve(name.encode())
         want = (src / name).read_bytes()
-        results = [None] * 8
-
-        async def read(i: int) -> None:
-            results[i] = bytes(await reader.read(row, 0, len(want)))
-
-        async with trio.open_nursery() as readers:
-            for i in range(8):
-                readers.start_soon(read, i)
-        assert results == [want] * 8
-        assert server.counters()["reads_served"] == 1, "concurrent misses must share one fetch"
+        assert bytes(reader.read(d.resolve(name.encode()), 0, len(want))) == want
+        assert server.counters()["reads_served"] == 1  # one extent: one request
         for name in remote_files:  # every remote file, whole, from the peer
             row = d.resolve(name.encode())
-            assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
+            assert bytes(reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
         sources = stats.snapshot()["datasets"]["ds"]["sources"]
-        assert sources["store"]["reads"] == 0 and sources["peer"]["reads"] > 0
-        await reader_pool.aclose()
+        assert sources["store"]["reads"] == 0
+        assert sources["peer"]["reads"] == len(remote_files) + 1
     finally:
         server.stop()
     reader.close()
@@ -133,7 +123,7 @@ def small_files_by_chunk(ds, src: Path) -> dict[int, list[str]]:
     return by_chunk
 
 
-async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path):
+def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path):
     ds, src = dataset
     secret = secrets.token_bytes(32)
     with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, server, port):
@@ -147,11 +137,10 @@ async def test_partial_reads_of_a_remote_extent_fetch_it_once(dataset, tmp_path)
             want = (src / "big").read_bytes()
             got = bytearray()
             for off in range(0, len(want), 64 << 10):  # 64 KiB requests, like the kernel's
-                got += await reader.read(row, off, 64 << 10)
+                got += reader.read(row, off, 64 << 10)
             assert bytes(got) == want
             extents = len(d.extents(row))
             assert extents > 1 and server.counters()["reads_served"] == extents  # one each
-            await reader_pool.aclose()
         finally:
             reader.close()
             reader_pool.close()
@@ -162,10 +151,10 @@ def reading_node(ds, secret: bytes, port: int, cache: Path) -> tuple[ChunkPool, 
     every read goes to b first, then to the store."""
     both = ClusterView(view(0, [1, port], secret).nodes, 0, 2, secret)
     pool = ChunkPool(both, [ds], cache)
-    return pool, SampleReader(ds, trio.CapacityLimiter(4), pool=pool)
+    return pool, SampleReader(ds, pool=pool)
 
 
-async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_again(
+def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_again(
         dataset, tmp_path):
     """The holder's peer server treats an unreadable staged copy (here: truncated) as a
     reader does: FAIL to that peer, who reads from the store instead; the copy is evicted,
@@ -180,7 +169,7 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
         os.truncate(holder.caches[0].path(chunk), CHUNK_HEADER_SIZE + 10)  # failing copy
         for name in names[:2]:
             row = d.resolve(name.encode())
-            assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
+            assert bytes(reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
         counts = server.counters()
         assert counts["read_errors"] == 1 and counts["reads_missed"] == 1
         assert counts["bytes_served"] == 0
@@ -188,7 +177,6 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
         assert not holder.caches[0].path(chunk).exists()
         demanded = os.read(holder.demand.read_fd, 4096)
         assert (0, chunk) in set(DemandChannel.RECORD.iter_unpack(demanded))
-        await reader_pool.aclose()
     reader.close()
     reader_pool.close()
 
@@ -196,8 +184,8 @@ async def test_a_staged_copy_the_holder_cannot_read_is_evicted_and_asked_for_aga
 async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, tmp_path):
     """Bytes from a peer that fail their checksum mean a bad staged copy of that chunk
     there (a flipped bit), not a bad peer: that chunk is read from the store, the peer's
-    other chunks still come from the peer, and the peer is told (REPORT, by the trio
-    client of --workers 1) and re-stages that copy."""
+    other chunks still come from the peer, and the peer is told (REPORT) and re-stages
+    that copy."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
     in_chunk = small_files_by_chunk(ds, src)
@@ -216,19 +204,19 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
 
-        async def read(name: str) -> None:
+        def read(name: str) -> None:
             row = d.resolve(name.encode())
-            assert bytes(await reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
+            assert bytes(reader.read(row, 0, 1 << 20)) == (src / name).read_bytes()
 
         def sources() -> tuple[int, int]:
             s = stats.snapshot()["datasets"]["ds"]["sources"]
             return s["peer"]["reads"], s["store"]["reads"]
 
-        await read(in_chunk[bad][0])  # the peer's bytes fail the checksum: the store's
+        read(in_chunk[bad][0])  # the peer's bytes fail the checksum: the store's
         assert server.counters()["reads_served"] == 1 and sources() == (0, 1)
-        await read(in_chunk[bad][1])  # same chunk: straight to the store
+        read(in_chunk[bad][1])  # same chunk: straight to the store
         assert server.counters()["reads_served"] == 1 and sources() == (0, 2)
-        await read(in_chunk[good][0])  # another chunk of the same peer: from the peer
+        read(in_chunk[good][0])  # another chunk of the same peer: from the peer
         assert server.counters()["reads_served"] == 2 and sources() == (1, 2)
         # The reader reported the range; the holder found its copy bad there, evicted it
         # and asked its stager for it again (its own readers had never touched it).
@@ -236,7 +224,6 @@ async def test_a_peer_with_one_bad_copy_still_serves_its_other_chunks(dataset, t
         assert not holder.caches[0].is_staged(bad)
         demanded = os.read(holder.demand.read_fd, 4096)
         assert (0, bad) in set(DemandChannel.RECORD.iter_unpack(demanded))
-        await reader_pool.aclose()
     reader.close()
     reader_pool.close()
     stats.close()
@@ -277,7 +264,7 @@ def test_a_reader_whose_read_of_a_replaced_copy_fails_keeps_the_new_one(dataset,
     worker B evicted it and the stager staged it anew."""
     ds, _ = dataset
     pool, stager = pool_with_chunk_0_staged(ds, tmp_path / "cache")
-    reader = SampleReader(ds, trio.CapacityLimiter(4), pool=pool, inline_io=True)
+    reader = SampleReader(ds, pool=pool)
     old_fd = pool.caches[0].open_fd(0)  # A's copy, open while its read is under way
     pool.caches[0].evict(0)  # B found it bad; the stager copies it again
     stager._copy(0, 0, bytearray())
@@ -290,12 +277,12 @@ def test_a_reader_whose_read_of_a_replaced_copy_fails_keeps_the_new_one(dataset,
     pool.close()
 
 
-async def test_a_staged_copy_that_cannot_be_opened_is_read_from_the_store(dataset, tmp_path):
+def test_a_staged_copy_that_cannot_be_opened_is_read_from_the_store(dataset, tmp_path):
     """An open that fails (here ELOOP; on a node: EMFILE, EACCES, EIO from the NVMe)
     must send the read on to the store, not fail it with that errno."""
     ds, src = dataset
     pool, _ = pool_with_chunk_0_staged(ds, tmp_path / "cache")
-    reader = SampleReader(ds, trio.CapacityLimiter(4), pool=pool)
+    reader = SampleReader(ds, pool=pool)
     path = pool.caches[0].path(0)
     path.unlink()
     path.symlink_to(path.name)  # a link to itself: opening it fails with ELOOP
@@ -304,15 +291,15 @@ async def test_a_staged_copy_that_cannot_be_opened_is_read_from_the_store(datase
                 if d.ext_chunk_view[d.first_extent(d.resolve(p.name.encode()))] == 0)
     row = d.resolve(name.encode())
     for _ in range(2):  # and again (logged once)
-        assert bytes(await reader.read(row, 0, 4096)) == (src / name).read_bytes()[:4096]
+        assert bytes(reader.read(row, 0, 4096)) == (src / name).read_bytes()[:4096]
     reader.close()
     pool.close()
 
 
-async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(dataset, tmp_path):
-    """--workers 1: tasks that share one peer fetch keep the extent once (one slot of
-    the node's PeerShare, not one per task), and a later read of another part of it
-    is served from there, not fetched again."""
+def test_partial_reads_of_a_peer_extent_keep_it_once_for_its_other_parts(dataset, tmp_path):
+    """The first partial read of a peer extent fetches it whole and keeps it in one slot
+    of the node's PeerShare; the reads of its other parts, in any order and whichever
+    process makes them, are served from there, not fetched again."""
     ds, src = dataset
     secret = secrets.token_bytes(32)
     with holder_of_every_chunk(ds, secret, tmp_path / "cache-b") as (_, server, port):
@@ -320,23 +307,18 @@ async def test_concurrent_partial_reads_of_a_peer_extent_are_counted_once(datase
         try:
             row = ds.directory.resolve(b"big")
             want = (src / "big").read_bytes()
-            got: dict[int, bytes] = {}
-
-            async def read(off: int) -> None:
-                got[off] = bytes(await reader.read(row, off, 16 << 10))
-
-            async with trio.open_nursery() as readers:
-                for off in range(0, len(want), 16 << 10):
-                    readers.start_soon(read, off)
+            offsets = list(range(0, len(want), 16 << 10))
+            np.random.default_rng(3).shuffle(offsets)
+            got = {off: bytes(reader.read(row, off, 16 << 10)) for off in offsets}
             assert b"".join(got[off] for off in sorted(got)) == want
             extents = len(ds.directory.extents(row))
             assert server.counters()["reads_served"] == extents
             counts = reader_pool.fetch_counters()
             assert counts["fetches"] == counts["stored"] == extents
-            assert bytes(await reader.read(row, 4096, 100)) == want[4096:4196]
+            assert counts["shared_reads"] == len(offsets) - extents
+            assert bytes(reader.read(row, 4096, 100)) == want[4096:4196]
             assert server.counters()["reads_served"] == extents  # from the slot
-            assert reader_pool.fetch_counters()["shared_reads"] == 1
-            await reader_pool.aclose()
+            assert reader_pool.fetch_counters()["shared_reads"] == len(offsets) - extents + 1
         finally:
             reader.close()
             reader_pool.close()

@@ -318,7 +318,7 @@ def test_page_cache_hits_never_reach_the_daemon(mounted, stats_store, dlfs_cli, 
 
 def test_trace_ring_keeps_the_newest_and_counts_the_dropped(mounted, stats_store, dlfs_cli,
                                                             tmp_path):
-    m = mounted(stats_store, "--workers", "1", "--trace-capacity", "16")
+    m = mounted(stats_store, "--workers", "1", "--count-opens", "--trace-capacity", "16")
     assert dlfs_cli("trace", "start", m.path).returncode == 0
     fd = os.open(m.path / "ds" / "big.bin", os.O_RDONLY | os.O_DIRECT)
     for i in range(50):

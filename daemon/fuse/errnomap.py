@@ -1,6 +1,6 @@
 """errno_for: the one table from an exception raised while serving a FUSE request
-to the errno the kernel gets, shared by the pyfuse3 adapter (dlfsd.fuse.ops) and the
-worker processes (dlfsd.fuse.wireworker).
+to the errno the kernel gets (the worker processes' adapter, dlfsd.fuse.wireworker,
+answers with it).
 
 Domain errors carry their errno; an OSError keeps its own (logged once, it
 names the file); anything else is a bug, logged with its traceback, and

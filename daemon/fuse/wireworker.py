@@ -11,11 +11,11 @@ pyfuse3's read() is not given the inode, so it could not serve it. A file
 already in the page cache then costs the daemon no request at all. The same
 goes for directories (FUSE no_opendir, see `opendir`).
 
-The main process still mounts through pyfuse3/libfuse and answers INIT (which
-negotiates the protocol); workers are forked after that and only translate:
-each request becomes one Namespace call, exactly as in dlfsd.fuse.ops, and each
-failure an errno through the same table (dlfsd.fuse.errnomap). One request at a time per
-process, blocking I/O inline (the readers are in inline mode).
+The main process mounts through pyfuse3/libfuse and has it answer INIT (which
+negotiates the protocol, dlfsd.fuse.kernelinit) and nothing else; workers are
+forked after that and only translate: each request becomes one Namespace call,
+each failure an errno through one table (dlfsd.fuse.errnomap). One request at a
+time per process, its blocking I/O inline (the libfuse multi-thread model).
 """
 
 from __future__ import annotations
@@ -70,16 +70,6 @@ def find_fuse_fd(before: set[int]) -> int:
     if len(new) != 1:
         raise RuntimeError(f"cannot tell the mount's /dev/fuse descriptor (candidates {new})")
     return new.pop()
-
-
-def run_inline(coro):
-    """Run a coroutine that never suspends (inline I/O) to its result."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise RuntimeError("a request tried to wait for another task in a worker process")
 
 
 WORKER_ABORTED = 3  # exit code: /dev/fuse said ECONNABORTED
@@ -288,8 +278,8 @@ class WireWorker:
     def read(self, nodeid: int, n: int):
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
         if fh == 0:  # opened by the kernel alone (no_open)
-            return run_inline(self.ns.read_inode(nodeid, offset, size, self.caller))
-        return run_inline(self.ns.read(fh, offset, size))
+            return self.ns.read_inode(nodeid, offset, size, self.caller)
+        return self.ns.read(fh, offset, size)
 
     def release(self, nodeid: int, n: int) -> None:
         fh, _, _ = fw.RELEASE_IN.unpack_from(self._buf, _HEADER)

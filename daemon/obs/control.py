@@ -5,7 +5,7 @@ so `ls MOUNTPOINT` still shows exactly the datasets (like a dot file, only
 more hidden; `ls MOUNTPOINT/.dlfs` lists its files). Inodes come from the
 reserved range 2..1023.
 
-When the daemon sees opens (`--workers 1`, `--count-opens`), each file is
+When the daemon sees opens (`--count-opens`, or an old kernel), each file is
 rendered once per open (one consistent snapshot per reader) and served with
 direct_io, so the kernel never caches stale content. Otherwise the kernel
 opens files without asking (FUSE no_open): the reading process gets a

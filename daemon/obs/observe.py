@@ -22,7 +22,7 @@ from dlfsd.obs.control import ControlFiles
 from dlfsd.obs.peermarks import PeerMarks
 from dlfsd.obs.prometheus import prometheus_text
 from dlfsd.obs.sharedjson import SharedJson
-from dlfsd.obs.stalls import NO_REQUESTS, NullRequests, RequestSlots, TaskRequestSlots
+from dlfsd.obs.stalls import NO_REQUESTS, NullRequests, RequestSlots
 from dlfsd.obs.stats import TOP_FILES, NullStats, Stats
 from dlfsd.obs.trace import DEFAULT_CAPACITY, Trace
 from dlfsd.slots import ProcessSlot
@@ -37,18 +37,14 @@ class ObserveConfig:
     trace_capacity: int = DEFAULT_CAPACITY
     opens_counted: bool = True  # the daemon answers opens (False: FUSE no_open)
     stall_seconds: float = 10.0  # a read outstanding this long is a stall (0: not watched)
-    tasks: int = 64  # reads served at once by a single-process mount (--max-tasks)
 
     @classmethod
     def from_mount(cls, config: MountConfig) -> ObserveConfig:
-        # The main process, plus N forked FUSE workers when --workers N > 1.
-        processes = 1 + config.workers if config.workers > 1 else 1
-        # pyfuse3 (--workers 1) cannot read without an open: it always answers them.
-        return cls(enabled=config.stats, processes=processes,
+        # The main process, plus the forked FUSE workers.
+        return cls(enabled=config.stats, processes=1 + config.workers,
                    trace_capacity=config.trace_capacity,
-                   opens_counted=config.workers <= 1
-                   or workers_answer_opens(config.count_opens),
-                   stall_seconds=config.stall_seconds, tasks=config.max_tasks)
+                   opens_counted=workers_answer_opens(config.count_opens),
+                   stall_seconds=config.stall_seconds)
 
 
 class Observability:
@@ -78,13 +74,12 @@ class Observability:
                                      b"metrics": self.render_metrics}, self.slot)
 
     def _request_slots(self, config: ObserveConfig) -> RequestSlots | NullRequests:
-        """The stall detector's slots: one per worker process, or one per concurrent
-        read of a single-process mount; none with counters off or --stall-seconds 0."""
+        """The stall detector's slots: one per daemon process (the main process's is
+        used only where tests serve requests in it); none with counters off or
+        --stall-seconds 0."""
         if not (config.enabled and config.stall_seconds > 0):
             return NO_REQUESTS
-        if self.slot.count > 1:
-            return RequestSlots.for_processes(self.slot)
-        return TaskRequestSlots(max(1, config.tasks))
+        return RequestSlots.for_processes(self.slot)
 
     def watch_pool(self, pool) -> None:
         """Let the main process see the peer marks every process of a chunk pool makes

@@ -10,9 +10,7 @@ tell. Here every read in progress is visible to the main process:
   NAME, store) as it tries it, and the start is cleared when the read is done:
   a handful of 8-byte stores, no lock, no system call, no allocation. Worker
   processes serve one request at a time, so each owns one slot (its
-  dlfsd.slots.ProcessSlot); a single-process mount (`--workers 1`) serves up
-  to `--max-tasks` reads at once, so each read takes a free slot and the trio
-  task remembers it in a context variable.
+  dlfsd.slots.ProcessSlot).
 * `StallWatch` (main process, once a second from the status task): scans the
   slots, counts each read found outstanding past the threshold once, logs it
   once (WARNING, naming the file and the source), logs when it is done, and
@@ -24,7 +22,6 @@ clock in every process, and the read path already takes it.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import mmap
 import os
@@ -73,11 +70,8 @@ NO_REQUESTS = NullRequests()
 
 
 class RequestSlots:
-    """The reads in progress of all the daemon's processes, one shared slot each.
-
-    This base class is for worker processes (one request at a time each): the
-    slot is the process's own. `TaskRequestSlots` is the single-process variant.
-    """
+    """The reads in progress of all the daemon's processes, one shared slot each
+    (a worker process serves one request at a time: the slot is the process's own)."""
 
     enabled = True
 
@@ -144,50 +138,6 @@ class RequestSlots:
         self._slot.release()
         self._words.release()
         self._mm.close()
-
-
-_task_slot: contextvars.ContextVar[int] = contextvars.ContextVar("dlfs_request_slot",
-                                                                 default=-1)
-
-
-class TaskRequestSlots(RequestSlots):
-    """Single-process mode (`--workers 1`): up to `count` reads at once in one trio loop.
-
-    Each read takes a free slot and its task keeps the index in a context
-    variable (trio gives every task its own context), so the reader's
-    `waiting` calls, deep in the read, find it. More reads at once than slots:
-    the extra ones go unwatched rather than share a slot.
-    """
-
-    def __init__(self, count: int) -> None:
-        super().__init__(count)
-        self._free = list(range(count - 1, -1, -1))
-        pid = os.getpid()
-        for slot in range(count):
-            self._words[slot * WORDS + PID] = pid
-
-    def begin(self, ds: int, row: int, started: int) -> None:
-        if not self._free:
-            _task_slot.set(-1)
-            return
-        slot = self._free.pop()
-        _task_slot.set(slot)
-        words, at = self._words, slot * WORDS
-        words[at + TARGET] = ds << ROW_BITS | row
-        words[at + WAITING] = WAIT_DAEMON
-        words[at] = started
-
-    def waiting(self, what: int, node: int = 0) -> None:
-        slot = _task_slot.get()
-        if slot >= 0:
-            self._words[slot * WORDS + WAITING] = what | node << 8
-
-    def end(self) -> None:
-        slot = _task_slot.get()
-        if slot >= 0:
-            self._words[slot * WORDS] = 0
-            self._free.append(slot)
-            _task_slot.set(-1)
 
 
 @dataclass

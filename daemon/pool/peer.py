@@ -2,8 +2,9 @@
 
 A daemon reads byte ranges of the chunks other daemons have staged on their
 local NVMe. The server side is dlfsd.pool.peerserver (PeerLoopServer); the daemon's
-worker processes use the blocking client (dlfsd.pool.peersync); this trio client
-serves single-process mounts (`--workers 1`). The wire format and every
+worker processes use the blocking client (dlfsd.pool.peersync). This trio client
+served the single-process mounts (`--workers 1`), which are gone: no part of the
+daemon uses it now (the errors below are everyone's). The wire format and every
 validity rule live in dlfsd.pool.protocol (docs/PROTOCOL.md); this module adds
 sockets, timeouts and concurrency:
 

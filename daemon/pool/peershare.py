@@ -31,8 +31,6 @@ How: everything lives in memory made before the workers fork.
   peers again, one process after the other).
 * Counters per process (rows, as in dlfsd.obs.stats), summed on reading.
 
-With `--workers 1` the one process shares fetches among its trio tasks
-(SampleReader._single_flight) and uses the slots and counters only.
 """
 
 from __future__ import annotations
@@ -117,8 +115,8 @@ class PeerShare:
         with contextlib.suppress(OSError):
             os.close(self._locks)
 
-    # -- the worker processes' path: one request at a time, blocking ----------------------
-    def read_blocking(self, key: int, rel: int, length: int, lasting: bool,
+    # -- the read path: one request at a time per process, blocking -----------------------
+    def read(self, key: int, rel: int, length: int, lasting: bool,
                       fetch: Callable, *args):
         """`length` bytes at `rel` of extent `key`: from a slot, else from the node's one
         fetch of it (`fetch(*args)`: the whole extent, checked, or None), else None.

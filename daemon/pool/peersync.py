@@ -14,7 +14,7 @@ request; anything else is decoded the general way. That buffer (4 MiB, the
 largest frame) is one per process, shared by all its clients: a worker serves
 one request at a time, and a worker talking to N peers must not hold N of them.
 So the view is valid only until the next read on ANY client of the process;
-the callers (ChunkPool.fetch_blocking, PeerShare.read_blocking) use or copy it
+the callers (ChunkPool.fetch, PeerShare.read) use or copy it
 first. Not for use from several threads at once.
 
 A connection kept between reads may have been closed by the server meanwhile

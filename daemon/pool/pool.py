@@ -23,8 +23,8 @@ to the front of the staging queue, a copy the server cannot read is evicted
 and staged again, and it checks copies: a reported range, an extent before
 it is first served (--verify-served), a copy the scrub reads.
 
-Client connections belong to one trio run in one process; forked workers
-call `after_fork` and open their own.
+Peer clients are blocking (dlfsd.pool.peersync: the worker processes serve
+one request at a time); forked workers call `after_fork` and open their own.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dlfs.store.store import Dataset
 from dlfsd.obs.peermarks import NO_PEER_MARKS, NullPeerMarks, PeerMarks
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_PEER, NullRequests, RequestSlots
 from dlfsd.pool.chunkcache import ChunkCache
-from dlfsd.pool.peer import PeerClient, PeerError, PeerMiss, PeerUnavailable
+from dlfsd.pool.peer import PeerError, PeerMiss, PeerUnavailable
 from dlfsd.pool.peershare import PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.pool.protocol import BadRange
@@ -82,8 +82,7 @@ class ChunkPool:
         self.demand = DemandChannel()
         self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
-        self._clients: dict[int, PeerClient] = {}
-        self._blocking_clients: dict[int, BlockingPeerClient] = {}
+        self._clients: dict[int, BlockingPeerClient] = {}
         self._down_until: dict[int, float] = {}
         # (node, ds, chunk) -> (avoid until, times found bad in a row)
         self._bad_copies: dict[tuple[int, int, int], tuple[float, int]] = {}
@@ -153,17 +152,11 @@ class ChunkPool:
     def after_fork(self) -> None:
         """In a forked worker: drop the parent's client objects and peer health."""
         self._clients = {}
-        self._blocking_clients = {}
         self._down_until = {}
         self._bad_copies = {}
 
-    async def aclose(self) -> None:
-        for client in self._clients.values():
-            await client.aclose()
-        self._clients = {}
-
     def close(self) -> None:
-        for client in self._blocking_clients.values():
+        for client in self._clients.values():
             client.close()
         for cache in self.caches:
             cache.close()
@@ -172,15 +165,17 @@ class ChunkPool:
         self.demand.close()
 
     # -- reads from peers ------------------------------------------------------------
-    async def fetch(self, ds: int, chunk: int, offset: int, length: int,
-                    expected: int) -> bytes | None:
+    def fetch(self, ds: int, chunk: int, offset: int, length: int,
+              expected: int) -> bytes | memoryview | None:
         """Bytes [offset, offset+length) of a chunk from an owner peer, checked against
-        `expected` (the extent's checksum); None when no peer could serve them."""
+        `expected` (the extent's checksum); None when no peer could serve them. Blocking
+        (a worker process serves one request at a time). The bytes may be a view of the
+        client's buffer: valid until the next fetch."""
         dataset_id = self.datasets[ds].uuid
         for node in self._live_owners(ds, chunk):
             self.requests.waiting(WAIT_PEER, node)
             try:
-                data = await self._client(node).read(dataset_id, chunk, offset, length)
+                data = self._client(node).read(dataset_id, chunk, offset, length)
             except PeerError as err:
                 self._peer_failed(node, err)
                 continue
@@ -188,27 +183,7 @@ class ChunkPool:
                 return data
             if len(data) == length:  # a bad copy there: tell it
                 bad = BadRange(dataset_id, chunk, offset, length)
-                reported = self._reports.take() and await self._client(node).report(bad)
-                self._bad_copy(node, ds, chunk, reported)
-        return None
-
-    def fetch_blocking(self, ds: int, chunk: int, offset: int, length: int,
-                       expected: int) -> bytes | memoryview | None:
-        """`fetch` for worker processes (one request at a time, blocking I/O). The bytes
-        may be a view of the client's buffer: valid until the next fetch."""
-        dataset_id = self.datasets[ds].uuid
-        for node in self._live_owners(ds, chunk):
-            self.requests.waiting(WAIT_PEER, node)
-            try:
-                data = self._blocking_client(node).read(dataset_id, chunk, offset, length)
-            except PeerError as err:
-                self._peer_failed(node, err)
-                continue
-            if self._accept(node, ds, chunk, data, length, expected):
-                return data
-            if len(data) == length:  # a bad copy there: tell it
-                bad = BadRange(dataset_id, chunk, offset, length)
-                reported = self._reports.take() and self._blocking_client(node).report(bad)
+                reported = self._reports.take() and self._client(node).report(bad)
                 self._bad_copy(node, ds, chunk, reported)
         return None
 
@@ -259,21 +234,12 @@ class ChunkPool:
         self._bad_copies[(node, ds, chunk)] = (until := time.monotonic() + seconds, strikes + 1)
         self.marks.bad_copy(node, ds, chunk, until)
 
-    def _blocking_client(self, node: int) -> BlockingPeerClient:
-        client = self._blocking_clients.get(node)
+    def _client(self, node: int) -> BlockingPeerClient:
+        client = self._clients.get(node)
         if client is None:
             peer = self.view.nodes[node]
             client = BlockingPeerClient(self.view.secret, self.view.me.name, peer.host,
                                         peer.port, timeout=self.peer_timeout)
-            self._blocking_clients[node] = client
-        return client
-
-    def _client(self, node: int) -> PeerClient:
-        client = self._clients.get(node)
-        if client is None:
-            peer = self.view.nodes[node]
-            client = PeerClient(self.view.secret, self.view.me.name, peer.host, peer.port,
-                                timeout=self.peer_timeout)
             self._clients[node] = client
         return client
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 
 from dlfs.cli.common import (
     Subparsers,
@@ -87,14 +88,14 @@ def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
     """How the daemon serves: processes, kernel caching, read-ahead, log, counters,
     prefetch, splicing, trace, summary, and how long to wait for it to come up."""
     p.add_argument("--workers", type=_positive, default=default_workers(),
-                   help="daemon processes serving requests (default: cores, at least 4, "
-                        "at most 8)")
-    p.add_argument("--io-threads", type=_positive, default=16,
-                   help="threads for blocking disk reads with --workers 1 (default 16; "
-                        "worker processes read inline, one request each)")
-    p.add_argument("--max-tasks", type=_positive, default=64,
-                   help="FUSE requests served concurrently with --workers 1 (default 64; "
-                        "otherwise one per worker process)")
+                   help="worker processes serving FUSE requests, one request at a time "
+                        "each, besides the daemon's main process (default: cores, at least "
+                        "4, at most 8; 1 is one worker process: the single-process mode "
+                        "--workers 1 used to select is gone, it reached half the workers' "
+                        "rate at best)")
+    # Tuned the single-process mode; accepted so that old scripts still mount (a warning).
+    for gone in ("--io-threads", "--max-tasks"):
+        p.add_argument(gone, type=_positive, help=argparse.SUPPRESS)
     p.add_argument("--cache-timeout", type=_timeout, default=86400.0,
                    help="seconds the kernel may cache names and attributes (default 86400)")
     p.add_argument("--read-ahead-kb", type=_non_negative, default=4096,
@@ -119,8 +120,7 @@ def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
                    help="send every open and close to the daemon, so the counters and the "
                         "trace see them (two kernel round trips per file opened). By default "
                         "the kernel opens files itself: a file already in the page cache is "
-                        "read without asking the daemon, and only reads are counted "
-                        "(always on with --workers 1)")
+                        "read without asking the daemon, and only reads are counted")
     p.add_argument("--trace-capacity", type=_trace_capacity,
                    default=MountConfig.trace_capacity,
                    help="trace records kept while tracing (default 1048576, ~52 MB of "
@@ -309,11 +309,16 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
 def _mount_config(args: argparse.Namespace) -> MountConfig:
     for flag, path in (("--log-file", args.log_file), ("--summary-file", args.summary_file)):
         _check_file_target(flag, path)
+    for flag, value in (("--io-threads", args.io_threads), ("--max-tasks", args.max_tasks)):
+        if value is not None:
+            print(f"dlfs: warning: {flag} has no effect any more (it tuned the single-process "
+                  "mode, which is gone: worker processes serve one request each); drop it",
+                  file=sys.stderr)
     return MountConfig(
         **_cluster_settings(args),
         mountpoint=args.mountpoint, store=os.path.abspath(args.store),
         datasets=tuple(args.dataset or ()), verify=not args.no_verify,
-        workers=args.workers, io_threads=args.io_threads, max_tasks=args.max_tasks,
+        workers=args.workers,
         cache_timeout=args.cache_timeout, read_ahead_kb=args.read_ahead_kb,
         allow_other=args.allow_other, uid=args.uid, gid=args.gid, debug=args.debug,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
