@@ -12,11 +12,13 @@ the look-ahead, not the other way round):
   is asked into the page cache (fadvise WILLNEED, asynchronous);
 - a chunk this node owns but has not staged: demanded from the stager (so it
   stages in first-use order), and the extent is read from the store as below;
-- a chunk only peers own: the first live owner is asked for one byte of the
-  extent (a probe: a staged copy answers it, an unstaged one answers MISS and
-  the owner stages the chunk next). Staged there: left to the peer, which
-  serves it on demand (remembered per chunk, not asked again). Staged nowhere:
-  the readers would go to the store anyway, so it is read ahead as below;
+- a chunk only peers own: the whole extent is fetched from the first live
+  owner that has it staged (checked, as every peer read is) into the node's
+  PeerShare, where the reader that wants it finds it (marked PEER_AHEAD, for
+  the hit count); an owner that has not staged it answers MISS and stages the
+  chunk next. Staged nowhere: the readers would go to the store anyway, so it
+  is read ahead as below. The node's peer clients of this process are shared
+  by the fetch threads, so these fetches go one at a time;
 - otherwise the store: the whole extent is read (one paced stream per thread
   with a throttled store) and checked against its checksum; the extent is
   then marked STORE_OK | AHEAD in the readers' shared state, so the reader
@@ -51,9 +53,8 @@ import numpy as np
 from dlfs.errors import DlfsError
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfsd.namespace import Namespace
-from dlfsd.pool.peer import PeerError, PeerMiss
-from dlfsd.pool.peersync import BlockingPeerClient
-from dlfsd.reader import AHEAD, STORE_OK, TAKEN, SampleReader, open_chunk
+from dlfsd.pool.peershare import extent_key
+from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, TAKEN, SampleReader, open_chunk
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,15 @@ MAX_REGISTRATIONS = 32
 STALE_SECONDS = 60.0
 _TICK = 0.002  # seconds between scheduler passes when nothing changed
 _BATCH = 8  # samples per fetch task beyond the front of the window
+NOT_ON_PEERS_SECONDS = 1.0  # a chunk no owner had staged is read from the store this long
 
 # Counters (int64, written by the control process only; read by `.dlfs/` renders).
 (ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
- FETCH_ERRORS, SKIPPED_PEER, PEER_PROBES) = range(9)
+ FETCH_ERRORS, SKIPPED_PEER, PEER_FETCHES, PEER_BYTES) = range(10)
 COUNTER_NAMES = ("announcements", "samples_prefetched", "bytes_prefetched",
                  "chunks_demanded", "streams_dropped_stale", "streams_dropped_full",
-                 "fetch_errors", "extents_left_to_peers", "peer_probes")
+                 "fetch_errors", "extents_left_to_peers", "peer_fetches",
+                 "bytes_prefetched_from_peers")
 
 
 @dataclass
@@ -120,9 +123,9 @@ class LookAhead:
         self._fds: dict[tuple[int, int], int] = {}
         self._fd_lock = threading.Lock()
         self._demanded: set[tuple[int, int]] = set()  # this announcement's, sent once
-        self._peer_staged: set[tuple[int, int]] = set()  # chunks an owner peer serves
-        self._probe_lock = threading.Lock()  # peer clients share one receive buffer
-        self._probe_clients: dict[int, BlockingPeerClient] = {}
+        # chunks no owner peer had staged, and until when to believe it (it stages them)
+        self._not_on_peers: dict[tuple[int, int], float] = {}
+        self._peer_lock = threading.Lock()  # this process's peer clients: one at a time
         self._by_name = {r.dataset.name.encode(): k for k, r in enumerate(namespace.readers)}
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
@@ -131,7 +134,10 @@ class LookAhead:
 
     # -- life ------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the scheduler and fetch threads (in the control process)."""
+        """Start the scheduler and fetch threads (in the control process, which opens
+        peer connections of its own, as a worker does)."""
+        if self.pool is not None:
+            self.pool.after_fork()
         self._executor = ThreadPoolExecutor(self.streams, thread_name_prefix="lookahead")
         self._thread = threading.Thread(target=self._schedule, name="lookahead", daemon=True)
         self._thread.start()
@@ -149,10 +155,6 @@ class LookAhead:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-        with self._probe_lock:
-            for client in self._probe_clients.values():
-                client.close()
-            self._probe_clients.clear()
 
     def close(self) -> None:
         """Drop the views of the readers' state (before the Namespace closes it)."""
@@ -255,7 +257,7 @@ class LookAhead:
                 self.counters[DROPPED_FULL] += 1
             self.counters[ANNOUNCED] += 1
             self._demanded.clear()
-            self._peer_staged.clear()  # copies come and go between epochs
+            self._not_on_peers.clear()  # copies come and go between epochs
             self._flag_map[0] = 1
             self._lock.notify_all()
         return int(stream.rows.size)
@@ -269,8 +271,10 @@ class LookAhead:
                 arrays = reader.directory.arrays
                 first[mine] = arrays["ext_start"][rows[mine]]
                 sizes[mine] = arrays["size"][rows[mine]]
-                # Marks of earlier epochs must not count as taken in this one.
-                self._states[k][first[mine]] &= np.uint8(~TAKEN & 0xFF)
+                # Marks of earlier epochs must not count in this one: on every extent of
+                # the samples (a large file's later extents were marked too).
+                self._states[k][_extents_of(arrays["ext_start"], rows[mine])] &= \
+                    np.uint8(~(TAKEN | PEER_AHEAD) & 0xFF)
         ends = np.concatenate([[0], np.cumsum(sizes)])
         return _Stream(key, ds, rows, first, ends)
 
@@ -391,10 +395,10 @@ class LookAhead:
                     return length
             if self.pool.owned[ds][chunk]:
                 self._demand(ds, chunk)
-            elif self.pool.remote_owners[ds][chunk] and self._peer_serves(
-                    ds, chunk, int(reader.ext_offsets[ext])):
-                self._count(SKIPPED_PEER)
-                return 0
+            elif self.pool.remote_owners[ds][chunk] and self.pool.share is not None:
+                fetched = self._from_peer(reader, ds, ext, chunk)
+                if fetched is not None:
+                    return fetched
         fd = self._store_fd(reader, ds, chunk)
         if state[ext] & STORE_OK and not self.store_rate:
             with contextlib.suppress(OSError):
@@ -409,35 +413,28 @@ class LookAhead:
         state[ext] |= STORE_OK | AHEAD
         return length
 
-    def _peer_serves(self, ds: int, chunk: int, offset: int) -> bool:
-        """Whether an owner peer has the chunk staged (then the readers get it from there).
-        Asks the first owner that answers for one byte; a MISS makes that owner stage
-        the chunk next. No answer at all: False (the readers would use the store)."""
-        if (ds, chunk) in self._peer_staged:
-            return True
-        dataset_id = self.pool.datasets[ds].uuid
-        for node in self.pool.remote_owners[ds][chunk]:
-            self._count(PEER_PROBES)
-            try:
-                with self._probe_lock:
-                    self._probe_client(node).read(dataset_id, chunk, offset, 1)
-            except PeerMiss:
-                return False
-            except PeerError:
-                continue  # down or refusing: the next owner, else the store
-            self._peer_staged.add((ds, chunk))
-            return True
-        return False
-
-    def _probe_client(self, node: int):
-        client = self._probe_clients.get(node)
-        if client is None:
-            view = self.pool.view
-            peer = view.nodes[node]
-            client = BlockingPeerClient(view.secret, view.me.name, peer.host, peer.port,
-                                        timeout=self.pool.peer_timeout)
-            self._probe_clients[node] = client
-        return client
+    def _from_peer(self, reader: SampleReader, ds: int, ext: int, chunk: int) -> int | None:
+        """Fetch an extent from an owner peer into PeerShare ahead of the readers: its
+        length (fetched now, or held already), 0 when another process fetches it or no
+        slot was free (left to the readers), or None when no owner has it staged (then
+        it is read ahead from the store)."""
+        if self._not_on_peers.get((ds, chunk), 0.0) > time.monotonic():
+            return None
+        self._count(PEER_FETCHES)
+        with self._peer_lock:
+            fetched = self.pool.share.prefetch(
+                extent_key(ds, ext), self.pool.fetch, ds, chunk, int(reader.ext_offsets[ext]),
+                int(reader.ext_lengths[ext]), int(reader.ext_checksums[ext]))
+        if fetched is None:  # its owner stages it now (a MISS asks it to): ask again later
+            self._not_on_peers[(ds, chunk)] = time.monotonic() + NOT_ON_PEERS_SECONDS
+            return None
+        if fetched:
+            self._states[ds][ext] |= PEER_AHEAD
+            with self._lock:
+                self.counters[PEER_BYTES] += fetched
+        else:
+            self._count(SKIPPED_PEER)
+        return fetched
 
     def _demand(self, ds: int, chunk: int) -> None:
         if (ds, chunk) not in self._demanded:
@@ -452,3 +449,11 @@ class LookAhead:
                 fd = open_chunk(reader.dataset.chunk_path(chunk), chunk, reader.dataset.uuid)
                 self._fds[(ds, chunk)] = fd
             return fd
+
+
+def _extents_of(ext_start: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Every extent index of the files `rows` (ext_start[r] up to ext_start[r + 1])."""
+    starts = ext_start[rows].astype(np.int64)
+    counts = ext_start[rows + 1].astype(np.int64) - starts
+    before = np.cumsum(counts) - counts  # extents of the rows ahead of each one
+    return np.repeat(starts - before, counts) + np.arange(int(counts.sum()))

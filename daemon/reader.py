@@ -46,6 +46,7 @@ STORE_BAD = 4  # the store copy did not (logged once)
 STORE_LOADING = 8  # a worker process is loading and checking the store copy right now
 AHEAD = 16  # the look-ahead read the store copy into the page cache and checked it
 TAKEN = 32  # a reader read this extent since the look-ahead was told of it
+PEER_AHEAD = 64  # the look-ahead fetched it from a peer into the node's PeerShare
 LOADING_WAIT = 2.0  # seconds a worker waits for another one's load before loading itself
 #: Reads at least this large of verified bytes may be answered as a FileSpan (the
 #: worker splices them into its reply). Measured on re-reads of verified files with
@@ -231,7 +232,8 @@ class SampleReader:
         state = self._state[ext]
         self._state[ext] = state | TAKEN
         if not state & AHEAD:
-            self.stats.record_lookahead(self.ds, False)
+            # fetched from a peer ahead: the pooled read below finds it in PeerShare
+            self.stats.record_lookahead(self.ds, bool(state & PEER_AHEAD))
             return None
         started = time.perf_counter_ns()
         self.requests.waiting(WAIT_STORE)

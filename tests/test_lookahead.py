@@ -195,10 +195,48 @@ def test_in_a_pool_extents_no_peer_has_staged_are_read_ahead_from_the_store(
     client = connect(paths)
     assert client.locality().node_count == 2
     client.announce(0, np.arange(len(paths)))
-    assert wait_for(lambda: client.status()["counters"]["peer_probes"] > 0, 60)
+    assert wait_for(lambda: client.status()["counters"]["peer_fetches"] > 0, 60)
     for path, want in zip(paths, files, strict=True):
         data = open(path, "rb").read()  # noqa: SIM115
         assert hashlib.sha256(data).digest() == hashlib.sha256(want.read_bytes()).digest()
     counters = stats(mount)
     assert counters["lookahead"]["bytes_prefetched"] > 0
     assert counters["mount"]["lookahead"]["hits"] > 0
+
+
+def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
+        mounted, tmp_path, dlfs_cli):
+    """Two nodes, R=1, the other node's share staged: the announcing node fetches the
+    samples of the other node's chunks from it before its readers ask (into its
+    PeerShare), the readers take them from there (look-ahead hits, shared reads) and
+    every byte is the source's."""
+    from test_pool import Cluster, fresh_status, pool_source_tree, wait_staged
+
+    source = pool_source_tree(tmp_path / "src")
+    from conftest import populate_store
+
+    store = populate_store(source, tmp_path / "store", "ds", "256K", "--no-fsync")
+    pool = Cluster(mounted, store, tmp_path, 2)
+    holder, mount = pool.mounts
+    wait_staged(dlfs_cli, holder)
+    wait_staged(dlfs_cli, mount)
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    paths = [str(mount.path / "ds" / p.relative_to(source)) for p in files]
+    client = connect(paths)
+    locality = client.locality()
+    theirs = locality.chunk_node[locality.sample_chunk] != locality.node
+    assert theirs.any() and (~theirs).any(), "both nodes must own some of the samples"
+    order = np.random.default_rng(3).permutation(len(paths))
+    client.announce(0, order)
+    ahead = min(int(theirs.sum()), 16)
+    assert wait_for(lambda: client.status()["counters"]["bytes_prefetched_from_peers"] > 0
+                    and client.status()["counters"]["peer_fetches"] >= ahead, 60), \
+        client.status()
+    for i in order:
+        data = open(paths[i], "rb").read()  # noqa: SIM115
+        assert hashlib.sha256(data).digest() == hashlib.sha256(files[i].read_bytes()).digest()
+    counters = stats(mount)
+    assert counters["lookahead"]["fetch_errors"] == 0
+    assert counters["mount"]["lookahead"]["hits"] > 0
+    fetches = fresh_status(dlfs_cli, mount)["peer_fetch"]
+    assert fetches["shared_reads"] > 0, fetches  # readers took peer bytes fetched ahead

@@ -47,10 +47,11 @@ import numpy as np
 
 from dlfsd.slots import ProcessSlot
 
-#: Bytes of whole extents kept for the node (they were 64 MiB per worker process).
+#: Bytes of whole extents kept for the node (they were 64 MiB per worker process), besides
+#: what the look-ahead keeps for the readers (ChunkPool's `ahead_bytes`).
 SHARE_BYTES = 64 << 20
 MIN_SLOTS = 8  # room for every worker's extent in flight, even with 4 MiB extents
-MAX_SLOTS = 512  # small extents: the index stays sparse, victims quick to find
+MAX_SLOTS = 1024  # small extents: the index stays sparse, victims quick to find
 INDEX = 4096  # direct-mapped index entries (key -> slot); a collision is a miss
 NOTES = 1024  # "wanted" and "failed" notes, by key hash; a collision loses one
 FETCH_LOCKS = 1 << 20  # lock offsets from here on: one fetch lock per extent key
@@ -151,6 +152,26 @@ class PeerShare:
             whole = memoryview(whole)[rel : rel + length]
         return bytes(whole) if lasting else whole
 
+    def prefetch(self, key: int, fetch: Callable, *args) -> int | None:
+        """The look-ahead: fetch extent `key` (`fetch(*args)`, as `read` does) into a slot
+        before any reader asks for it. Returns its length when a slot holds it (fetched
+        now or before), 0 when another process is fetching it (the readers get it from
+        that fetch) or no slot was free, None when no peer served it (the caller reads
+        it elsewhere)."""
+        held = self._slot_length(key)
+        if held or not self._try_lock(FETCH_LOCKS + key, exclusive=True):
+            return held
+        try:
+            held = self._slot_length(key)  # its fetch ended between our look and the lock
+            if held:
+                return held
+            whole = fetch(*args)
+            if whole is None:
+                return None
+            return len(whole) if self.store(key, whole) else 0
+        finally:
+            self._unlock(FETCH_LOCKS + key)
+
     def _wait_for_fetch(self, key: int) -> bool:
         """Wait until the process fetching `key` is done (or died: its lock goes with it),
         at most `wait` seconds; True if we hold the fetch lock now."""
@@ -227,6 +248,10 @@ class PeerShare:
             self.count(_STORED)
             return True
         return False
+
+    def _slot_length(self, key: int) -> int:
+        slot = self.copy_slot(key)
+        return int(self._lengths[slot]) if slot >= 0 else 0
 
     def copy_slot(self, key: int) -> int:
         """The slot holding extent `key`, or -1."""

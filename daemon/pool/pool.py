@@ -46,7 +46,7 @@ from dlfsd.obs.peermarks import NO_PEER_MARKS, NullPeerMarks, PeerMarks
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_PEER, NullRequests, RequestSlots
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.peer import PeerError, PeerMiss, PeerUnavailable, PeerUnreachable
-from dlfsd.pool.peershare import PeerShare
+from dlfsd.pool.peershare import SHARE_BYTES, PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.pool.protocol import BadRange
 from dlfsd.pool.stager import DemandChannel
@@ -70,9 +70,11 @@ class ChunkPool:
     """Placement, local caches and peer clients for the mounted datasets."""
 
     def __init__(self, view: ClusterView, datasets: list[Dataset], cache_root: Path,
-                 peer_timeout: float = 5.0, processes: int = 1) -> None:
+                 peer_timeout: float = 5.0, processes: int = 1, ahead_bytes: int = 0) -> None:
         """`processes`: how many of the daemon's processes may read from peers (main,
-        workers, the control process), for the shared fetch counters' rows."""
+        workers, the control process), for the shared fetch counters' rows.
+        `ahead_bytes`: room for the extents the look-ahead fetches from peers before the
+        readers want them (dlfsd.lookahead), besides the readers' own shared fetches."""
         self.view = view
         self.datasets = datasets
         self.peer_timeout = peer_timeout
@@ -105,7 +107,7 @@ class ChunkPool:
             # turn, up to its timeout, plus a second.
             wait = peer_timeout * max(1, view.replicas - 1) + 1.0
             self.share = PeerShare(max(d.directory.extent_size for d in datasets), wait,
-                                   processes)
+                                   processes, budget=SHARE_BYTES + ahead_bytes)
         # Where the marks above and the peer a read waits for are seen by the main
         # process (dlfs status, .dlfs/metrics); set by report_to before the fork.
         self.requests: RequestSlots | NullRequests = NO_REQUESTS

@@ -135,8 +135,14 @@ def lookahead_text(snapshot: dict) -> str:
     share = f" ({100.0 * taken['hits'] / reads:.0f}%)" if reads else ""
     return (f"look-ahead: {engine['announcements']} epochs announced, "
             f"{format_size(engine['bytes_prefetched'])} prefetched "
-            f"({engine['samples_prefetched']:,} samples); reads hit {taken['hits']:,}{share}, "
+            f"({engine['samples_prefetched']:,} samples{_from_peers(engine)}); "
+            f"reads hit {taken['hits']:,}{share}, "
             f"missed {taken['misses']:,}")
+
+
+def _from_peers(engine: dict) -> str:
+    peer = engine.get("bytes_prefetched_from_peers", 0)
+    return f", {format_size(peer)} of it from peers" if peer else ""
 
 
 def _opens_text(opens: int | None) -> str:
