@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from dlfsd.pool.peershare import MIN_SLOTS, PeerShare, extent_key
+from dlfsd.pool.peershare import MAX_SLOTS, MIN_SLOTS, PeerShare, extent_key
 
 EXTENT = bytes(range(256)) * 4096  # 1 MiB, every byte's position visible
 KEY = extent_key(1, 77)
@@ -199,10 +199,11 @@ def test_a_slot_another_process_copies_from_is_never_refilled(share):
 
 
 def test_slots_follow_the_budget_within_bounds():
-    shares = [PeerShare(size, wait=1.0, budget=64 << 20) for size in (64 << 10, 4 << 20)]
+    sizes = (16 << 10, 128 << 10, 4 << 20)  # 4096 slots' worth (capped), 512, 16
+    shares = [PeerShare(size, wait=1.0, budget=64 << 20) for size in sizes]
     huge = PeerShare(4 << 20, wait=1.0, budget=4 << 20)
     try:
-        assert [s.slots for s in shares] == [512, 16] and huge.slots == MIN_SLOTS
+        assert [s.slots for s in shares] == [MAX_SLOTS, 512, 16] and huge.slots == MIN_SLOTS
     finally:
         for s in (*shares, huge):
             s.close()
