@@ -1,15 +1,16 @@
 """PeerLoopServer (the daemon's peer server) on loopback, with real sockets.
 
-Good clients (the blocking one the workers use, the trio one of single-process
-mode) read exact ranges; hostile ones (no secret, wrong secret, garbage,
-oversized frames, a wrong version, out-of-range reads) get 0 data bytes and
-the server keeps serving good clients after each.
+Good clients (BlockingPeerClient, the daemon's) read exact ranges; hostile ones
+(no secret, wrong secret, garbage, oversized frames, a wrong version,
+out-of-range reads) get 0 data bytes and the server keeps serving good clients
+after each.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from pagecache import drop_pages, missing_pages, require
 
 from dlfs.store.format import checksum
 from dlfsd.pool import protocol
-from dlfsd.pool.peer import PeerClient, PeerMiss, PeerRefused, PeerUnavailable
+from dlfsd.pool.peer import PeerMiss, PeerRefused, PeerUnavailable
 from dlfsd.pool.peerserver import PeerLoopServer
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.throttle import TokenBucket
@@ -210,22 +211,31 @@ def test_uncached_bytes_are_read_by_a_disk_thread_and_replies_keep_their_order(s
     good_read(server)  # and the server goes on serving
 
 
-async def test_trio_client_pipelines_against_the_threaded_server(server):
-    import trio
+def test_clients_on_several_threads_read_at_once(server):
+    """Forty reads from four threads, each with a client (and receive buffer) of its own
+    (as the stager's copy threads), over four connections served at once."""
+    results, errors = [], []
 
-    client = PeerClient(SECRET, "trio", "127.0.0.1", server.port, connections=2)
-    results = []
+    def reader(first: int) -> None:
+        client = BlockingPeerClient(SECRET, f"thread{first}", "127.0.0.1", server.port,
+                                    timeout=10, own_buffer=True)
+        try:
+            for i in range(first, 40, 4):
+                results.append(client.read(DATASET, 0, i * 1000, 50_000)
+                               == CHUNKS[0][i * 1000:i * 1000 + 50_000])
+        except Exception as error:  # surfaced below: a thread's exception is lost otherwise
+            errors.append(error)
+        finally:
+            client.close()
 
-    async def reader(i: int) -> None:
-        results.append(await client.read(DATASET, 0, i * 1000, 50_000)
-                       == CHUNKS[0][i * 1000:i * 1000 + 50_000])
-
-    async with trio.open_nursery() as nursery:
-        for i in range(40):
-            nursery.start_soon(reader, i)
-    await client.aclose()
-    assert results == [True] * 40
-    assert server.counters()["reads_served"] == 40
+    threads = [threading.Thread(target=reader, args=(first,)) for first in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and results == [True] * 40
+    c = server.counters()
+    assert c["reads_served"] == 40 and c["connections_accepted"] == 4
 
 
 def test_wrong_secret_gets_nothing(server):

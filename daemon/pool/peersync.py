@@ -1,11 +1,12 @@
 """BlockingPeerClient: the peer protocol over one plain blocking socket.
 
-For the daemon's worker processes, which serve one FUSE request at a time
-and already do their disk reads blocking and inline: a blocking round trip
-costs a few system calls, where the trio client (dlfsd.pool.peer.PeerClient)
-adds task switches, events and a receive task per connection, several
-hundred microseconds of Python per read. Same wire protocol
-(docs/PROTOCOL.md), same errors, same handshake; one request in flight.
+The daemon's one peer client. Its users serve one FUSE request at a time (the
+worker processes) or copy on threads of their own (dlfsd.pool.replicate, on
+the stager's copy threads), and do their disk reads blocking and inline: a
+blocking round trip costs a few system calls and no event loop. Wire
+protocol: docs/PROTOCOL.md (dlfsd.pool.protocol decides the handshake; this
+only moves its messages); errors: dlfsd.pool.peer. One request in flight per
+connection.
 
 A DATA reply is received whole into one buffer (MSG_WAITALL: one system call,
 not one per arriving segment) and its payload handed out as a view of that
@@ -37,7 +38,7 @@ import struct
 import time
 
 from dlfsd.pool import protocol
-from dlfsd.pool.peer import PeerUnavailable, PeerUnreachable, reply_bytes
+from dlfsd.pool.peer import PeerMiss, PeerRefused, PeerUnavailable, PeerUnreachable
 from dlfsd.pool.protocol import LENGTH_PREFIX, Message, ProtocolError
 
 _PREFIX = LENGTH_PREFIX.size
@@ -81,7 +82,7 @@ class BlockingPeerClient:
     def read(self, dataset_id: bytes, chunk: int, offset: int,
              length: int) -> bytes | memoryview:
         """`length` bytes at `offset` of the chunk's data; PeerUnavailable / PeerMiss /
-        PeerRefused like PeerClient.read, within `timeout` for the whole read,
+        PeerRefused (dlfsd.pool.peer), within `timeout` for the whole read,
         connecting and the handshake included.
 
         The bytes may be a view of the shared receive buffer: use them before the next
@@ -213,7 +214,7 @@ class BlockingPeerClient:
         return sock
 
     def _handshake(self, sock: socket.socket, version: int) -> protocol.ClientHandshake:
-        """As the trio client's: protocol.ClientHandshake decides, this moves messages.
+        """protocol.ClientHandshake decides, this moves its messages.
         Returns it: REPORTs on this connection are made with its nonces."""
         shake = protocol.ClientHandshake(self._secret, self.node_name, version)
         sock.sendall(protocol.encode(shake.hello()))
@@ -275,6 +276,21 @@ class BlockingPeerClient:
             got += n
             if got < len(view):  # cut short by the kernel timeout: part of it came
                 self._bound_by_deadline(sock, got, len(view))  # a peer trickling bytes
+
+
+def reply_bytes(reply: Message, where: str, offset: int, length: int) -> bytes:
+    """The payload of a DATA reply to a READ; PeerMiss or PeerRefused for MISS or FAIL.
+
+    The caller has checked that the reply answers its request.
+    """
+    if reply["t"] == protocol.DATA:
+        return reply["data"]
+    if reply["t"] == protocol.MISS:
+        raise PeerMiss(f"{where} is not staged")
+    code = reply["code"]
+    if code in protocol.BOUNDS_FAIL_CODES:
+        raise PeerRefused(f"{where}: read of {length} bytes at {offset} refused ({code})", code)
+    raise PeerMiss(f"{where}: the peer could not read it ({code})", code)
 
 
 def _kernel_timeouts(sock: socket.socket, timeout: float) -> None:

@@ -1,7 +1,7 @@
 """ChunkPool: the job's chunks as one daemon sees them.
 
 Placement says which nodes own each chunk; this node's ChunkCaches hold the
-copies it staged; PeerClients reach the other owners. The reader asks the
+copies it staged; BlockingPeerClients reach the other owners. The reader asks the
 pool for a remote extent, and the pool tries the owners in placement order,
 skipping peers marked down, checking every byte against the manifest
 checksum; a peer that times out or refuses is skipped for DOWN_SECONDS.
