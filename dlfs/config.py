@@ -12,9 +12,13 @@ from dataclasses import asdict, dataclass, field
 
 
 def default_workers() -> int:
-    """Daemon processes: at least 4 even on small nodes (a worker blocked on a disk read
-    serves nothing meanwhile; bench/random_read.py on 2 cores: cold 110 KiB files
-    0.28/0.52/0.59/0.53 of the source's rate with 1/2/4/8 workers), at most 8."""
+    """Worker processes serving FUSE requests: one per core, at least 4, at most 8.
+
+    A worker serves one request at a time and nothing else while it waits for a disk
+    or a peer, so even a node with 1 or 2 cores gets 4, to keep reads in flight while
+    some wait. The cap bounds what idle workers cost on big nodes (each is a process
+    with buffers of its own). To measure another count on a node:
+    bench/random_read.py --mount-args='--workers N'."""
     return min(8, max(4, os.cpu_count() or 1))
 
 
