@@ -212,9 +212,7 @@ async def test_pipelined_reads_on_one_connection_are_answered_by_id(peer):
         requests[request_id] = (chunk, rng.randrange(len(CHUNKS[chunk]) - length + 1), length)
     requests[40] = (NOT_STAGED, 0, 10)  # a miss and refusals among them
     requests[41] = (0, len(CHUNKS[0]), 1)
-    # Over MAX_READ: here, as BlockingPeerClient takes the refusal of such a read for a
-    # broken reply (PeerUnavailable); its callers never ask for more than an extent.
-    requests[42] = (1, 0, protocol.MAX_READ + 1)
+    requests[42] = (1, 0, protocol.MAX_READ + 1)  # over MAX_READ: refused, bad length
     stream = await raw_connect(peer)
     await raw_handshake(stream)
     await stream.send_all(b"".join(
@@ -247,7 +245,8 @@ def test_refused_ranges_raise_peer_refused_and_keep_the_connection(peer):
         (DATASET, 0, len(CHUNKS[0]) - 10, 11, protocol.FAIL_OUT_OF_RANGE),
         (DATASET, 0, 2**64 - 1, 1, protocol.FAIL_OUT_OF_RANGE),
         (DATASET, 0, 0, 0, protocol.FAIL_BAD_LENGTH),
-    ]  # a read over MAX_READ: test_pipelined_reads_on_one_connection_are_answered_by_id
+        (DATASET, 1, 0, protocol.MAX_READ + 1, protocol.FAIL_BAD_LENGTH),
+    ]
     for dataset_id, chunk, offset, length, code in cases:
         with pytest.raises(PeerRefused) as refused:
             client.read(dataset_id, chunk, offset, length)

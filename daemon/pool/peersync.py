@@ -105,10 +105,11 @@ class BlockingPeerClient:
                     raise
                 sock = self._reconnect(error)
                 size = self._exchange(sock, request)
-            head = protocol.data_frame_head(request_id, length)
-            start = len(head) - _PREFIX  # where the payload starts in the body
-            if size == start + length and self._view[:start] == head[_PREFIX:]:
-                return self._view[start:size]  # the expected DATA frame
+            if 0 <= length <= protocol.MAX_READ:  # else no DATA can come: the refusal
+                head = protocol.data_frame_head(request_id, length)
+                start = len(head) - _PREFIX  # where the payload starts in the body
+                if size == start + length and self._view[:start] == head[_PREFIX:]:
+                    return self._view[start:size]  # the expected DATA frame
             reply = protocol.decode_body(self._view[:size])
         except (OSError, ProtocolError) as error:  # socket.timeout is an OSError
             self.close()
