@@ -126,7 +126,9 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
         raise DlfsError(f"cannot create cache dir {cache_root}: {err.strerror}") from None
     # Rows of the shared fetch counters: the main process, the workers, the control process.
     pool = ChunkPool(view, datasets, cache_root, config.peer_timeout,
-                     processes=config.workers + 2, ahead_bytes=peer_ahead_bytes(config, datasets))
+                     processes=config.workers + 2,
+                     ahead=(config.lookahead_samples, config.lookahead_bytes)
+                     if config.lookahead else (0, 0))
     pool.cache_limit = limit_for_node(config, pool)
     adopted = pool.scan_caches(pool.cache_limit)
     log.info("chunk pool: node %s of %d, %d replicas, peer port %s:%d, cache %s (%d staged "
@@ -139,16 +141,6 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
                     "count against no --cache-limit: delete those no mount uses", cache_root,
                     format_size(nbytes), dirs)
     return pool
-
-
-def peer_ahead_bytes(config: MountConfig, datasets: list[Dataset]) -> int:
-    """Node memory for extents the look-ahead fetches from peers ahead of the readers:
-    one announced window (--lookahead SAMPLES:SIZE), each sample in a slot of the
-    mount's largest extent, so that what is fetched ahead stays until it is read."""
-    if not config.lookahead:
-        return 0
-    largest = max(d.directory.extent_size for d in datasets)
-    return min(config.lookahead_bytes, config.lookahead_samples * largest)
 
 
 def limit_for_node(config: MountConfig, pool) -> int:

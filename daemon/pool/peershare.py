@@ -48,7 +48,7 @@ import numpy as np
 from dlfsd.slots import ProcessSlot
 
 #: Bytes of whole extents kept for the node (they were 64 MiB per worker process), besides
-#: what the look-ahead keeps for the readers (ChunkPool's `ahead_bytes`).
+#: what the look-ahead keeps for the readers (ChunkPool's `ahead`).
 SHARE_BYTES = 64 << 20
 MIN_SLOTS = 8  # room for every worker's extent in flight, even with 4 MiB extents
 MAX_SLOTS = 1024  # small extents: the index stays sparse, victims quick to find

@@ -70,11 +70,14 @@ class ChunkPool:
     """Placement, local caches and peer clients for the mounted datasets."""
 
     def __init__(self, view: ClusterView, datasets: list[Dataset], cache_root: Path,
-                 peer_timeout: float = 5.0, processes: int = 1, ahead_bytes: int = 0) -> None:
+                 peer_timeout: float = 5.0, processes: int = 1,
+                 ahead: tuple[int, int] = (0, 0)) -> None:
         """`processes`: how many of the daemon's processes may read from peers (main,
         workers, the control process), for the shared fetch counters' rows.
-        `ahead_bytes`: room for the extents the look-ahead fetches from peers before the
-        readers want them (dlfsd.lookahead), besides the readers' own shared fetches."""
+        `ahead`: the look-ahead's window (samples, bytes; dlfsd.lookahead), for which
+        PeerShare makes room besides the readers' own shared fetches: what it fetches
+        from peers ahead then stays until it is read (a sample per slot of the largest
+        extent, at most the window's bytes)."""
         self.view = view
         self.datasets = datasets
         self.peer_timeout = peer_timeout
@@ -106,8 +109,10 @@ class ChunkPool:
             # A waiter gives a fetch as long as the fetch may take: each other owner in
             # turn, up to its timeout, plus a second.
             wait = peer_timeout * max(1, view.replicas - 1) + 1.0
-            self.share = PeerShare(max(d.directory.extent_size for d in datasets), wait,
-                                   processes, budget=SHARE_BYTES + ahead_bytes)
+            slot = max(d.directory.extent_size for d in datasets)
+            samples, nbytes = ahead
+            self.share = PeerShare(slot, wait, processes,
+                                   budget=SHARE_BYTES + min(nbytes, samples * slot))
         # Where the marks above and the peer a read waits for are seen by the main
         # process (dlfs status, .dlfs/metrics); set by report_to before the fork.
         self.requests: RequestSlots | NullRequests = NO_REQUESTS
