@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,9 +45,11 @@ from dlfs.sizes import format_size
 from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
+from dlfsd.ckpt.nodeids import CKPT_NAME
 from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse import session
+from dlfsd.fuse.ckptworker import CkptWorker
 from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
 from dlfsd.kernel import kernel_release, kernel_skips_opens
 from dlfsd.lineage import die_with_parent, parent_alive
@@ -252,24 +255,29 @@ class Readiness:
         self.fd = None
 
 
-async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
-    """Reap worker processes as they exit. Exit code 0 is a normal end (unmounted).
+async def watch_workers(served: dict[int, int]) -> bool:
+    """Reap worker processes as they exit (`served`: pid -> the /dev/fuse descriptor of
+    the connection it serves, the datasets' or the checkpoint directory's). Exit code 0
+    is a normal end (unmounted).
 
     A worker that dies while mounted (OOM killer, a bug) held the request it was
     serving: the kernel would wait for that answer forever, and the process that
     asked would hang unkillably. So its requests are handed back to the kernel's
-    queue (NOTIFY_RESEND; every request here is idempotent: the data never
-    changes) and the others serve them. Where the kernel cannot (< 6.9), or none
-    is left, we stop the mount instead: readers then get ENOTCONN, not a hang.
-    Returns once all are gone, or False as soon as the mount must stop.
+    queue (NOTIFY_RESEND) and the others serve them: dataset requests are idempotent
+    (the data never changes); a checkpoint create or rename that the dead worker had
+    done but not answered fails when it comes again (EEXIST, ENOENT), which beats a
+    hang. Where the kernel
+    cannot (< 6.9), or none is left on that connection, we stop the mount instead:
+    readers then get ENOTCONN, not a hang. Returns once all are gone, or False as
+    soon as the mount must stop.
     """
     with trio.open_signal_receiver(signal.SIGCHLD) as sigs:
-        while pids:
-            for pid in list(pids):
+        while served:
+            for pid in list(served):
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if not done:
                     continue
-                pids.remove(pid)
+                fuse_fd = served.pop(pid)
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                     continue
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == WORKER_ABORTED:
@@ -277,9 +285,10 @@ async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
                     return False
                 how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
                        if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
-                if not pids:
-                    log.error("worker process %d died (%s), the last one; unmounting", pid,
-                              how)
+                left = sum(1 for fd in served.values() if fd == fuse_fd)
+                if not left:
+                    log.error("worker process %d died (%s), the last one of its connection; "
+                              "unmounting", pid, how)
                     return False
                 try:
                     os.write(fuse_fd, fw.resend_notification())
@@ -289,8 +298,8 @@ async def watch_workers(pids: list[int], fuse_fd: int) -> bool:
                               "that no reader hangs", pid, how, err.strerror)
                     return False
                 log.error("worker process %d died (%s); its unanswered requests went back "
-                          "to the queue, %d worker processes serve on", pid, how, len(pids))
-            if pids:
+                          "to the queue, %d worker processes serve on", pid, how, left)
+            if served:
                 await sigs.__anext__()
     return True
 
@@ -323,8 +332,8 @@ class HeldStopSignals:
         self.caught.append(signum)
 
 
-async def supervise(config: MountConfig, worker_pids: list[int], services,
-                    fuse_fd: int = -1, held: HeldStopSignals | None = None,
+async def supervise(config: MountConfig, workers: dict[int, int], services,
+                    held: HeldStopSignals | None = None,
                     commit: LaunchCommit | None = None) -> bool:
     """The main process: run the background services (stager, peer server, status) and
     watch the workers that serve FUSE.
@@ -362,7 +371,7 @@ async def supervise(config: MountConfig, worker_pids: list[int], services,
         nursery.start_soon(watch_signals)
         if commit is not None and commit.pending:
             nursery.start_soon(watch_commit)
-        if not await watch_workers(worker_pids, fuse_fd):
+        if not await watch_workers(workers):
             must_unmount = True
         nursery.cancel_scope.cancel()
     return must_unmount
@@ -406,6 +415,7 @@ class Services:
 
                 self.scrubber = Scrubber(pool, config.scrub_rate)
         self.drainer = None  # the checkpoint tier's drain (attach_ckpt)
+        self.ckpt_passthrough: str | None = None  # "on", or "off (why)"
         self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
                                   observe.health, observe.peer_marks, pool, self.stager)
 
@@ -437,6 +447,7 @@ class Services:
     def ckpt_report(self) -> dict:
         report = self.drainer.report()
         report["written_bytes"], report["write_requests"] = self.ckpt_written.totals()
+        report["passthrough"] = self.ckpt_passthrough
         self.ckpt_shared.publish(report)
         return report
 
@@ -521,6 +532,7 @@ class _Loaded:
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
     order: OrderService | None  # samplers' announcements -> the look-ahead
     ckpt: object | None = None  # dlfsd.ckpt.control.CkptControl: `dlfs flush`
+    backing: object | None = None  # dlfsd.ckpt.backing.BackingIds: passthrough wanted
 
 
 def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
@@ -548,19 +560,21 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1)
                    + peer_fds)
     services = Services(config, namespace.datasets, namespace.observe, pool)
-    ckpt = _ckpt_tier(config, namespace, services, release)
+    ckpt, backing = _ckpt_tier(config, namespace, services, release)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)
-    return _Loaded(namespace, pool, services, fuse_fds(), order, ckpt)
+    return _Loaded(namespace, pool, services, fuse_fds(), order, ckpt, backing)
 
 
 def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
                release: contextlib.ExitStack):
-    """The writable `ckpt/` subtree and its drain (None without --ckpt-store); made
-    before the fork: the workers share its epoch word and write counter."""
+    """The writable `ckpt/` subtree, its drain, and the passthrough table if passthrough
+    is wanted ((None, None) without --ckpt-store); made before the fork: the workers
+    share its epoch word, write counter and passthrough table."""
     if not config.ckpt_store:
-        return None
+        return None, None
+    from dlfsd.ckpt.backing import BackingIds
     from dlfsd.ckpt.control import CkptControl
     from dlfsd.ckpt.counters import WriteCounter
     from dlfsd.ckpt.drain import Drainer, scan
@@ -576,16 +590,37 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     namespace.attach_ckpt(CkptTree(tier, written, config.ckpt_limit_wait))
     report = SharedJson()
     namespace.observe.add_section("ckpt", report.read)
+    wanted, why = passthrough_wanted(config)
+    backing = BackingIds(str(tier.root / ".backing")) if wanted else None
     services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
                                  config.ckpt_idle, config.ckpt_limit, config.ckpt_keep,
                                  (config.uid, config.gid if config.gid is not None
-                                  else config.uid) if config.uid is not None else None),
+                                  else config.uid) if config.uid is not None else None,
+                                 backing=backing),
                          written, report)
+    services.ckpt_passthrough = why
     log.info("checkpoint directory %s/ckpt: written to %s, drained to %s%s",
              config.mountpoint, tier.tree, tier.store,
              f" ({len(undrained)} files from an earlier mount still to drain)"
              if undrained else "")
-    return CkptControl(tier)
+    return CkptControl(tier), backing
+
+
+PASSTHROUGH_VAR = "DLFS_CKPT_PASSTHROUGH"  # 0: checkpoint bytes through the daemon
+
+
+def passthrough_wanted(config: MountConfig) -> tuple[bool, str]:
+    """Whether to ask the kernel for FUSE passthrough on the checkpoint connection, and
+    why (for the log and status): the kernel then writes and reads checkpoint files'
+    local copies itself. It needs CAP_SYS_ADMIN; and --ckpt-limit needs every write to
+    pass through the daemon, which makes it wait for room (docs/CKPT.md)."""
+    if os.environ.get(PASSTHROUGH_VAR) == "0":
+        return False, f"off ({PASSTHROUGH_VAR}=0)"
+    if os.geteuid() != 0:
+        return False, "off (needs root)"
+    if config.ckpt_limit:
+        return False, "off (--ckpt-limit: writes wait for room in the daemon)"
+    return True, "on"
 
 
 def _order_service(config: MountConfig, namespace: Namespace, pool) -> OrderService | None:
@@ -613,7 +648,7 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
                             (daemon.order,) if daemon.order is not None else (),
                             ckpt=daemon.ckpt, ckpt_uid=config.uid)
     release.callback(control.stop)
-    release.callback(lambda: stop_workers(state.workers))
+    release.callback(lambda: stop_workers(list(state.workers)))
     release.callback(services.stop_listening)
     ready = False
     try:
@@ -621,6 +656,8 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         state.workers = start_workers(config, namespace, daemon.fds_before_mount, daemon.pool)
+        if daemon.ckpt is not None:  # after the datasets' workers: they answer its LOOKUP
+            state.workers.update(_mount_ckpt(config, daemon, release))
         if daemon.order is not None and daemon.order.listen():  # after the workers fork
             release.callback(daemon.order.close)
         # `dlfs trace` (after the workers: it must not serve FUSE, nor hold /dev/fuse)
@@ -631,9 +668,7 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
         write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send(READY)
         ready = True
-        fuse_fd = find_fuse_fd(daemon.fds_before_mount)
-        state.unmount = trio.run(supervise, config, state.workers, services, fuse_fd, held,
-                                 commit)
+        state.unmount = trio.run(supervise, config, state.workers, services, held, commit)
         state.aborted = _still_mounted(config.mountpoint, ours) if not state.unmount else False
     except DlfsError as err:
         if ready:
@@ -648,9 +683,43 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
 class _Teardown:
     """What the release callbacks of a mounted daemon must know when they run."""
 
-    workers: list[int] = field(default_factory=list)
+    workers: dict[int, int] = field(default_factory=dict)  # pid -> its /dev/fuse descriptor
     unmount: bool = True  # unless the kernel already unmounted us (fusermount3 -u)
     aborted: bool = False  # the connection was aborted and the dead mount is still there
+
+
+def _mount_ckpt(config: MountConfig, daemon: _Loaded,
+                release: contextlib.ExitStack) -> dict[int, int]:
+    """Mount the checkpoint directory's own connection on MOUNTPOINT/ckpt, answer its
+    INIT (asking for passthrough if wanted) and fork its workers."""
+    from dlfsd.fuse.rawsession import RawSession
+
+    uid = os.getuid() if config.uid is None else config.uid
+    gid = os.getgid() if config.gid is None else config.gid
+    before = fuse_fds()
+    ckpt = RawSession(os.path.join(config.mountpoint, CKPT_NAME.decode()), uid, gid,
+                      config.allow_other or config.uid is not None)
+    try:
+        ckpt.mount()
+    except OSError as err:
+        raise DlfsError(f"cannot mount the checkpoint directory: {err.strerror}") from None
+    release.callback(ckpt.unmount)
+    try:
+        negotiated = ckpt.answer_init(INIT_TIMEOUT, daemon.backing is not None)
+    except (OSError, TimeoutError) as err:
+        raise DlfsError(f"cannot start the checkpoint directory {ckpt.mountpoint}: {err}") \
+            from None
+    why = daemon.services.ckpt_passthrough
+    if daemon.backing is not None and not negotiated.passthrough:
+        why = (f"off (kernel {kernel_release()} does not offer FUSE passthrough; "
+               "Linux >= 6.9 with CONFIG_FUSE_PASSTHROUGH does)")
+    daemon.services.ckpt_passthrough = why
+    log.info("checkpoint directory %s: its own FUSE connection (protocol 7.%d), "
+             "passthrough %s", ckpt.mountpoint, negotiated.minor, why)
+    backing = daemon.backing if negotiated.passthrough else None
+    if backing is None:
+        daemon.services.drainer.backing = None
+    return start_ckpt_workers(config, daemon.namespace, ckpt.fd, before, backing)
 
 
 def _mount_failed(config: MountConfig, readiness: Readiness, err: Exception) -> int:
@@ -693,8 +762,9 @@ async def _send_self(signum: int) -> None:
 
 
 def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: set[int],
-                  pool=None) -> list[int]:
-    """Fork config.workers processes (at least one) serving the same FUSE session.
+                  pool=None) -> dict[int, int]:
+    """Fork config.workers processes (at least one) serving the same FUSE session;
+    returns pid -> the session's /dev/fuse descriptor (what watch_workers wants).
 
     The kernel hands each request to exactly one reader of /dev/fuse, so N
     processes serve N requests at once on N cores. A blocked read() of
@@ -719,9 +789,38 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
         log.info("kernel %s: the workers answer %s (this kernel would pass on the ENOSYS "
                  "that tells newer ones to stop asking)", kernel_release(),
                  "OPENDIR" if no_open else "OPEN and OPENDIR")
+    def serve() -> int:
+        if pool is not None:
+            pool.after_fork()
+        return WireWorker(namespace, fuse_fd, uid, gid, config.cache_timeout,
+                          config.count_opens, pipe_size).serve()
+
+    return {pid: fuse_fd for pid in fork_workers(config.workers, serve, config.mountpoint)}
+
+
+def start_ckpt_workers(config: MountConfig, namespace: Namespace, ckpt_fd: int,
+                       close_fds: set[int], backing) -> dict[int, int]:
+    """Fork the processes serving the checkpoint connection (dlfsd.fuse.ckptworker):
+    as many as the datasets have (a checkpoint save writes from every rank at once;
+    with passthrough the bytes never reach them, and they idle in read())."""
+    uid = os.getuid() if config.uid is None else config.uid
+    gid = os.getgid() if config.gid is None else config.gid
+    tree = namespace.ckpt
+
+    def serve() -> int:
+        for fd in close_fds:  # the datasets' connection is not ours to hold
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        return CkptWorker(namespace, tree, ckpt_fd, uid, gid, backing).serve()
+
+    return {pid: ckpt_fd for pid in fork_workers(config.workers, serve, config.mountpoint)}
+
+
+def fork_workers(count: int, serve: Callable[[], int], mountpoint: str) -> list[int]:
+    """Fork `count` processes, each running `serve` until it returns its exit code."""
     pids = []
     parent = os.getpid()
-    for _ in range(config.workers):
+    for _ in range(count):
         with stop_signals_blocked():  # until the worker's own handlers are in (serve)
             pid = os.fork()
             if pid == 0:  # worker: serve until unmount or SIGTERM, then leave, no cleanup
@@ -730,16 +829,12 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
                     # SIGTERM when the main process dies (SIGKILL, OOM): a worker must not
                     # serve on unsupervised, holding the mount up (dlfsd.lineage).
                     if die_with_parent(parent):
-                        if pool is not None:
-                            pool.after_fork()
-                        code = WireWorker(namespace, fuse_fd, uid, gid, config.cache_timeout,
-                                          config.count_opens, pipe_size,
-                                          ckpt=namespace.ckpt).serve()
+                        code = serve()
                     if not parent_alive(parent):
                         log.error("worker %d stops: the main daemon process %d died (killed?); "
                                   "the mount ends with its last worker (readers get "
                                   "ENOTCONN until `dlfs umount %s`)", os.getpid(), parent,
-                                  config.mountpoint)
+                                  mountpoint)
                 except BaseException:
                     log.exception("worker %d failed", os.getpid())
                     code = 1
@@ -750,7 +845,7 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
     return pids
 
 
-def stop_workers(pids: list[int], timeout: float = 10.0) -> None:
+def stop_workers(pids, timeout: float = 10.0) -> None:
     """Ask the workers not reaped yet to stop, and reap them (SIGKILL after `timeout`)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

@@ -1,9 +1,10 @@
 """Namespace: the mount's tree over one or more datasets, addressed by inode.
 
-Inode 1 is the mount root, whose children are the datasets. Inodes 2..1023
+Inode 1 is the mount root, whose children are the datasets. Inodes 2..1022
 are reserved for control files (`.dlfs/`, see dlfsd.obs.control; hidden from
-readdir of the root); dataset k owns the block [base_k, base_k + rows_k),
-with inode = base_k + row. Everything here is plain Python over the
+readdir of the root), 1023 is `ckpt/` (the checkpoint connection's
+mountpoint); dataset k owns the block [base_k, base_k + rows_k), with
+inode = base_k + row. Everything here is plain Python over the
 SampleDirectory arrays: no pyfuse3, so tests drive it directly.
 
 File handles: a dataset file's handle is its inode (stateless), except while
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from dlfsd.pool.pool import ChunkPool
 
 ROOT_INODE = 1
+CKPT_DIR_INODE = 1023  # `ckpt/` here: the mountpoint of the checkpoint connection
 FIRST_DATASET_INODE = 1024
 ROOT_MODE = stat.S_IFDIR | 0o555
 PRIVATE_ROOT_MODE = stat.S_IFDIR | 0o700  # a mount for one user (dlfs mount --uid)
@@ -144,8 +146,9 @@ class Namespace:
         self.ckpt = None  # the writable checkpoint subtree (dlfsd.ckpt.tree), if any
 
     def attach_ckpt(self, ckpt) -> None:
-        """Show `ckpt/` in the root: a dlfsd.ckpt.tree.CkptTree, whose node ids are all
-        >= CKPT_BIT (one comparison tells them from the inodes here)."""
+        """Show `ckpt/` in the root, an empty directory: the checkpoint tier (a
+        dlfsd.ckpt.tree.CkptTree) is a FUSE connection of its own mounted on it
+        (dlfsd.fuse.rawsession); the tree is kept here for the write counter and trace."""
         if CKPT_NAME in self._by_name:
             raise DlfsError("a dataset named ckpt cannot be mounted with --ckpt-store (the "
                             "checkpoint directory takes MOUNTPOINT/ckpt); mount the other "
@@ -187,13 +190,13 @@ class Namespace:
                 if name == CONTROL_DIR_NAME:
                     return CONTROL_DIR_INODE
                 if name == CKPT_NAME and self.ckpt is not None:
-                    return self.ckpt.root_nodeid
+                    return CKPT_DIR_INODE
                 raise NotFoundError(name)
             return self._bases[k]
         if self.control.owns(parent):
             return self.control.lookup(parent, name)
-        if parent >= CKPT_BIT:
-            return self.ckpt.lookup(parent, name).ino
+        if parent == CKPT_DIR_INODE:  # the checkpoint connection's mountpoint, empty
+            raise NotFoundError(name)
         k, row = self._locate(parent)
         directory = self._dirs[k]
         if not directory.is_dir(row):
@@ -215,8 +218,8 @@ class Namespace:
         if ino == ROOT_INODE:
             return Attr(ROOT_INODE, self.root_mode, 0, self.mounted_ns,
                         2 + len(self.datasets) + (self.ckpt is not None))
-        if ino >= CKPT_BIT:
-            return self.ckpt.getattr(ino)
+        if ino == CKPT_DIR_INODE and self.ckpt is not None:
+            return Attr(CKPT_DIR_INODE, self.root_mode, 0, self.mounted_ns, 2)
         if ino < FIRST_DATASET_INODE:
             return Attr(*self.control.attr(ino))
         k, row = self._locate(ino)
@@ -229,8 +232,6 @@ class Namespace:
         return Attr(*self.control.latest_attr(ino, pid))
 
     def readlink(self, ino: int) -> bytes:
-        if ino >= CKPT_BIT:
-            return self.ckpt.readlink(ino)
         k, row = self._locate(ino)
         try:
             return self._dirs[k].readlink(row)
@@ -238,9 +239,8 @@ class Namespace:
             raise NotFoundError(f"inode {ino} is not a symlink") from None
 
     def check_dir(self, ino: int) -> None:
-        if ino >= CKPT_BIT:
-            if not stat.S_ISDIR(self.ckpt.getattr(ino).mode):
-                raise NotADirError(ino)
+        if ino == CKPT_DIR_INODE:
+            self._getattr(ino)
         elif self.control.owns(ino):
             if not self.control.is_dir(ino):
                 raise NotADirError(ino)
@@ -250,7 +250,8 @@ class Namespace:
                 raise NotADirError(ino)
 
     def check_file(self, ino: int) -> None:
-        if ino == ROOT_INODE or (self.control.owns(ino) and self.control.is_dir(ino)):
+        if ino in (ROOT_INODE, CKPT_DIR_INODE) or (self.control.owns(ino)
+                                                   and self.control.is_dir(ino)):
             raise IsADirError(ino)
         if self.control.owns(ino):
             return
@@ -268,7 +269,10 @@ class Namespace:
             for i in range(start, len(self.datasets)):
                 yield self.datasets[i].name.encode(), _attr(self._dirs[i], self._bases[i], 0), i + 1
             if self.ckpt is not None and start <= len(self.datasets):
-                yield CKPT_NAME, self.ckpt.getattr(self.ckpt.root_nodeid), len(self.datasets) + 1
+                yield CKPT_NAME, self._getattr(CKPT_DIR_INODE), len(self.datasets) + 1
+            return
+        if ino == CKPT_DIR_INODE:  # the mountpoint of the checkpoint connection
+            self._getattr(ino)
             return
         if ino == CONTROL_DIR_INODE:
             for name, attr, next_offset in self.control.readdir(start):
@@ -307,8 +311,8 @@ class Namespace:
     def check_access(self, ino: int, mode: int) -> None:
         """access(2): anything but write access to an existing entry is granted (and
         write access in the checkpoint subtree)."""
-        if ino >= CKPT_BIT:
-            self.ckpt.getattr(ino)
+        if ino == CKPT_DIR_INODE:  # fusermount3 checks write access to its mountpoint
+            self._getattr(ino)
             return
         if mode & os.W_OK:
             raise ReadOnlyError(ino)
@@ -413,12 +417,19 @@ class Namespace:
                           perf_counter_ns() - started, caller.pid, caller.uid)
         return n
 
+    def count_ckpt_write(self, ino: int, nbytes: int, caller) -> None:
+        """A checkpoint file written through FUSE passthrough was closed: the daemon saw
+        none of its writes, so it counts (and traces) the file once, with its size."""
+        if self.ckpt.written is not None:
+            self.ckpt.written.add(nbytes)
+        if self._tracing[0]:
+            self.trace.record(OP_WRITE, CKPT_DATASET, ino & ~CKPT_BIT, 0, nbytes, 0,
+                              caller.pid, caller.uid)
+
     def _trace_inode(self, op: int, ino: int, caller, started: int) -> None:
         """Trace a metadata operation on `ino` (dataset -1, row = inode outside datasets)."""
         if FIRST_DATASET_INODE <= ino < self._end:
             k, row = self._locate(ino)
-        elif ino >= CKPT_BIT:
-            k, row = CKPT_DATASET, ino & ~CKPT_BIT
         else:
             k, row = -1, ino
         self.trace.record(op, k, row, 0, 0, perf_counter_ns() - started, caller.pid,

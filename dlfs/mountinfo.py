@@ -9,6 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+#: MOUNTPOINT/ckpt, the checkpoint directory: a FUSE connection of its own, mounted on
+#: the DLFS mount by the same daemon (dlfsd.fuse.rawsession); unmounted before it.
+CKPT_FSTYPE = "fuse.dlfs-ckpt"
+CKPT_DIR = "ckpt"
+
 
 @dataclass(frozen=True)
 class MountEntry:

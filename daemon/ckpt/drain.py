@@ -125,12 +125,15 @@ class Drainer:
 
     def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
                  idle: float = IDLE, limit: int = 0, keep: int = 1,
-                 owner: tuple[int, int] | None = None) -> None:
+                 owner: tuple[int, int] | None = None, backing=None) -> None:
         """`limit`: bytes the local copies may take (0: none; nothing is evicted);
         `keep`: the newest top-level entries of the tree never evicted; `owner`:
         (uid, gid) the store's copies and the directories made for them get (a root
-        daemon mounting for a job's user, --uid), so the user can remove them later."""
+        daemon mounting for a job's user, --uid), so the user can remove them later;
+        `backing`: dlfsd.ckpt.backing.BackingIds when files may be open through FUSE
+        passthrough (their writes never reach the daemon; see `_drain`)."""
         self.tier = tier
+        self.backing = backing
         self.owner = owner
         self.limit, self.keep = limit, keep
         self.local_bytes = 0
@@ -224,9 +227,11 @@ class Drainer:
         return freed
 
     def _evict_one(self, path: bytes, st: os.stat_result) -> bool:
-        with self.tier.mutating():
+        with self.tier.mutating(), self._backing_locked():
             if _changed(path, st) or self.state.is_pending(st.st_ino):
                 return False
+            if self.backing is not None and self.backing.is_open(st.st_ino):
+                return False  # the kernel reads this local copy itself (passthrough)
             self.state.mark_evicted(st.st_ino)
             self.tier.bump_epoch()  # every process drops its descriptor of the local copy
             time.sleep(EVICT_GRACE)  # a read that began before the bump ends first
@@ -235,6 +240,9 @@ class Drainer:
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         log.debug("evicted the local copy of checkpoint %s", os.fsdecode(path))
         return True
+
+    def _backing_locked(self):
+        return self.backing.locked() if self.backing is not None else contextlib.nullcontext()
 
     def _remove_stale_temporaries(self) -> None:
         """A drain cut short (daemon killed) leaves its temporary file: remove ours."""
@@ -288,6 +296,8 @@ class Drainer:
         if not stat.S_ISREG(st.st_mode):
             self.state.drop_pending(ino)
             return
+        if self._written_lately(ino, st):
+            return
         target_dir = os.path.dirname(self.tier.store_path(self.tier.relpath(path)))
         self._makedirs(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
@@ -313,6 +323,18 @@ class Drainer:
             log.info("checkpoint drain to %s works again", self.tier.store)
             self.stats.failing_since = None
             self.stats.error = None
+
+    def _written_lately(self, ino: int, st: os.stat_result) -> bool:
+        """A file open through passthrough, neither closed nor flushed, written less than
+        `idle` ago: the daemon sees no WRITE of it (its pending row is as old as its
+        open), so the local copy's mtime says whether it is idle; if not, try later."""
+        if self.backing is None or not self.backing.is_open(ino):
+            return False
+        until = st.st_mtime_ns + self.idle_ns
+        if until <= time.time_ns() or self.state.closed_or_forced(ino):
+            return False
+        self.state.postpone(ino, until)
+        return True
 
     def _publish(self, tree: CkptTree, ino: int, touched_ns: int, st: os.stat_result,
                  tmp: bytes) -> bool:
@@ -426,6 +448,7 @@ class Drainer:
             "limit": self.limit, "local_bytes": self.local_bytes if self.limit else None,
             "evicted_files": self.evicted_files, "full": self.tier.full(),
             "failing_since": self.stats.failing_since,
+            "passthrough_open": self.backing.open_count() if self.backing is not None else None,
         }
 
 

@@ -169,6 +169,12 @@ class CkptState:
         self.db().execute("UPDATE pending SET tries=tries+1, retry_ns=?, error=? WHERE ino=?",
                           (retry_ns, error, ino))
 
+    def closed_or_forced(self, ino: int) -> bool:
+        """`ino`'s pending row says it was closed or a flush wants it now."""
+        row = self.db().execute("SELECT closed OR forced FROM pending WHERE ino=?",
+                              (ino,)).fetchone()
+        return bool(row and row[0])
+
     def tries(self, ino: int) -> int:
         row = self.db().execute("SELECT tries FROM pending WHERE ino=?", (ino,)).fetchone()
         return row[0] if row else 0

@@ -423,6 +423,11 @@ class CkptTree:
             os.ftruncate(fd, 0)
             self._touch(nodeid & ~CKPT_BIT)
 
+    def mark_written(self, nodeid: int) -> None:
+        """A file opened for writing whose writes the daemon will not see (FUSE
+        passthrough): pending from now, drained once closed or idle."""
+        self._touch(nodeid & ~CKPT_BIT)
+
     def _unevict_truncated(self, nodeid: int) -> None:
         """An evicted file opened with O_TRUNC: nothing to copy back."""
         path, st = self._resolve(nodeid)

@@ -9,10 +9,11 @@ epoll wakes them all. And only here can the kernel open files without us
 (FUSE no_open, the default; see `open`): READ then carries no handle, and
 pyfuse3's read() is not given the inode, so it could not serve it. A file
 already in the page cache then costs the daemon no request at all. The same
-goes for directories (FUSE no_opendir, see `opendir`).
+goes for directories (FUSE no_opendir, see `opendir`). The checkpoint directory,
+which needs every open, is a connection of its own (dlfsd.fuse.ckptworker).
 
 The main process mounts through pyfuse3/libfuse and has it answer INIT (which
-negotiates the protocol, dlfsd.fuse.kernelinit) and nothing else; workers are
+negotiates the protocol, dlfsd.fuse.session) and nothing else; workers are
 forked after that and only translate: each request becomes one Namespace call,
 each failure an errno through one table (dlfsd.fuse.errnomap). One request at a
 time per process, its blocking I/O inline (the libfuse multi-thread model).
@@ -23,14 +24,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
 
-from dlfs.signals import STOP_SIGNALS, unblock_stop_signals
-from dlfsd.ckpt.nodeids import CKPT_BIT
-from dlfsd.ckpt.tree import CkptTree
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker
+from dlfsd.fuse.requestloop import HEADER as _HEADER
+from dlfsd.fuse.requestloop import (
+    WORKER_ABORTED,
+    Caller,
+    Errno,
+    RequestLoop,
+    find_fuse_fd,
+    fuse_fds,
+)
 from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
 from dlfsd.kernel import kernel_skips_opens, workers_answer_opens
 from dlfsd.namespace import Namespace
@@ -38,75 +44,25 @@ from dlfsd.reader import FileSpan
 
 log = logging.getLogger(__name__)
 
-_HEADER = fw.IN_HEADER.size
+__all__ = ["WORKER_ABORTED", "Caller", "WireWorker", "find_fuse_fd", "fuse_fds"]
 
 
-class Caller:
-    """Who sent the current request (what the Namespace's trace wants: pid, uid)."""
-
-    __slots__ = ("gid", "pid", "uid")
-
-    def __init__(self) -> None:
-        self.pid = self.uid = self.gid = 0
-
-
-class _Stop(Exception):
-    """Raised by the signal handler to leave a blocking read of /dev/fuse."""
-
-
-def fuse_fds() -> set[int]:
-    """This process's descriptors open on /dev/fuse."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
-                found.add(int(name))
-        except OSError:  # the listing's own descriptor, gone already
-            continue
-    return found
-
-
-def find_fuse_fd(before: set[int]) -> int:
-    """The /dev/fuse descriptor of our mount: the one not open before mounting."""
-    new = fuse_fds() - before
-    if len(new) != 1:
-        raise RuntimeError(f"cannot tell the mount's /dev/fuse descriptor (candidates {new})")
-    return new.pop()
-
-
-WORKER_ABORTED = 3  # exit code: /dev/fuse said ECONNABORTED
-
-
-class WireWorker:
-    """Serves requests from `fd` until unmount (ENODEV) or SIGTERM/SIGINT/SIGHUP."""
+class WireWorker(RequestLoop):
+    """Serves the datasets' requests from `fd` until unmount (ENODEV) or SIGTERM."""
 
     def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
-                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0,
-                 ckpt: CkptTree | None = None) -> None:
+                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
+        super().__init__(fd)
         self.ns = namespace
-        self.fd = fd
-        self.ckpt = ckpt
-        # A checkpoint tier needs the opens: O_TRUNC of an existing file is done by the
-        # answer to OPEN (the kernel asks for atomic O_TRUNC), and RELEASE says a
-        # written file is closed, so its drain can begin.
-        self.answer_opens = workers_answer_opens(count_opens or ckpt is not None)
+        self.answer_opens = workers_answer_opens(count_opens)
         self.no_opendir = kernel_skips_opens()[1]
         self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
         # `.dlfs/` files change all the time: the kernel must ask again on each read.
         self.control_attrs = fw.AttrPacker(uid, gid, 0.0)
-        self.caller = Caller()
         self._listers: dict[int, ListingPacker] = {}  # by the inode of the dataset's row 0
-        self._buf = bytearray(fw.REQUEST_BUFFER)
-        self._view = memoryview(self._buf)
-        self._reading = False
-        self._stopping = False
-        self._aborted = False
         # pipe_size: for spliced read replies (dlfsd.fuse.splicer.usable_pipe_size); 0: copy.
         self.splicer = ReplySplicer(fd, pipe_size) if pipe_size else None
         self._splice_warned = False
-        # `dlfs mount --debug`: one line per request and its answer (never otherwise:
-        # one attribute test per request is all this costs the hot path).
-        self._debug = log.isEnabledFor(logging.DEBUG)
         self._use_spans(True)
         self._handlers = {
             fw.LOOKUP: self.lookup, fw.GETATTR: self.getattr, fw.READLINK: self.readlink,
@@ -118,92 +74,6 @@ class WireWorker:
         }
         for opcode, name in fw.MUTATING.items():  # the core refuses them all (EROFS)
             self._handlers[opcode] = self._refusal(name)
-        if ckpt is not None:
-            self.ckpt_attrs = fw.CkptAttrPacker(uid, gid, CKPT_ATTR_TIMEOUT)
-            self._handlers.update(CkptRequests(self, ckpt).handlers())
-
-    # -- the loop ---------------------------------------------------------------------
-    def serve(self) -> int:
-        """Serve until unmounted or stopped; returns the worker's exit code: 0, or
-        WORKER_ABORTED when the connection was aborted (the mount is still there,
-        dead: the main process must take it down)."""
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._on_signal)
-        unblock_stop_signals()  # forked with them blocked (see start_workers)
-        try:
-            while not self._stopping:
-                n = self._receive()
-                if n <= 0:
-                    break
-                self._dispatch(n)
-        except _Stop:  # the signal came just as a read returned: we are stopping anyway
-            pass
-        return WORKER_ABORTED if self._aborted else 0
-
-    def _on_signal(self, signum, frame) -> None:
-        self._stopping = True
-        if self._reading:  # blocked waiting for a request: nothing is left unanswered
-            raise _Stop
-
-    def _receive(self) -> int:
-        """Read one request; 0 once the file system is unmounted or we must stop."""
-        while True:
-            self._reading = True
-            try:
-                if self._stopping:  # the signal came before _reading was set: it did not
-                    return 0  # raise, and readv would wait for the next request
-                return os.readv(self.fd, [self._buf])
-            except _Stop:
-                return 0
-            except OSError as err:
-                if err.errno == errno.ENODEV:  # unmounted
-                    return 0
-                if err.errno == errno.ECONNABORTED:  # umount -f, fusectl abort: no crash,
-                    self._aborted = True  # but the dead mount must go (see serve)
-                    return 0
-                if err.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
-                    raise  # ENOENT: the request was interrupted before we got it
-            finally:
-                self._reading = False
-
-    def _dispatch(self, n: int) -> None:
-        _, opcode, unique, nodeid, uid, gid, pid, _, _ = fw.IN_HEADER.unpack_from(self._buf)
-        if self._debug:
-            self._log_request(opcode, unique, nodeid, pid, n)
-        if opcode in fw.NO_REPLY:
-            return
-        caller = self.caller
-        caller.pid, caller.uid, caller.gid = pid, uid, gid
-        handler = self._handlers.get(opcode)
-        try:
-            if handler is None:  # a request this file system does not implement
-                raise _Errno(errno.ENOSYS)
-            payload = handler(nodeid, n)
-        except _Errno as err:
-            self._send_error(unique, err.errno)
-            return
-        except Exception as err:
-            self._send_error(unique, errno_for(err, _name(opcode)))
-            return
-        if self._debug:
-            log.debug("worker %d: request %d -> %d bytes", os.getpid(), unique,
-                      len(payload) if payload is not None else 0)
-        if payload is None:
-            self._send(fw.error_reply(unique, 0))
-        elif type(payload) is FileSpan:
-            self._send_span(unique, payload, nodeid, n)
-        else:
-            self._send(fw.reply_header(unique, len(payload)), payload)
-
-    def _log_request(self, opcode: int, unique: int, nodeid: int, pid: int, n: int) -> None:
-        detail = ""
-        if opcode == fw.LOOKUP:
-            detail = f" name {self._name_arg(n)!r}"
-        elif opcode in (fw.READ, fw.READDIR, fw.READDIRPLUS):
-            fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
-            detail = f" fh {fh} offset {offset} size {size}"
-        log.debug("worker %d: request %d %s inode %d from pid %d%s", os.getpid(), unique,
-                  _name(opcode), nodeid, pid, detail)
 
     def _use_spans(self, on: bool) -> None:
         """Let large reads of verified bytes come back as spans we splice (dlfsd.fuse.splicer)."""
@@ -233,30 +103,8 @@ class WireWorker:
             self._use_spans(True)
         self._send(fw.reply_header(unique, len(payload)), payload)
 
-    def _send_error(self, unique: int, code: int) -> None:
-        if self._debug:
-            log.debug("worker %d: request %d -> %s", os.getpid(), unique,
-                      errno.errorcode.get(code, code))
-        self._send(fw.error_reply(unique, code))
-
-    def _send(self, head: bytes, payload=None) -> None:
-        try:
-            if payload is None:
-                os.write(self.fd, head)
-            else:
-                os.writev(self.fd, (head, payload))
-        except OSError as err:  # ENOENT: the request was interrupted meanwhile
-            if err.errno not in (errno.ENOENT, errno.ENODEV):
-                log.error("cannot answer a FUSE request: %s", err)
-
     # -- requests: each returns the reply payload (None: empty success) ---------------
-    def _name_arg(self, n: int, start: int = _HEADER) -> bytes:
-        end = self._buf.index(0, start, n)
-        return bytes(self._view[start:end])
-
     def _packer(self, ino: int) -> fw.AttrPacker:
-        if ino >= CKPT_BIT:
-            return self.ckpt_attrs
         return self.control_attrs if self.ns.is_control(ino) else self.attrs
 
     def _attr(self, ino: int, caller: Caller | None):
@@ -279,35 +127,25 @@ class WireWorker:
 
     def open(self, nodeid: int, n: int) -> bytes:
         flags, _ = fw.OPEN_IN.unpack_from(self._buf, _HEADER)
-        if nodeid >= CKPT_BIT:
-            self.ckpt.open(nodeid, flags)
-            return fw.OPEN_OUT.pack(CKPT_FH, _ckpt_open_flags(flags), 0)
         self.ns.check_open(nodeid, flags)
         if not self.answer_opens:
             # FUSE no_open: from this reply on the kernel opens and closes files
             # itself (keeping their page cache) and reads arrive with handle 0.
-            raise _Errno(errno.ENOSYS)
+            raise Errno(errno.ENOSYS)
         fh, direct_io = self.ns.open(nodeid, self.caller)
         return fw.OPEN_OUT.pack(fh, fw.FOPEN_DIRECT_IO if direct_io else fw.FOPEN_KEEP_CACHE, 0)
 
     def read(self, nodeid: int, n: int):
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
-        if nodeid >= CKPT_BIT:  # the one test a dataset read pays for the checkpoint tier
-            return self.ckpt.read(nodeid, offset, size)
         if fh == 0:  # opened by the kernel alone (no_open)
             return self.ns.read_inode(nodeid, offset, size, self.caller)
         return self.ns.read(fh, offset, size)
 
     def release(self, nodeid: int, n: int) -> None:
         fh, _, _ = fw.RELEASE_IN.unpack_from(self._buf, _HEADER)
-        if nodeid >= CKPT_BIT:
-            self.ckpt.release(nodeid)
-            return
         self.ns.release(fh)
 
     def statfs(self, nodeid: int, n: int) -> bytes:
-        if nodeid >= CKPT_BIT:
-            return fw.statfs(self.ckpt.statfs())
         return fw.statfs(self.ns.statfs())
 
     def getxattr(self, nodeid: int, n: int) -> bytes:
@@ -326,11 +164,8 @@ class WireWorker:
         # treats them as opened with FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE: listings never
         # change, so it keeps them, and a second walk of the tree costs no request.
         # Listing requests then name the directory by its inode only (handle 0).
-        if self.no_opendir and self.ckpt is None:
-            raise _Errno(errno.ENOSYS)
-        if nodeid >= CKPT_BIT:  # listings change: the kernel must not keep them
-            self.ckpt.getattr(nodeid)
-            return fw.OPEN_OUT.pack(0, 0, 0)
+        if self.no_opendir:
+            raise Errno(errno.ENOSYS)
         self.ns.check_dir(nodeid)  # ENOTDIR for a file, ENOENT for an unknown inode
         return fw.OPEN_OUT.pack(0, fw.FOPEN_KEEP_CACHE | fw.FOPEN_CACHE_DIR, 0)
 
@@ -344,7 +179,7 @@ class WireWorker:
         """Directory entries from the request's offset while they fit its size; with
         `plus` (READDIRPLUS) each carries the entry's attributes too."""
         _, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
-        found = self.ns.dataset_directory(nodeid) if nodeid < CKPT_BIT else None
+        found = self.ns.dataset_directory(nodeid)
         if found is not None:  # a dataset directory: packed in bulk
             directory, base, row = found
             lister = self._listers.get(base)
@@ -352,9 +187,7 @@ class WireWorker:
                 lister = self._listers[base] = ListingPacker(directory, base, self.attrs)
             return lister.pack(row, offset, size, plus)
         out, used = [], 0  # the root and `.dlfs/`: a few entries
-        entries = (self.ckpt.readdir(nodeid, offset) if nodeid >= CKPT_BIT
-                   else self.ns.readdir(nodeid, offset))
-        for name, attr, next_offset in entries:
+        for name, attr, next_offset in self.ns.readdir(nodeid, offset):
             entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
             if plus:
                 entry = self._packer(attr.ino).entry(attr) + entry
@@ -376,135 +209,3 @@ class WireWorker:
             self.ns.refuse_change(name)
 
         return refuse
-
-
-CKPT_FH = 1  # the handle of an open checkpoint file (descriptors are per process)
-CKPT_ATTR_TIMEOUT = 1.0  # seconds the kernel keeps a checkpoint entry's attributes
-
-
-#: Checkpoint files opened for writing bypass the kernel's page cache (the backing file
-#: has one already): each write() reaches the daemon as it is (up to max_write), with
-#: one copy less and no second cached copy; set DLFS_CKPT_CACHED_WRITES=1 to compare.
-CKPT_DIRECT_WRITES = os.environ.get("DLFS_CKPT_CACHED_WRITES") != "1"
-
-
-def _ckpt_open_flags(flags: int) -> int:
-    if CKPT_DIRECT_WRITES and flags & (os.O_WRONLY | os.O_RDWR):
-        return fw.FOPEN_DIRECT_IO
-    return fw.FOPEN_KEEP_CACHE
-
-
-class CkptRequests:
-    """The requests that change the checkpoint subtree: each becomes one CkptTree call;
-    outside it the core refuses them (EROFS), as without a checkpoint tier."""
-
-    def __init__(self, worker: WireWorker, ckpt: CkptTree) -> None:
-        self.w, self.ckpt, self.ns = worker, ckpt, worker.ns
-
-    def handlers(self) -> dict:
-        return {fw.WRITE: self.write, fw.SETATTR: self.setattr, fw.CREATE: self.create,
-                fw.MKNOD: self.mknod, fw.MKDIR: self.mkdir, fw.UNLINK: self.unlink,
-                fw.RMDIR: self.rmdir, fw.RENAME: self.rename, fw.RENAME2: self.rename2,
-                fw.SYMLINK: self.symlink, fw.FSYNC: self.fsync, fw.FSYNCDIR: self.fsync,
-                fw.FALLOCATE: self.fallocate}
-
-    def _mine(self, nodeid: int, request: str) -> None:
-        if nodeid < CKPT_BIT:
-            self.ns.refuse_change(request)
-
-    def _entry(self, attr) -> bytes:
-        return self.w.ckpt_attrs.entry(attr)
-
-    def write(self, nodeid: int, n: int) -> bytes:
-        self._mine(nodeid, "write")
-        _, offset, size, _, _, _, _ = fw.WRITE_IN.unpack_from(self.w._buf, _HEADER)
-        start = _HEADER + fw.WRITE_IN.size
-        written = self.ns.write_ckpt(nodeid, offset, self.w._view[start:start + size],
-                                     self.w.caller)
-        return fw.WRITE_OUT.pack(written, 0)
-
-    def setattr(self, nodeid: int, n: int) -> bytes:
-        self._mine(nodeid, "setattr")
-        (valid, _, _, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, _, _,
-         _) = fw.SETATTR_IN.unpack_from(self.w._buf, _HEADER)
-        attr = self.ckpt.setattr(
-            nodeid, mode=mode if valid & fw.FATTR_MODE else None,
-            size=size if valid & fw.FATTR_SIZE else None,
-            atime_ns=atime * 1_000_000_000 + atimensec if valid & fw.FATTR_ATIME else None,
-            mtime_ns=mtime * 1_000_000_000 + mtimensec if valid & fw.FATTR_MTIME else None,
-            now_atime=bool(valid & fw.FATTR_ATIME_NOW),
-            now_mtime=bool(valid & fw.FATTR_MTIME_NOW))
-        return self.w.ckpt_attrs.attr(attr)
-
-    def create(self, nodeid: int, n: int) -> bytes:
-        self._mine(nodeid, "create")
-        flags, mode, umask, _ = fw.CREATE_IN.unpack_from(self.w._buf, _HEADER)
-        name = self.w._name_arg(n, _HEADER + fw.CREATE_IN.size)
-        attr = self.ckpt.create(nodeid, name, flags, mode & ~umask)
-        return self._entry(attr) + fw.OPEN_OUT.pack(CKPT_FH, _ckpt_open_flags(flags), 0)
-
-    def mknod(self, nodeid: int, n: int) -> bytes:
-        self._mine(nodeid, "mknod")
-        mode, _, umask, _ = fw.MKNOD_IN.unpack_from(self.w._buf, _HEADER)
-        name = self.w._name_arg(n, _HEADER + fw.MKNOD_IN.size)
-        return self._entry(self.ckpt.mknod(nodeid, name, mode & ~umask))
-
-    def mkdir(self, nodeid: int, n: int) -> bytes:
-        self._mine(nodeid, "mkdir")
-        mode, umask = fw.MKDIR_IN.unpack_from(self.w._buf, _HEADER)
-        name = self.w._name_arg(n, _HEADER + fw.MKDIR_IN.size)
-        return self._entry(self.ckpt.mkdir(nodeid, name, mode & ~umask))
-
-    def symlink(self, nodeid: int, n: int) -> bytes:
-        self._mine(nodeid, "symlink")
-        name = self.w._name_arg(n)
-        target = self.w._name_arg(n, _HEADER + len(name) + 1)
-        return self._entry(self.ckpt.symlink(nodeid, name, target))
-
-    def unlink(self, nodeid: int, n: int) -> None:
-        self._mine(nodeid, "unlink")
-        self.ckpt.unlink(nodeid, self.w._name_arg(n))
-
-    def rmdir(self, nodeid: int, n: int) -> None:
-        self._mine(nodeid, "rmdir")
-        self.ckpt.rmdir(nodeid, self.w._name_arg(n))
-
-    def rename(self, nodeid: int, n: int) -> None:
-        (new_dir,) = fw.RENAME_IN.unpack_from(self.w._buf, _HEADER)
-        self._rename(nodeid, new_dir, 0, _HEADER + fw.RENAME_IN.size, n)
-
-    def rename2(self, nodeid: int, n: int) -> None:
-        new_dir, flags, _ = fw.RENAME2_IN.unpack_from(self.w._buf, _HEADER)
-        self._rename(nodeid, new_dir, flags, _HEADER + fw.RENAME2_IN.size, n)
-
-    def _rename(self, nodeid: int, new_dir: int, flags: int, start: int, n: int) -> None:
-        self._mine(nodeid, "rename")
-        self._mine(new_dir, "rename")
-        old = self.w._name_arg(n, start)
-        new = self.w._name_arg(n, start + len(old) + 1)
-        self.ckpt.rename(nodeid, old, new_dir, new, flags)
-
-    def fsync(self, nodeid: int, n: int) -> None:
-        if nodeid < CKPT_BIT:
-            return  # datasets: nothing to write (and an ENOSYS would stop all fsyncs)
-        _, fsync_flags, _ = fw.FSYNC_IN.unpack_from(self.w._buf, _HEADER)
-        self.ckpt.fsync(nodeid, bool(fsync_flags & fw.FSYNC_FDATASYNC))
-
-    def fallocate(self, nodeid: int, n: int) -> None:
-        self._mine(nodeid, "fallocate")
-        _, offset, length, mode, _ = fw.FALLOCATE_IN.unpack_from(self.w._buf, _HEADER)
-        self.ckpt.fallocate(nodeid, offset, length, mode)
-
-
-class _Errno(Exception):
-    def __init__(self, value: int) -> None:
-        super().__init__(value)
-        self.errno = value
-
-
-_OPNAMES = {v: k.lower() for k, v in vars(fw).items() if k.isupper() and isinstance(v, int)
-            and not k.startswith(("FOPEN", "BLK", "REQUEST", "FATTR", "FSYNC_", "CKPT"))}
-
-
-def _name(opcode: int) -> str:
-    return _OPNAMES.get(opcode, f"opcode {opcode}")

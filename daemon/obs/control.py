@@ -3,7 +3,7 @@
 `.dlfs` answers lookup from the root but is not listed by readdir of the root,
 so `ls MOUNTPOINT` still shows exactly the datasets (like a dot file, only
 more hidden; `ls MOUNTPOINT/.dlfs` lists its files). Inodes come from the
-reserved range 2..1023.
+reserved range 2..1022 (1023 is the checkpoint mountpoint, dlfsd.namespace).
 
 When the daemon sees opens (`--count-opens`, or an old kernel), each file is
 rendered once per open (one consistent snapshot per reader) and served with
@@ -37,7 +37,7 @@ from dlfsd.slots import ProcessSlot
 
 CONTROL_DIR_NAME = b".dlfs"
 CONTROL_DIR_INODE = 2
-LAST_CONTROL_INODE = 1023
+LAST_CONTROL_INODE = 1022  # 1023: dlfsd.namespace.CKPT_DIR_INODE
 CONTROL_FH = 1 << 62
 SNAPSHOT_FRESH = 0.5  # seconds a no-open reader's snapshot is reused (see latest_attr)
 SNAPSHOT_MAX_AGE = 60.0  # seconds before an unused one is removed

@@ -24,7 +24,7 @@ from typing import BinaryIO
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError, NotFoundError, NotMountedError
 from dlfs.launch import COMMIT, COMMIT_FD_ENV, ERROR_PREFIX, READY, READY_FD_ENV, daemon_argv
-from dlfs.mountinfo import find_mount
+from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount
 from dlfs.runtime import (
     default_log_path,
     lock_path,
@@ -49,6 +49,17 @@ def mounted_fstype(mountpoint: str) -> str | None:
 
 
 def _fusermount(mountpoint: str, lazy: bool) -> subprocess.CompletedProcess:
+    """fusermount3 -u; a checkpoint directory mounted on it goes first (a lazy unmount
+    detaches both at once; a plain one would find the mount busy)."""
+    ckpt = os.path.join(mountpoint, CKPT_DIR)
+    if not lazy and mounted_fstype(ckpt) == CKPT_FSTYPE:
+        done = _fusermount_one(ckpt, lazy)
+        if done.returncode:
+            return done
+    return _fusermount_one(mountpoint, lazy)
+
+
+def _fusermount_one(mountpoint: str, lazy: bool) -> subprocess.CompletedProcess:
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=60)

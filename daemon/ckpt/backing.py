@@ -1,0 +1,90 @@
+"""BackingIds: which checkpoint files are open through FUSE passthrough, shared by
+every process serving the checkpoint connection.
+
+With passthrough (Linux >= 6.9, root) the kernel reads and writes an open
+checkpoint file's local copy itself. It is told which file by a backing id that
+the daemon registers on the connection (FUSE_DEV_IOC_BACKING_OPEN) and names in
+its answer to OPEN. The kernel allows one backing file per FUSE inode at a time:
+every open of a file that is already open must name the same id. Opens of one file
+reach any worker process, so the ids live here, in shared memory made before the
+fork: per inode its id and how many opens use it. The last RELEASE closes the id.
+
+The eviction of drained files (dlfsd.ckpt.drain) asks `is_open` under the same
+lock: a file the kernel reads or writes directly must keep its local copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+SLOTS = 16384  # files open through passthrough at once; beyond, opens go through the daemon
+_SLOT = np.dtype([("ino", "<u8"), ("id", "<i4"), ("opens", "<u4")])
+
+
+class BackingIds:
+    """Per inode: its backing id and its open count (one table per mount)."""
+
+    def __init__(self, lock_path: str, slots: int = SLOTS) -> None:
+        self._map = mmap.mmap(-1, slots * _SLOT.itemsize)  # MAP_SHARED: one table for all
+        self._slots = np.frombuffer(self._map, dtype=_SLOT)
+        self._lock_path = lock_path
+        self._lock: tuple[int, int] | None = None  # (pid, fd): flock is per open file
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Held around every change of the table (and eviction's check): a process that
+        dies holding it releases it (flock), unlike a semaphore."""
+        if self._lock is None or self._lock[0] != os.getpid():
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._lock = (os.getpid(), fd)
+        fd = self._lock[1]
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _find(self, ino: int) -> int:
+        hits = np.flatnonzero(self._slots["ino"] == ino)
+        return int(hits[0]) if len(hits) else -1
+
+    def acquire(self, ino: int, register: Callable[[], int]) -> int:
+        """The backing id for one more open of `ino` (call under `locked`): the one in
+        use, else `register()`'s new one; -1 if the table is full."""
+        at = self._find(ino)
+        if at >= 0:
+            self._slots["opens"][at] += 1
+            return int(self._slots["id"][at])
+        free = self._find(0)
+        if free < 0:
+            return -1
+        backing_id = register()
+        self._slots[free] = (ino, backing_id, 1)
+        return backing_id
+
+    def release(self, ino: int, unregister: Callable[[int], None]) -> None:
+        """One open of `ino` ended (call under `locked`); the last one unregisters its id."""
+        at = self._find(ino)
+        if at < 0:
+            return
+        left = int(self._slots["opens"][at]) - 1
+        if left > 0:
+            self._slots["opens"][at] = left
+            return
+        backing_id = int(self._slots["id"][at])
+        self._slots[at] = (0, 0, 0)
+        unregister(backing_id)
+
+    def is_open(self, ino: int) -> bool:
+        """`ino` is open through passthrough now (call under `locked` to act on it)."""
+        return self._find(ino) >= 0
+
+    def open_count(self) -> int:
+        """Files open through passthrough now (for status)."""
+        return int(np.count_nonzero(self._slots["ino"]))
