@@ -532,7 +532,7 @@ class _Loaded:
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
     order: OrderService | None  # samplers' announcements -> the look-ahead
     ckpt: object | None = None  # dlfsd.ckpt.control.CkptControl: `dlfs flush`
-    backing: object | None = None  # dlfsd.ckpt.backing.BackingIds: passthrough wanted
+    open_files: object | None = None  # dlfsd.ckpt.openfiles.OpenFiles: ckpt/'s open files
 
 
 def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
@@ -560,24 +560,24 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1)
                    + peer_fds)
     services = Services(config, namespace.datasets, namespace.observe, pool)
-    ckpt, backing = _ckpt_tier(config, namespace, services, release)
+    ckpt, open_files = _ckpt_tier(config, namespace, services, release)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)
-    return _Loaded(namespace, pool, services, fuse_fds(), order, ckpt, backing)
+    return _Loaded(namespace, pool, services, fuse_fds(), order, ckpt, open_files)
 
 
 def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
                release: contextlib.ExitStack):
-    """The writable `ckpt/` subtree, its drain, and the passthrough table if passthrough
-    is wanted ((None, None) without --ckpt-store); made before the fork: the workers
-    share its epoch word, write counter and passthrough table."""
+    """The writable `ckpt/` subtree, its drain, and its open-files table ((None, None)
+    without --ckpt-store); made before the fork: the workers share its epoch word,
+    write counter and open files."""
     if not config.ckpt_store:
         return None, None
-    from dlfsd.ckpt.backing import BackingIds
     from dlfsd.ckpt.control import CkptControl
     from dlfsd.ckpt.counters import WriteCounter
     from dlfsd.ckpt.drain import Drainer, scan
+    from dlfsd.ckpt.openfiles import OpenFiles
     from dlfsd.ckpt.tier import Tier
     from dlfsd.ckpt.tree import CkptTree
     from dlfsd.obs.sharedjson import SharedJson
@@ -590,20 +590,18 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     namespace.attach_ckpt(CkptTree(tier, written, config.ckpt_limit_wait))
     report = SharedJson()
     namespace.observe.add_section("ckpt", report.read)
-    wanted, why = passthrough_wanted(config)
-    backing = BackingIds(str(tier.root / ".backing")) if wanted else None
+    open_files = OpenFiles(str(tier.root / ".open"))
     services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
                                  config.ckpt_idle, config.ckpt_limit, config.ckpt_keep,
                                  (config.uid, config.gid if config.gid is not None
                                   else config.uid) if config.uid is not None else None,
-                                 backing=backing),
+                                 open_files=open_files),
                          written, report)
-    services.ckpt_passthrough = why
     log.info("checkpoint directory %s/ckpt: written to %s, drained to %s%s",
              config.mountpoint, tier.tree, tier.store,
              f" ({len(undrained)} files from an earlier mount still to drain)"
              if undrained else "")
-    return CkptControl(tier), backing
+    return CkptControl(tier), open_files
 
 
 PASSTHROUGH_VAR = "DLFS_CKPT_PASSTHROUGH"  # 0: checkpoint bytes through the daemon
@@ -704,22 +702,21 @@ def _mount_ckpt(config: MountConfig, daemon: _Loaded,
     except OSError as err:
         raise DlfsError(f"cannot mount the checkpoint directory: {err.strerror}") from None
     release.callback(ckpt.unmount)
+    wanted, why = passthrough_wanted(config)
     try:
-        negotiated = ckpt.answer_init(INIT_TIMEOUT, daemon.backing is not None)
+        negotiated = ckpt.answer_init(INIT_TIMEOUT, wanted)
     except (OSError, TimeoutError) as err:
         raise DlfsError(f"cannot start the checkpoint directory {ckpt.mountpoint}: {err}") \
             from None
-    why = daemon.services.ckpt_passthrough
-    if daemon.backing is not None and not negotiated.passthrough:
+    if wanted and not negotiated.passthrough:
         why = (f"off (kernel {kernel_release()} does not offer FUSE passthrough; "
                "Linux >= 6.9 with CONFIG_FUSE_PASSTHROUGH does)")
     daemon.services.ckpt_passthrough = why
+    daemon.services.drainer.passthrough = negotiated.passthrough
     log.info("checkpoint directory %s: its own FUSE connection (protocol 7.%d), "
              "passthrough %s", ckpt.mountpoint, negotiated.minor, why)
-    backing = daemon.backing if negotiated.passthrough else None
-    if backing is None:
-        daemon.services.drainer.backing = None
-    return start_ckpt_workers(config, daemon.namespace, ckpt.fd, before, backing)
+    return start_ckpt_workers(config, daemon.namespace, ckpt.fd, before, daemon.open_files,
+                              negotiated.passthrough)
 
 
 def _mount_failed(config: MountConfig, readiness: Readiness, err: Exception) -> int:
@@ -799,7 +796,8 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
 
 
 def start_ckpt_workers(config: MountConfig, namespace: Namespace, ckpt_fd: int,
-                       close_fds: set[int], backing) -> dict[int, int]:
+                       close_fds: set[int], open_files,
+                       passthrough: bool) -> dict[int, int]:
     """Fork the processes serving the checkpoint connection (dlfsd.fuse.ckptworker):
     as many as the datasets have (a checkpoint save writes from every rank at once;
     with passthrough the bytes never reach them, and they idle in read())."""
@@ -811,7 +809,7 @@ def start_ckpt_workers(config: MountConfig, namespace: Namespace, ckpt_fd: int,
         for fd in close_fds:  # the datasets' connection is not ours to hold
             with contextlib.suppress(OSError):
                 os.close(fd)
-        return CkptWorker(namespace, tree, ckpt_fd, uid, gid, backing).serve()
+        return CkptWorker(namespace, tree, ckpt_fd, uid, gid, open_files, passthrough).serve()
 
     return {pid: ckpt_fd for pid in fork_workers(config.workers, serve, config.mountpoint)}
 

@@ -192,3 +192,33 @@ def test_umount_takes_ckpt_down_first_and_a_busy_ckpt_says_so(mounted, small_sto
     assert find_mount(real) is None and find_mount(real + "/ckpt") is None
     for pid in m.pids:
         wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10, f"daemon {pid}")
+
+
+def local_blocks(tmp: Path, rel: str) -> int:
+    tree = next((tmp / "cache" / "ckpt").glob("*/tree"))
+    return os.stat(tree / rel).st_blocks
+
+
+def test_an_open_checkpoint_file_is_never_evicted_and_goes_once_closed(
+        mounted, small_store, tmp_path):
+    m = ckpt_mount(mounted, small_store, tmp_path, "--ckpt-limit", "3M", "--ckpt-keep", "1")
+    assert ckpt_status(m)["passthrough"].startswith("off (--ckpt-limit")
+    one, two = os.urandom(2 * MIB), os.urandom(2 * MIB)
+    (m.path / "ckpt" / "step-1").write_bytes(one)
+    assert run_dlfs("flush", m.path).returncode == 0
+    reader = open(m.path / "ckpt" / "step-1", "rb")  # noqa: SIM115 (held across the limit)
+    try:
+        status_once(m, lambda s: s["open_files"] == 1, "the open file in status")
+        time.sleep(0.05)  # step-2 is the newer checkpoint
+        (m.path / "ckpt" / "step-2").write_bytes(two)
+        assert run_dlfs("flush", m.path).returncode == 0
+        # over the limit's low water with step-1 the only candidate: it stays while
+        # open (the drain checks every second), and reads its local copy
+        time.sleep(3)
+        assert local_blocks(tmp_path, "step-1") > 0
+        assert reader.read() == one
+    finally:
+        reader.close()
+    wait_for(lambda: local_blocks(tmp_path, "step-1") == 0, 20, "the eviction once closed")
+    assert (m.path / "ckpt" / "step-1").read_bytes() == one  # now from the store's copy
+    status_once(m, lambda s: s["open_files"] == 0, "no open file in status")

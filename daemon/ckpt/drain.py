@@ -65,7 +65,7 @@ TMP_MARK = b".dlfs-drain-"
 RATE_WINDOW = 10.0  # seconds the drain rate is averaged over
 LIMIT_EVERY = 1.0  # seconds between checks of --ckpt-limit
 LOW_WATER = 0.9  # eviction under --ckpt-limit goes down to this share of it
-EVICT_GRACE = 0.05  # seconds between telling processes to drop a copy and removing it
+EVICT_GRACE = 0.05  # without an open-files table: from "drop your copy" to emptying it
 
 
 def tmp_name(name: bytes) -> bytes:
@@ -125,15 +125,17 @@ class Drainer:
 
     def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
                  idle: float = IDLE, limit: int = 0, keep: int = 1,
-                 owner: tuple[int, int] | None = None, backing=None) -> None:
+                 owner: tuple[int, int] | None = None, open_files=None) -> None:
         """`limit`: bytes the local copies may take (0: none; nothing is evicted);
         `keep`: the newest top-level entries of the tree never evicted; `owner`:
         (uid, gid) the store's copies and the directories made for them get (a root
         daemon mounting for a job's user, --uid), so the user can remove them later;
-        `backing`: dlfsd.ckpt.backing.BackingIds when files may be open through FUSE
-        passthrough (their writes never reach the daemon; see `_drain`)."""
+        `open_files`: dlfsd.ckpt.openfiles.OpenFiles, the files open on the mount now
+        (never evicted; those open through passthrough are timed by mtime, see
+        `_written_lately`)."""
         self.tier = tier
-        self.backing = backing
+        self.open_files = open_files
+        self.passthrough = False  # set once the kernel granted it (dlfsd.main)
         self.owner = owner
         self.limit, self.keep = limit, keep
         self.local_bytes = 0
@@ -227,22 +229,25 @@ class Drainer:
         return freed
 
     def _evict_one(self, path: bytes, st: os.stat_result) -> bool:
-        with self.tier.mutating(), self._backing_locked():
+        with self.tier.mutating(), self._open_files_locked():
             if _changed(path, st) or self.state.is_pending(st.st_ino):
                 return False
-            if self.backing is not None and self.backing.is_open(st.st_ino):
-                return False  # the kernel reads this local copy itself (passthrough)
-            self.state.mark_evicted(st.st_ino)
+            if self.open_files is not None and self.open_files.is_open(st.st_ino):
+                return False  # a reader (or the kernel, with passthrough) uses this copy
+            self.state.mark_evicted(st.st_ino)  # opens from now on read the store's copy
             self.tier.bump_epoch()  # every process drops its descriptor of the local copy
-            time.sleep(EVICT_GRACE)  # a read that began before the bump ends first
+            if self.open_files is None:
+                time.sleep(EVICT_GRACE)  # a read that began before the bump ends first
             os.truncate(path, 0)
             os.truncate(path, st.st_size)  # a hole of the same size, inode and mtime
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         log.debug("evicted the local copy of checkpoint %s", os.fsdecode(path))
         return True
 
-    def _backing_locked(self):
-        return self.backing.locked() if self.backing is not None else contextlib.nullcontext()
+    def _open_files_locked(self):
+        if self.open_files is None:
+            return contextlib.nullcontext()
+        return self.open_files.locked()
 
     def _remove_stale_temporaries(self) -> None:
         """A drain cut short (daemon killed) leaves its temporary file: remove ours."""
@@ -328,7 +333,7 @@ class Drainer:
         """A file open through passthrough, neither closed nor flushed, written less than
         `idle` ago: the daemon sees no WRITE of it (its pending row is as old as its
         open), so the local copy's mtime says whether it is idle; if not, try later."""
-        if self.backing is None or not self.backing.is_open(ino):
+        if self.open_files is None or not self.open_files.passthrough(ino):
             return False
         until = st.st_mtime_ns + self.idle_ns
         if until <= time.time_ns() or self.state.closed_or_forced(ino):
@@ -419,6 +424,13 @@ class Drainer:
                         self.tier.tree)
 
     # -- what status shows ------------------------------------------------------------------
+    def _open_counts(self) -> dict:
+        if self.open_files is None:
+            return {"open_files": None, "passthrough_open": None}
+        files, passthrough = self.open_files.counts()
+        return {"open_files": files, "passthrough_open": passthrough if self.passthrough
+                else None}
+
     def report(self) -> dict:
         """Pending files and bytes, the oldest, rate, ETA, totals, trouble."""
         tree = self._tree()
@@ -448,7 +460,7 @@ class Drainer:
             "limit": self.limit, "local_bytes": self.local_bytes if self.limit else None,
             "evicted_files": self.evicted_files, "full": self.tier.full(),
             "failing_since": self.stats.failing_since,
-            "passthrough_open": self.backing.open_count() if self.backing is not None else None,
+            **self._open_counts(),
         }
 
 

@@ -6,8 +6,9 @@ dlfsd.ckpt.tree.CkptTree call. The connection's root (node id 1) is the tree's
 root; every other node id is the tree's own (CKPT_BIT | st_ino of the backing
 entry). Opens are always answered: O_TRUNC is done by the answer (the connection
 asks for atomic O_TRUNC), RELEASE says a written file is closed (its drain may
-begin), and with FUSE passthrough the answer names the local copy the kernel then
-reads and writes by itself (dlfsd.ckpt.backing).
+begin), every open is counted (an open file is never evicted), and with FUSE
+passthrough the answer names the local copy the kernel then reads and writes by
+itself (dlfsd.ckpt.openfiles).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import stat
 import struct
 import time
 
-from dlfsd.ckpt.backing import BackingIds
 from dlfsd.ckpt.nodeids import CKPT_BIT
+from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.tree import CkptTree
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.requestloop import HEADER, Errno, RequestLoop
@@ -30,7 +31,6 @@ from dlfsd.namespace import Namespace
 log = logging.getLogger("dlfsd")
 
 ROOT_ID = 1  # FUSE_ROOT_ID: the connection's root, the tree's root
-CKPT_FH = 1  # the handle of a file the daemon serves (descriptors are per process)
 CKPT_ATTR_TIMEOUT = 1.0  # seconds the kernel keeps a checkpoint entry's attributes
 FOPEN_PASSTHROUGH = 1 << 7
 # _IOW(229, 1, struct fuse_backing_map) and _IOW(229, 2, uint32_t)
@@ -55,13 +55,15 @@ def served_open_flags(flags: int) -> int:
 class CkptWorker(RequestLoop):
     """Serves the checkpoint connection's requests from `fd` until unmount or SIGTERM.
 
-    `backing`: the shared passthrough table, None when the connection has no
-    passthrough (then every READ and WRITE comes here)."""
+    `open_files`: the open files shared by all workers; `passthrough`: the kernel
+    granted FUSE passthrough (else every READ and WRITE comes here)."""
 
     def __init__(self, namespace: Namespace, tree: CkptTree, fd: int, uid: int, gid: int,
-                 backing: BackingIds | None = None) -> None:
+                 open_files: OpenFiles, passthrough: bool = False) -> None:
         super().__init__(fd)
-        self.ns, self.tree, self.backing = namespace, tree, backing
+        self.ns, self.tree = namespace, tree
+        self.open_files, self.passthrough = open_files, passthrough
+        self._opened = 0  # the inode the OPEN/CREATE being answered counted (_reply_lost)
         self.root = tree.root_nodeid
         self.attrs = fw.CkptAttrPacker(uid, gid, CKPT_ATTR_TIMEOUT)
         self._handlers = {
@@ -160,31 +162,34 @@ class CkptWorker(RequestLoop):
         return self._open_reply(node, flags)
 
     def _open_reply(self, node: int, flags: int) -> bytes:
-        """fuse_open_out: passthrough onto the local copy where it can be, else served."""
-        if self.backing is not None:
-            backing_id = self._backing_id(node)
-            if backing_id >= 0:
-                if flags & WRITE_FLAGS:
-                    self.tree.mark_written(node)
-                return fw.OPEN_OUT.pack(self._passthrough_fh(), FOPEN_PASSTHROUGH, backing_id)
-            # An evicted file read from the store's copy: served here, without the page
-            # cache (a cached open would bar passthrough opens of it until closed).
-            return fw.OPEN_OUT.pack(CKPT_FH, fw.FOPEN_DIRECT_IO, 0)
-        return fw.OPEN_OUT.pack(CKPT_FH, served_open_flags(flags), 0)
+        """fuse_open_out: the open counted, passed through to the local copy where it can
+        be, else served here.
 
-    def _passthrough_fh(self) -> int:
-        """The handle of a passthrough open: who opened it and when (second), which its
-        RELEASE (sent by the kernel, pid 0) needs to count and trace the writes."""
-        return self.caller.pid << 32 | int(time.time()) & 0xFFFFFFFF
-
-    def _backing_id(self, node: int) -> int:
-        """The backing id of `node`'s local copy (registered if new); -1 if it has none
-        (evicted: its bytes are the store's) or the table is full."""
+        The handle says who opened it and when (its RELEASE comes from the kernel,
+        pid 0, and must count and trace the writes) and whether it was counted."""
         ino = node & ~CKPT_BIT
-        with self.backing.locked():
-            if self.tree.state.is_evicted(ino):
-                return -1
-            return self.backing.acquire(ino, lambda: self._register(node))
+        with self.open_files.locked():
+            local = self.passthrough and not self.tree.state.is_evicted(ino)
+            backing_id = self.open_files.acquire(
+                ino, (lambda: self._register(node)) if local else (lambda: 0))
+        self._opened = ino if backing_id >= 0 else 0
+        fh = (self.caller.pid << 32 | (int(time.time()) & 0x7FFFFFFF) << 1
+              | (backing_id >= 0))
+        if backing_id > 0:
+            if flags & WRITE_FLAGS:
+                self.tree.mark_written(node)
+            return fw.OPEN_OUT.pack(fh, FOPEN_PASSTHROUGH, backing_id)
+        if self.passthrough:  # an evicted file read from the store's copy: no page cache
+            return fw.OPEN_OUT.pack(fh, fw.FOPEN_DIRECT_IO, 0)  # (a cached open would bar
+        return fw.OPEN_OUT.pack(fh, served_open_flags(flags), 0)  # passthrough opens)
+
+    def _reply_lost(self, opcode: int) -> None:
+        """The opener was interrupted before our answer to OPEN/CREATE arrived: the
+        kernel will send no RELEASE for it, so it must not stay counted."""
+        if opcode in (fw.OPEN, fw.CREATE) and self._opened:
+            with self.open_files.locked():
+                self.open_files.release(self._opened, self._unregister)
+            self._opened = 0
 
     def _register(self, node: int) -> int:
         fd = os.open(self.tree.path_of(node), os.O_RDONLY | os.O_CLOEXEC)
@@ -213,12 +218,13 @@ class CkptWorker(RequestLoop):
 
     def release(self, nodeid: int, n: int) -> None:
         fh, flags, _ = fw.RELEASE_IN.unpack_from(self._buf, HEADER)
-        if fh != CKPT_FH and self.backing is not None:  # a passthrough open, since `fh` ns
+        if fh & 1:  # counted at its open (see _open_reply)
             ino = nodeid & ~CKPT_BIT
-            with self.backing.locked():
-                self.backing.release(ino, self._unregister)
-            if flags & WRITE_FLAGS:
-                self._count_passthrough_write(nodeid, fh >> 32, fh & 0xFFFFFFFF)
+            with self.open_files.locked():
+                passed = self.open_files.passthrough(ino)
+                self.open_files.release(ino, self._unregister)
+            if passed and flags & WRITE_FLAGS:
+                self._count_passthrough_write(nodeid, fh >> 32, fh >> 1 & 0x7FFFFFFF)
         self.tree.release(nodeid)
 
     def _count_passthrough_write(self, nodeid: int, pid: int, opened_s: int) -> None:
@@ -228,7 +234,7 @@ class CkptWorker(RequestLoop):
             attr = self.tree.getattr(nodeid)
         except Exception:  # removed meanwhile
             return
-        changed = attr.mtime_ns // 1_000_000_000 & 0xFFFFFFFF >= opened_s
+        changed = (attr.mtime_ns // 1_000_000_000 & 0x7FFFFFFF) >= opened_s
         if changed and stat.S_ISREG(attr.mode):
             self.caller.pid = pid
             self.ns.count_ckpt_write(nodeid, attr.size, self.caller)

@@ -157,8 +157,12 @@ class RequestLoop:
             self._send(fw.error_reply(unique, 0))
         elif type(payload) is FileSpan:
             self._send_span(unique, payload, nodeid, n)
-        else:
-            self._send(fw.reply_header(unique, len(payload)), payload)
+        elif not self._send(fw.reply_header(unique, len(payload)), payload):
+            self._reply_lost(opcode)
+
+    def _reply_lost(self, opcode: int) -> None:
+        """The kernel did not take a reply (the request was interrupted): undo what
+        must not outlive it (nothing, unless a subclass says otherwise)."""
 
     def _send_span(self, unique: int, span: FileSpan, nodeid: int, n: int) -> None:
         raise NotImplementedError("only dataset workers answer with spans")
