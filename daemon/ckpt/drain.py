@@ -303,6 +303,9 @@ class Drainer:
             return
         if self._written_lately(ino, st):
             return
+        if self._on_store_already(ino, path, st):
+            self.state.settled(ino, touched_ns)
+            return
         target_dir = os.path.dirname(self.tier.store_path(self.tier.relpath(path)))
         self._makedirs(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
@@ -328,6 +331,18 @@ class Drainer:
             log.info("checkpoint drain to %s works again", self.tier.store)
             self.stats.failing_since = None
             self.stats.error = None
+
+    def _on_store_already(self, ino: int, path: bytes, st: os.stat_result) -> bool:
+        """The store holds this very version (a file opened for writing and closed
+        unchanged: h5py's "r+", a passthrough open whose writes we cannot see): no copy."""
+        relpath = self.tier.relpath(path)
+        if self.state.drained_as(ino) != (st.st_size, st.st_mtime_ns, relpath):
+            return False
+        try:
+            stored = os.lstat(self.tier.store_path(relpath))
+        except OSError:
+            return False  # removed from the store by hand: copy it again
+        return (stored.st_size, stored.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
     def _written_lately(self, ino: int, st: os.stat_result) -> bool:
         """A file open through passthrough, neither closed nor flushed, written less than

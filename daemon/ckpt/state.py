@@ -183,6 +183,11 @@ class CkptState:
         """Not a failure: the file changed while it was copied; copy it again later."""
         self.db().execute("UPDATE pending SET retry_ns=? WHERE ino=?", (retry_ns, ino))
 
+    def settled(self, ino: int, touched_ns: int) -> None:
+        """`ino`, as last touched at `touched_ns`, needs no drain (its pending row goes,
+        unless it was written again since)."""
+        self.db().execute("DELETE FROM pending WHERE ino=? AND touched_ns=?", (ino, touched_ns))
+
     def drop_pending(self, ino: int) -> None:
         self.db().execute("DELETE FROM pending WHERE ino=?", (ino,))
 
@@ -196,6 +201,12 @@ class CkptState:
         """ino -> (size, mtime_ns, relpath) of what the store holds."""
         return {ino: (size, mtime, bytes(rel)) for ino, size, mtime, rel in
                 self.db().execute("SELECT ino, size, mtime_ns, relpath FROM drained")}
+
+    def drained_as(self, ino: int) -> tuple[int, int, bytes] | None:
+        """(size, mtime_ns, relpath) of the store's copy of `ino`, as drained; or None."""
+        row = self.db().execute("SELECT size, mtime_ns, relpath FROM drained WHERE ino=?",
+                                (ino,)).fetchone()
+        return (row[0], row[1], bytes(row[2])) if row else None
 
     def drained_at(self, ino: int) -> bytes | None:
         row = self.db().execute("SELECT relpath FROM drained WHERE ino=?", (ino,)).fetchone()

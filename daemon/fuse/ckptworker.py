@@ -64,6 +64,7 @@ class CkptWorker(RequestLoop):
         self.ns, self.tree = namespace, tree
         self.open_files, self.passthrough = open_files, passthrough
         self._opened = 0  # the inode the OPEN/CREATE being answered counted (_reply_lost)
+        self._register_warned = False
         self.root = tree.root_nodeid
         self.attrs = fw.CkptAttrPacker(uid, gid, CKPT_ATTR_TIMEOUT)
         self._handlers = {
@@ -192,10 +193,18 @@ class CkptWorker(RequestLoop):
             self._opened = 0
 
     def _register(self, node: int) -> int:
+        """A backing id for `node`'s local copy; 0 (served here) if the kernel refuses
+        one (logged once per process: e.g. a cache dir on a stacked file system)."""
         fd = os.open(self.tree.path_of(node), os.O_RDONLY | os.O_CLOEXEC)
         try:
             return fcntl.ioctl(self.fd, BACKING_OPEN, bytearray(BACKING_MAP.pack(fd, 0, 0)),
                                True)
+        except OSError as err:
+            if not self._register_warned:
+                self._register_warned = True
+                log.warning("worker %d: FUSE passthrough refused for a checkpoint file (%s); "
+                            "such files are served by the daemon", os.getpid(), err.strerror)
+            return 0
         finally:
             os.close(fd)  # the kernel holds its own reference now
 
