@@ -222,3 +222,21 @@ def test_an_open_checkpoint_file_is_never_evicted_and_goes_once_closed(
     wait_for(lambda: local_blocks(tmp_path, "step-1") == 0, 20, "the eviction once closed")
     assert (m.path / "ckpt" / "step-1").read_bytes() == one  # now from the store's copy
     status_once(m, lambda s: s["open_files"] == 0, "no open file in status")
+
+
+def test_a_file_opened_for_writing_and_closed_unchanged_is_not_copied_again(
+        mounted, small_store, tmp_path):
+    m = ckpt_mount(mounted, small_store, tmp_path)
+    data = write_mib(m.path / "ckpt" / "model.pt", 2, seed=3)
+    assert run_dlfs("flush", m.path).returncode == 0
+    stored = tmp_path / "ckstore" / "model.pt"
+    first = os.stat(stored).st_ino
+    with open(m.path / "ckpt" / "model.pt", "r+b") as f:  # h5py's "r+": nothing written
+        assert f.read(16) == data[:16]
+    assert run_dlfs("flush", m.path).returncode == 0
+    assert os.stat(stored).st_ino == first  # a new drain would have renamed a new copy in
+    with open(m.path / "ckpt" / "model.pt", "r+b") as f:
+        f.write(b"changed")
+    assert run_dlfs("flush", m.path).returncode == 0
+    assert os.stat(stored).st_ino != first
+    assert stored.read_bytes() == b"changed" + data[7:]
