@@ -128,6 +128,41 @@ def control_socket_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.sock"
 
 
+# A root daemon mounting for a user (--uid, the Slurm prolog) keeps its runtime files
+# in /run/dlfs, 0700: that user can neither find nor reach its control socket there.
+# It binds a second socket for that user in this directory (root's, 0755), owned by
+# the user and 0600, so that the user's `dlfs flush` reaches it and nobody else's
+# does (the daemon checks SO_PEERCRED on top). Only root can create entries here, so
+# a user cannot plant a socket of their own for another user's mount.
+USER_SOCKET_DIR = Path("/run/dlfs-user")
+
+
+def user_socket_path(mountpoint: str) -> Path:
+    """The socket a root daemon serves the mount's --uid user on (see USER_SOCKET_DIR).
+    Touches nothing."""
+    return USER_SOCKET_DIR / f"{_key(mountpoint)}.sock"
+
+
+def make_user_socket_dir() -> Path:
+    """USER_SOCKET_DIR, created 0755 by root; DlfsError if it is not root's alone (a
+    directory others may write to could hold anyone's socket under our name)."""
+    USER_SOCKET_DIR.mkdir(mode=0o755, exist_ok=True)
+    if not trusted_user_socket_dir():
+        raise DlfsError(f"{USER_SOCKET_DIR} is not a directory of root's that only root "
+                        "may write to: remove it")
+    return USER_SOCKET_DIR
+
+
+def trusted_user_socket_dir() -> bool:
+    """USER_SOCKET_DIR exists, is a real directory, root's, and only root may add to it:
+    a socket found there was made by a root daemon, not planted by another user."""
+    try:
+        info = USER_SOCKET_DIR.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and not info.st_mode & 0o022
+
+
 def write_record(record: DaemonRecord) -> None:
     path = record_path(record.mountpoint)
     tmp = path.with_suffix(".tmp")
@@ -158,8 +193,11 @@ def remove_stale_files(mountpoint: str) -> None:
     record = read_record(mountpoint)
     if serving_daemon(mountpoint) is not None or (record is not None and record.alive()):
         return  # (a foreground daemon has no --config to be found by: its record)
-    for path in (control_socket_path(mountpoint), status_path(mountpoint)):
-        with contextlib.suppress(FileNotFoundError):
+    paths = [control_socket_path(mountpoint), status_path(mountpoint)]
+    if os.geteuid() == 0:  # only root's daemons make one, only root may remove it
+        paths.append(user_socket_path(mountpoint))
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             path.unlink()
 
 
