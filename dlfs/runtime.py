@@ -205,13 +205,13 @@ def serving_daemon(mountpoint: str) -> int | None:
     """The pid of a live `dlfsd` whose mountpoint is `mountpoint` (canonical), found from
     the process table, not from a record (one kept in another runtime directory, or one
     logind removed at logout, is not ours to see)."""
-    for pid, config in _daemon_configs():
+    for pid, config in daemon_configs():
         if config.get("mountpoint") == mountpoint:
             return pid
     return None
 
 
-def _daemon_configs() -> Iterator[tuple[int, dict]]:
+def daemon_configs() -> Iterator[tuple[int, dict]]:
     """(pid, MountConfig as a dict) of every live `dlfsd` process (workers too)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -243,7 +243,7 @@ def mounts_using(store: Path, name: str) -> list[tuple[str, int]]:
     status files). Other nodes' mounts of a shared store are out of sight."""
     target = store / name
     found: dict[str, int] = {}
-    for pid, config in _daemon_configs():
+    for pid, config in daemon_configs():
         mountpoint, served_store = str(config.get("mountpoint")), config.get("store")
         if not isinstance(served_store, str):
             continue
