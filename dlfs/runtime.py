@@ -147,6 +147,9 @@ def make_user_socket_dir() -> Path:
     """USER_SOCKET_DIR, created 0755 by root; DlfsError if it is not root's alone (a
     directory others may write to could hold anyone's socket under our name)."""
     USER_SOCKET_DIR.mkdir(mode=0o755, exist_ok=True)
+    info = USER_SOCKET_DIR.lstat()
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) != 0o755:
+        os.chmod(USER_SOCKET_DIR, 0o755)  # users must enter it, whatever our umask was
     if not trusted_user_socket_dir():
         raise DlfsError(f"{USER_SOCKET_DIR} is not a directory of root's that only root "
                         "may write to: remove it")

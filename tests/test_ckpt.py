@@ -321,6 +321,8 @@ def test_the_mounts_user_flushes_a_root_mount_made_for_it_and_no_other_user_may(
             sock = user_socket_path(os.path.realpath(m.path))
             st = os.stat(sock)
             assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (owner.uid, 0o600)
+            st = os.stat(sock.parent)
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o755)
             wrote = owner.run("sh", "-c", f"head -c 2000000 /dev/urandom > {m.path}/ckpt/s.pt"
                               f" && sha256sum < {m.path}/ckpt/s.pt")
             assert wrote.returncode == 0, wrote.stderr
