@@ -149,8 +149,9 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
 def limit_for_node(config: MountConfig, pool) -> int:
     """This mount's --cache-limit under the node-wide --node-cache-limit: datasets earlier
     jobs left are removed, least recently used first, until this mount's share fits
-    beside what stays (never one a running mount uses: dlfs.store.nodecache); the
-    mount then stages at most what is left. 0: no limit."""
+    beside what stays (never one a running mount uses, never a checkpoint tier, whose
+    bytes count all the same: dlfs.store.nodecache); the mount then stages at most
+    what is left. 0: no limit."""
     if not config.node_cache_limit:
         return config.cache_limit
     ours = {cache.dir.name for cache in pool.caches}
@@ -158,18 +159,24 @@ def limit_for_node(config: MountConfig, pool) -> int:
     share = sum(int(d.chunk_lengths[owned].sum()) + CHUNK_HEADER_SIZE * int(owned.sum())
                 for d, owned in zip(pool.datasets, pool.owned, strict=True))  # on disk
     want = min(share, config.cache_limit or share, config.node_cache_limit)
-    budget = max(config.node_cache_limit - want, 0)
+    tiers = nodecache.ckpt_bytes(Path(config.cache_dir))
+    if tiers:
+        log.info("node cache limit %s: checkpoint tiers in %s/ckpt hold %s (counted, never "
+                 "removed)", format_size(config.node_cache_limit), config.cache_dir,
+                 format_size(tiers))
+    budget = max(config.node_cache_limit - want - tiers, 0)
     for victim in nodecache.select_for_pruning(others, to_size=budget):
         if nodecache.remove(victim):
             log.info("node cache limit: removed dataset %s (%s, last used %s) from %s",
                      victim.uuid, format_size(victim.bytes), time.ctime(victim.last_used),
                      config.cache_dir)
     left = sum(d.bytes for d in nodecache.datasets(Path(config.cache_dir))
-               if d.uuid not in ours)
+               if d.uuid not in ours) + tiers
     room = max(config.node_cache_limit - left, 1)
     if room < want:
         log.warning("node cache limit %s: %s held by datasets other mounts use or that "
-                    "could not be removed; this mount stages at most %s of its %s share",
+                    "could not be removed, and by checkpoint tiers; this mount stages at "
+                    "most %s of its %s share",
                     format_size(config.node_cache_limit), format_size(left),
                     format_size(room), format_size(share))
     return min(config.cache_limit, room) if config.cache_limit else room

@@ -128,6 +128,44 @@ def control_socket_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.sock"
 
 
+# A root daemon mounting for a user (--uid, the Slurm prolog) keeps its runtime files
+# in /run/dlfs, 0700: that user can neither find nor reach its control socket there.
+# It binds a second socket for that user in this directory (root's, 0755), owned by
+# the user and 0600, so that the user's `dlfs flush` reaches it and nobody else's
+# does (the daemon checks SO_PEERCRED on top). Only root can create entries here, so
+# a user cannot plant a socket of their own for another user's mount.
+USER_SOCKET_DIR = Path("/run/dlfs-user")
+
+
+def user_socket_path(mountpoint: str) -> Path:
+    """The socket a root daemon serves the mount's --uid user on (see USER_SOCKET_DIR).
+    Touches nothing."""
+    return USER_SOCKET_DIR / f"{_key(mountpoint)}.sock"
+
+
+def make_user_socket_dir() -> Path:
+    """USER_SOCKET_DIR, created 0755 by root; DlfsError if it is not root's alone (a
+    directory others may write to could hold anyone's socket under our name)."""
+    USER_SOCKET_DIR.mkdir(mode=0o755, exist_ok=True)
+    info = USER_SOCKET_DIR.lstat()
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) != 0o755:
+        os.chmod(USER_SOCKET_DIR, 0o755)  # users must enter it, whatever our umask was
+    if not trusted_user_socket_dir():
+        raise DlfsError(f"{USER_SOCKET_DIR} is not a directory of root's that only root "
+                        "may write to: remove it")
+    return USER_SOCKET_DIR
+
+
+def trusted_user_socket_dir() -> bool:
+    """USER_SOCKET_DIR exists, is a real directory, root's, and only root may add to it:
+    a socket found there was made by a root daemon, not planted by another user."""
+    try:
+        info = USER_SOCKET_DIR.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and not info.st_mode & 0o022
+
+
 def write_record(record: DaemonRecord) -> None:
     path = record_path(record.mountpoint)
     tmp = path.with_suffix(".tmp")
@@ -158,8 +196,11 @@ def remove_stale_files(mountpoint: str) -> None:
     record = read_record(mountpoint)
     if serving_daemon(mountpoint) is not None or (record is not None and record.alive()):
         return  # (a foreground daemon has no --config to be found by: its record)
-    for path in (control_socket_path(mountpoint), status_path(mountpoint)):
-        with contextlib.suppress(FileNotFoundError):
+    paths = [control_socket_path(mountpoint), status_path(mountpoint)]
+    if os.geteuid() == 0:  # only root's daemons make one, only root may remove it
+        paths.append(user_socket_path(mountpoint))
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             path.unlink()
 
 
@@ -167,13 +208,13 @@ def serving_daemon(mountpoint: str) -> int | None:
     """The pid of a live `dlfsd` whose mountpoint is `mountpoint` (canonical), found from
     the process table, not from a record (one kept in another runtime directory, or one
     logind removed at logout, is not ours to see)."""
-    for pid, config in _daemon_configs():
+    for pid, config in daemon_configs():
         if config.get("mountpoint") == mountpoint:
             return pid
     return None
 
 
-def _daemon_configs() -> Iterator[tuple[int, dict]]:
+def daemon_configs() -> Iterator[tuple[int, dict]]:
     """(pid, MountConfig as a dict) of every live `dlfsd` process (workers too)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -205,7 +246,7 @@ def mounts_using(store: Path, name: str) -> list[tuple[str, int]]:
     status files). Other nodes' mounts of a shared store are out of sight."""
     target = store / name
     found: dict[str, int] = {}
-    for pid, config in _daemon_configs():
+    for pid, config in daemon_configs():
         mountpoint, served_store = str(config.get("mountpoint")), config.get("store")
         if not isinstance(served_store, str):
             continue

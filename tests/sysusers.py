@@ -7,6 +7,8 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
+import sysconfig
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +26,35 @@ class User:
         """Run argv as this user (runuser, no login shell)."""
         return subprocess.run(["runuser", "-u", self.name, "--", *argv], capture_output=True,
                               text=True, timeout=timeout)
+
+    def dlfs(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run the `dlfs` CLI as this user: a real process with the user's uid and no
+        capabilities. The venv's interpreter may sit in a directory only root may enter
+        (/root/.pyenv): run a system Python of the same version instead, with the
+        venv's packages (the editable dlfs among them) added as a site directory."""
+        python = user_python(self)
+        code = (f"import site, sys; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "
+                "from dlfs.cli.main import main; sys.argv[0] = 'dlfs'; sys.exit(main())")
+        return self.run(python, "-c", code, *args, timeout=timeout)
+
+
+_PYTHONS: dict[str, str] = {}
+
+
+def user_python(user: User) -> str:
+    """A Python of this interpreter's major.minor that `user` can run (skip if none)."""
+    if "found" not in _PYTHONS:
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        for candidate in (sys.executable, f"/usr/bin/python{version}",
+                          f"/usr/local/bin/python{version}"):
+            probe = user.run(candidate, "-c", "import sys; print(sys.version_info[:2])")
+            if probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]):
+                _PYTHONS["found"] = candidate
+                break
+        else:
+            pytest.skip(f"no Python {version} an unprivileged user can run (this one, "
+                        f"{sys.executable}, is out of its reach)")
+    return _PYTHONS["found"]
 
 
 def require_useradd() -> None:

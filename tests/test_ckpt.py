@@ -4,8 +4,9 @@ POSIX calls through the mount land in the node cache and drain to the checkpoint
 store, where after `dlfs flush` every file is byte-identical to what was written
 (names that are not UTF-8 too); datasets stay EROFS; a daemon SIGKILLed mid-drain
 leaves no half file under a real name and the next mount finishes the drain; a
-read-only store keeps the local copies and drains them once it is writable again.
-The PyTorch tests live in tests/test_ckpt_torch.py.
+read-only store keeps the local copies and drains them once it is writable again;
+a root daemon mounting for a user (--uid, the Slurm prolog) lets that user, and no
+other, run `dlfs flush`. The PyTorch tests live in tests/test_ckpt_torch.py.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ import errno
 import hashlib
 import json
 import os
+import shutil
+import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import kill_and_reap, run_dlfs, tmpfs_at, wait_dead
+from conftest import Mounter, kill_and_reap, run_dlfs, tmpfs_at, wait_dead
+from sysusers import temp_user
+
+from dlfs.runtime import user_socket_path
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 
@@ -298,3 +305,48 @@ def test_ckpt_limit_evicts_the_oldest_drained_keeps_the_newest_and_fails_enospc_
     (m.path / "ckpt" / "step-3").write_bytes(b"fits again")
     assert flush(m).returncode == 0
     assert (tmp_path / "ckstore" / "step-3").read_bytes() == b"fits again"
+
+
+def test_the_mounts_user_flushes_a_root_mount_made_for_it_and_no_other_user_may(
+        small_store, tmp_path):
+    """As the Slurm prolog does: root mounts with --uid; the user writes a checkpoint
+    and runs `dlfs flush` itself (through the socket the daemon keeps for it); another
+    user is refused in one line, by the socket's mode and, were that looser, by the
+    daemon's SO_PEERCRED check."""
+    base = Path(tempfile.mkdtemp(prefix="dlfs-ckptuser-", dir="/tmp"))
+    base.chmod(0o755)  # users must reach the mountpoint (pytest's tmp dirs are 0700)
+    mounter = Mounter(base)
+    try:
+        with temp_user() as owner, temp_user() as other:
+            m = mounter(small_store, "--uid", str(owner.uid), "--gid", str(owner.gid),
+                        "--workers", "1", "--cache-dir", str(tmp_path / "cache"),
+                        "--ckpt-store", str(tmp_path / "ckstore"), "--drain-bandwidth", "1M")
+            m.path.parent.chmod(0o755)
+            sock = user_socket_path(os.path.realpath(m.path))
+            st = os.stat(sock)
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (owner.uid, 0o600)
+            st = os.stat(sock.parent)
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o755)
+            wrote = owner.run("sh", "-c", f"head -c 2000000 /dev/urandom > {m.path}/ckpt/s.pt"
+                              f" && sha256sum < {m.path}/ckpt/s.pt")
+            assert wrote.returncode == 0, wrote.stderr
+            flushed = owner.dlfs("flush", str(m.path))
+            assert flushed.returncode == 0, flushed.stderr
+            assert "flushed" in flushed.stdout
+            stored = (tmp_path / "ckstore" / "s.pt").read_bytes()  # 2 s at 1M/s: not early
+            assert hashlib.sha256(stored).hexdigest() == wrote.stdout.split()[0]
+
+            refused = other.dlfs("flush", str(m.path))
+            assert refused.returncode == 1
+            assert refused.stderr.count("\n") == 1 and "permission denied" in refused.stderr
+            os.chmod(sock, 0o666)  # past the socket's mode: the daemon still says no
+            refused = other.dlfs("flush", str(m.path))
+            assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+            assert f"not uid {other.uid}" in refused.stderr, refused.stderr
+            untraced = owner.dlfs("trace", "status", str(m.path))  # the trace stays root's
+            assert untraced.returncode == 1 and "permission denied" in untraced.stderr
+            assert run_dlfs("umount", m.path).returncode == 0
+            assert not sock.exists(), "the user's socket outlived the mount"
+    finally:
+        mounter.cleanup()
+        shutil.rmtree(base, ignore_errors=True)

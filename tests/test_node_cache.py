@@ -4,7 +4,8 @@ and a share larger than the cache (--cache-limit): real mounts, real staging.
 The cache never holds more than the limit; the datasets earlier mounts left go
 least recently used first; a dataset a running mount uses is never removed; a
 share that does not fit is partly staged once and the rest read elsewhere,
-epoch after epoch, without staging anything twice.
+epoch after epoch, without staging anything twice. Checkpoint tiers left in the
+cache dir count against the limit and are never removed by it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_dlfs
+from conftest import run_dlfs, tmpfs_at
 
 from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
@@ -277,3 +278,43 @@ def test_a_cache_dir_on_a_full_disk_fails_staging_cleanly_and_reads_go_elsewhere
         assert entry["adopted_at_mount"] == len(whole), entry
         read_all(later, "a", sources["a"])
         assert run_dlfs("umount", later.path).returncode == 0
+
+
+def test_an_undrained_checkpoint_tier_counts_against_the_node_limit_and_is_never_removed(
+        mounted, three, tmp_path):
+    """A job's checkpoint could not drain (its store is read-only) and stays in the cache
+    dir beside dataset a's copies. The next mount's node limit fits a and c but not the
+    tier too: a goes, the tier stays byte-exact, and `dlfs cache ls` shows it undrained."""
+    store, sources = three
+    cache = tmp_path / "cache"
+    payload = np.random.default_rng(7).bytes(600_000)
+    with tmpfs_at(tmp_path / "ckstore", "ro,size=4m") as ckstore:
+        job = mounted(store, "--dataset", "a", "--cache-dir", str(cache),
+                      "--ckpt-store", str(ckstore))
+        wait_staged(job)
+        (job.path / "ckpt" / "step-1.pt").write_bytes(payload)
+        assert run_dlfs("flush", job.path, "--timeout", "1").returncode == 1  # not drained
+        assert run_dlfs("umount", job.path).returncode == 0
+    tier = nodecache.ckpt_tiers(cache)
+    assert len(tier) == 1 and tier[0].undrained == 1 and not tier[0].in_use, tier
+    held = nodecache.ckpt_bytes(cache)
+    assert held >= len(payload)
+
+    limit = staged_bytes(store, "a") + staged_bytes(store, "c")  # no room for the tier too
+    mount = mounted(store, "--dataset", "c", "--cache-dir", str(cache),
+                    "--node-cache-limit", str(limit))
+    wait_staged(mount)
+    read_all(mount, "c", sources["c"])
+    uuids = {Store(store).open(n).uuid.hex(): n for n in "abc"}
+    assert sorted(uuids[d.uuid] for d in nodecache.datasets(cache)) == ["c"]  # a made room
+    assert cache_bytes(cache) + held <= limit
+    assert (tier[0].path / "tree" / "step-1.pt").read_bytes() == payload
+    assert "checkpoint tiers in" in mount.log_text()
+
+    pruned = run_dlfs("cache", "prune", "--cache-dir", cache, "--to-size", "0")
+    assert pruned.returncode == 0 and "checkpoint tiers hold" in pruned.stdout, pruned.stdout
+    assert (tier[0].path / "tree" / "step-1.pt").read_bytes() == payload
+    listed = run_dlfs("cache", "ls", "--cache-dir", cache, "--json")
+    rows = [r for r in json.loads(listed.stdout) if r["kind"] == "ckpt"]
+    assert [(r["files"], r["undrained"], r["bytes"]) for r in rows] == [(1, 1, held)]
+    assert rows[0]["store"] == str(ckstore)

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -437,3 +438,82 @@ def test_a_job_checkpoint_is_on_the_store_after_the_epilog_and_the_node_cache_is
         _assert_cleaned(site, job, SIM_NODES)
     finally:
         site.conf()
+
+
+def test_checkpoints_the_epilog_cannot_drain_stay_in_the_node_cache_until_drained_by_hand(
+        site):
+    """The checkpoint store turns read-only (a read-only bind mount of the job's
+    checkpoint dir) before the job writes its checkpoint. The epilog's `dlfs flush`
+    gives up after DLFS_CKPT_FLUSH_TIMEOUT, its line names what is left, and the job's
+    files stay in the node cache byte-exact (mount and daemon gone, nothing deleted).
+    With the store writable again, `dlfs mount` + `dlfs flush` by hand (as the README
+    says) finish the drain."""
+    node, job, store = site.cluster.host, None, None
+    site.conf(DLFS_CKPT_STORE=f"{site.base}/ckstore/%j", DLFS_CKPT_FLUSH_TIMEOUT="2")
+    payloads = {"step-3/model.pt": os.urandom(1_500_000), "extra.bin": os.urandom(5000)}
+    for rel, data in payloads.items():
+        site.out(f"ro-{rel.replace('/', '-')}").write_bytes(data)
+    ck = f"{site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME/ckpt"
+    go = site.out("ro-go")
+    try:
+        job = site.cluster.sbatch(
+            "-p", "one", "-N1", "--comment=dlfs", f"--output={site.out('%j.out')}", "--wrap",
+            f"touch {site.out('ro-ready')}.$SLURM_JOB_ID; "
+            f"while [ ! -e {go}.$SLURM_JOB_ID ]; do sleep 0.1; done; mkdir {ck}/step-3 && "
+            + " && ".join(f"cp {site.out('ro-' + rel.replace('/', '-'))} {ck}/{rel}"
+                          for rel in payloads))
+        _wait_for(site.out(f"ro-ready.{job}"), site, job)
+        store = site.base / "ckstore" / job  # the prolog made it
+        for argv in (["mount", "--bind", str(store), str(store)],
+                     ["mount", "-o", "remount,bind,ro", str(store)]):
+            made = subprocess.run(argv, capture_output=True, text=True)
+            if made.returncode:
+                pytest.skip(f"cannot make the checkpoint dir read-only here "
+                            f"({' '.join(argv)}: {made.stderr.strip()})")
+        site.out(f"ro-go.{job}").touch()
+        assert site.cluster.wait_finished(job) == "COMPLETED", \
+            site.out(f"{job}.out").read_text()
+
+        assert [x for x in site.leftovers() if x != str(store)] == [], \
+            "mount or daemon left after the epilog"
+        assert not site.mount(job, node).exists() and not site.job_dirs(job, node)[1].exists()
+        cache = site.base / "cache" / job / node
+        tree = next((cache / "ckpt").glob("*/tree"))
+        local = {p.relative_to(tree).as_posix(): p.read_bytes()
+                 for p in tree.rglob("*") if p.is_file()}
+        assert local == payloads, "the node cache lost undrained checkpoint bytes"
+        assert not any(store.iterdir()), "the read-only store got something"
+        # slurmd drops a succeeding epilog's output: the line goes to the job's daemon log
+        said = site.log(job, node).read_text()
+        line = next((ln for ln in said.splitlines() if "dlfs.epilog WARNING" in ln), "")
+        assert f"job {job} on {node}: checkpoints not drained to {store}" in line, said[-3000:]
+        assert all(rel in line for rel in payloads) and str(tree.parent) in line, line
+        assert "Read-only file system" in line, line
+
+        subprocess.run(["umount", str(store)], check=True)  # the store is writable again
+        mp = site.base / "mnt" / f"{job}-by-hand"
+        mp.mkdir(parents=True)
+        mounted = subprocess.run([*DLFS, "mount", str(mp), "--store", str(site.store),
+                                  "--cache-dir", str(cache), "--ckpt-store", str(store)],
+                                 capture_output=True, text=True, timeout=120)
+        assert mounted.returncode == 0, mounted.stderr
+        flushed = subprocess.run([*DLFS, "flush", str(mp), "--timeout", "60"],
+                                 capture_output=True, text=True, timeout=120)
+        unmounted = subprocess.run([*DLFS, "umount", str(mp)], capture_output=True, text=True,
+                                   timeout=60)
+        assert flushed.returncode == 0 and unmounted.returncode == 0, \
+            flushed.stderr + unmounted.stderr
+        assert {rel: (store / rel).read_bytes() for rel in payloads} == payloads
+    finally:
+        site.conf()
+        if job is not None:
+            site.cluster.cmd("scancel", job, check=False)
+            site.cluster.wait_finished(job)
+            if store is not None:
+                while any(mp == str(store) for mp in mounts_by_path()):
+                    subprocess.run(["umount", str(store)], capture_output=True)
+            for mp in [mp for mp in mounts_by_path() if f"/mnt/{job}" in mp]:
+                force_unmount(Path(mp))
+            shutil.rmtree(site.base / "cache" / job, ignore_errors=True)
+            shutil.rmtree(site.base / "mnt" / job, ignore_errors=True)
+            shutil.rmtree(site.base / "mnt" / f"{job}-by-hand", ignore_errors=True)

@@ -12,6 +12,14 @@ control file would need a read-write mount, and then permission checks, not
 EROFS, would answer some writes to datasets). Only root and the daemon's own
 user get an answer (SO_PEERCRED, on top of the directory's 0700).
 
+The checkpoint commands (`dlfs flush`, dlfsd.ckpt.control) are also the mount's
+`--uid` user's. A root daemon mounting for that user (the Slurm prolog) keeps the
+socket above in root's /run/dlfs, which the user cannot reach; it binds a second
+one, `dlfs.runtime.user_socket_path(mountpoint)`, owned by that user, 0600, in a
+directory only root writes to (UserSocket). The same process answers both; peers
+other than root, the daemon's user and the --uid user are refused in one line
+(SO_PEERCRED), whichever socket they came through.
+
 Protocol (version 1): the client sends one line, `start`, `stop`, `status`
 or `dump`; the daemon answers one JSON line (`{"ok": true, ...}` or
 `{"ok": false, "error": "..."}`). After the JSON line of `dump` follow
@@ -35,6 +43,8 @@ from collections.abc import Collection
 
 import numpy as np
 
+from dlfs.errors import DlfsError
+from dlfs.runtime import USER_SOCKET_DIR, make_user_socket_dir
 from dlfs.signals import stop_signals_blocked, unblock_stop_signals
 from dlfsd.lineage import die_with_parent, parent_alive
 from dlfsd.obs.observe import Observability
@@ -45,6 +55,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 REQUEST_TIMEOUT = 10.0
+REFUSAL_TIMEOUT = 1.0  # how long a refused peer's request is waited for
 _MAX_REQUEST = 8192  # a flush names a path (hex)
 
 
@@ -86,6 +97,9 @@ class ControlServer:
             log.error("no trace control (cannot listen on %s: %s)", self.path,
                       err.strerror or err)
             return self
+        user = self._user_socket()
+        if user is not None:
+            self.services.append(user)
         parent = os.getpid()
         with stop_signals_blocked():  # a SIGTERM before SIG_DFL is in must still end it
             pid = os.fork()
@@ -97,6 +111,17 @@ class ControlServer:
             service.close()  # the control process answers it
         self.pid = pid
         return self
+
+    def _user_socket(self) -> UserSocket | None:
+        """The --uid user's socket, for a root daemon with a checkpoint tier mounting for
+        another user (None otherwise, or if it cannot be made: logged)."""
+        if self.ckpt is None or self.ckpt_uid in (None, os.geteuid()) or os.geteuid() != 0:
+            return None
+        # The main socket is named KEY.sock, KEY the mountpoint's (dlfs.runtime): the
+        # user's socket has the same name in USER_SOCKET_DIR (user_socket_path).
+        service = UserSocket(str(USER_SOCKET_DIR / os.path.basename(self.path)),
+                             self.observe, self.ckpt, self.ckpt_uid)
+        return service if service.bind() else None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the control process and remove the socket."""
@@ -114,6 +139,81 @@ class ControlServer:
         with contextlib.suppress(OSError):
             if self._inode and os.stat(self.path).st_ino == self._inode:
                 os.unlink(self.path)
+        for service in self.services:
+            if isinstance(service, UserSocket):
+                service.remove()
+
+
+class UserSocket:
+    """The mount's --uid user's way to `dlfs flush` a root daemon's mount (see the module
+    doc). A service of the control process (the `services` protocol of ControlServer):
+    bound in the main process, answered in the control process."""
+
+    def __init__(self, path: str, observe: Observability, ckpt, uid: int) -> None:
+        self.path, self.observe, self.ckpt, self.uid = path, observe, ckpt, uid
+        self.sock: socket.socket | None = None
+        self._inode = 0
+
+    def bind(self) -> bool:
+        """Bind, give the socket to the user (0600), then listen: nobody else can connect
+        even before SO_PEERCRED is looked at. False (logged) if that fails: root can
+        still flush through the main socket."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            make_user_socket_dir()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # a killed daemon's
+            sock.bind(self.path)
+            os.chown(self.path, self.uid, -1)
+            os.chmod(self.path, 0o600)
+            self._inode = os.stat(self.path).st_ino
+            sock.listen(8)
+        except (OSError, DlfsError) as err:
+            sock.close()
+            log.warning("the mount's user (uid %d) cannot run `dlfs flush` (root can): no "
+                        "socket %s (%s)", self.uid, self.path,
+                        getattr(err, "strerror", None) or err)
+            self.remove()
+            return False
+        self.sock = sock
+        log.info("the mount's user (uid %d) reaches `dlfs flush` through %s", self.uid,
+                 self.path)
+        return True
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def remove(self) -> None:
+        """Remove the socket file if it is still the one we bound."""
+        with contextlib.suppress(OSError):
+            if self._inode and os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+
+    def handle(self, conn: socket.socket) -> None:
+        uid = _peer_uid(conn)
+        if uid not in (0, os.getuid(), self.uid):
+            # Its request is read (briefly: it may not hold the one-at-a-time control
+            # process) so that the answer, not a broken pipe, is what it gets.
+            conn.settimeout(REFUSAL_TIMEOUT)
+            with contextlib.suppress(OSError):
+                _read_line(conn)
+            _reply(conn, {"ok": False, "error": _ckpt_refusal(uid, self.uid)})
+            return
+        _handle(conn, self.observe, self.ckpt, self.uid)
+
+
+def _ckpt_refusal(uid: int, ckpt_uid: int | None) -> str:
+    who = f"root, the daemon's user (uid {os.getuid()})" + (
+        f" and the mount's user (uid {ckpt_uid})" if ckpt_uid is not None else "")
+    return f"permission denied: only {who} may flush this mount's checkpoints, not uid {uid}"
 
 
 def _child(sock: socket.socket, observe: Observability, parent: int,
@@ -191,8 +291,7 @@ def _handle(conn: socket.socket, observe: Observability, ckpt=None,
     command = _read_line(conn)
     if command.startswith("ckpt-"):
         if uid not in (0, os.getuid(), ckpt_uid):
-            _reply(conn, {"ok": False, "error": "permission denied: only root, the daemon's "
-                                                "and the mount's user flush checkpoints"})
+            _reply(conn, {"ok": False, "error": _ckpt_refusal(uid, ckpt_uid)})
         elif ckpt is None:
             _reply(conn, {"ok": False, "error": "this mount has no checkpoint directory "
                                                 "(mount with --ckpt-store)"})
@@ -203,8 +302,8 @@ def _handle(conn: socket.socket, observe: Observability, ckpt=None,
                 _reply(conn, {"ok": False, "error": str(err)})
         return
     if uid not in (0, os.getuid()):
-        _reply(conn, {"ok": False, "error": "permission denied: only root and the mount's "
-                                            "owner control the trace"})
+        _reply(conn, {"ok": False, "error": "permission denied: only root and the daemon's "
+                                            f"user (uid {os.getuid()}) control the trace"})
         return
     if command == "start":
         try:

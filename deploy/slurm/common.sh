@@ -13,6 +13,18 @@ NODE=${SLURMD_NODENAME:-$(hostname -s)}
 # One line on stdout: slurmd puts a failing prolog's output in its log.
 say() { echo "dlfs $DLFS_SCRIPT: job $JOB on $NODE: $*"; }
 
+# A warning an admin must see although the script succeeds (slurmd discards the
+# output of a prolog or epilog that exits 0): on stdout, appended to the job's daemon
+# log $LOG (in its format), and to syslog when there is one.
+warn() {
+    say "$*"
+    [ -d "$(dirname -- "$LOG")" ] && printf '%s dlfs.%s WARNING job %s on %s: %s\n' \
+        "$(date '+%F %T,%3N')" "$DLFS_SCRIPT" "$JOB" "$NODE" "$*" >> "$LOG"
+    command -v logger >/dev/null && logger -t dlfs -p user.warning -- \
+        "dlfs $DLFS_SCRIPT: job $JOB on $NODE: $*" 2>/dev/null
+    return 0
+}
+
 if [ ! -r "$DLFS_CONF" ]; then
     say "cannot read settings $DLFS_CONF"
     exit 1
@@ -48,7 +60,7 @@ flush_checkpoints() {
     local out
     out=$("$DLFS_BIN" flush "$MOUNT" --quiet --timeout "${DLFS_CKPT_FLUSH_TIMEOUT:-600}" \
           </dev/null 2>&1) && return 0
-    say "checkpoints not drained to $CKPT, kept in the node cache $(ckpt_tier): $(printf '%s' "$out" | tail -n 1)"
+    warn "checkpoints not drained to $CKPT, kept in the node cache $(ckpt_tier): $(printf '%s' "$out" | tail -n 1)"
     return 1
 }
 

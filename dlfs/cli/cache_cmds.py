@@ -2,7 +2,10 @@
 
 Thin: dlfs.store.nodecache knows the cache dir's layout, what each dataset
 holds, when it was last used and whether a mount uses it now; this module
-turns flags into its calls and prints one line per dataset.
+turns flags into its calls and prints one line per dataset, then one per
+checkpoint tier (docs/CKPT.md): those are never pruned (they may hold the only
+copy of a checkpoint), but their bytes count towards --to-size, as towards
+--node-cache-limit.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def register(subs: Subparsers) -> None:
         "\nDatasets are listed least recently used first. A dataset a mount uses now is "
         "never\npruned (it is shown as 'in use' and skipped). Without --store datasets "
         "show as uuids;\na uuid no dataset of the store has is an old version (re-populated "
-        "or removed).")
+        "or removed).\nCheckpoint tiers (CACHE_DIR/ckpt/, what jobs wrote into MOUNTPOINT/ckpt/ "
+        "and what\nan epilog could not drain) are listed after the datasets; they are never "
+        "pruned,\nbut their bytes count towards --to-size.")
     p.add_argument("action", choices=("ls", "prune"))
     p.add_argument("--cache-dir", type=_path, required=True, help="the node's cache dir")
     p.add_argument("--store", type=_path, help="name datasets by this store's manifests")
@@ -58,7 +63,7 @@ def _age(text: str) -> float:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from dlfs.store.nodecache import datasets
+    from dlfs.store.nodecache import ckpt_tiers, datasets
 
     root = Path(args.cache_dir)
     if not root.is_dir():
@@ -66,9 +71,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
                         "mounts use)")
     names = _names(args.store)
     found = datasets(root)
+    tiers = ckpt_tiers(root)
     if args.action == "ls":
-        return _list(found, names, args.json)
-    return _prune(found, names, args)
+        return _list(found, tiers, names, args.json)
+    return _prune(found, tiers, names, args)
 
 
 def _names(store: str | None) -> dict[str, str]:
@@ -81,20 +87,37 @@ def _names(store: str | None) -> dict[str, str]:
     return {s.open(name).uuid.hex(): name for name in s.dataset_names()}
 
 
-def _list(found, names: dict[str, str], as_json: bool) -> int:
-    rows = [{"dataset": names.get(d.uuid), "uuid": d.uuid, "chunks": d.chunks,
-             "bytes": d.bytes, "last_used": d.last_used or None, "in_use": d.in_use}
-            for d in found]
+def _list(found, tiers, names: dict[str, str], as_json: bool) -> int:
+    rows = [{"kind": "dataset", "dataset": names.get(d.uuid), "uuid": d.uuid,
+             "chunks": d.chunks, "bytes": d.bytes, "last_used": d.last_used or None,
+             "in_use": d.in_use} for d in found]
+    rows += [{"kind": "ckpt", "dataset": None, "uuid": None, "path": str(t.path),
+              "store": t.store or None, "files": t.files, "bytes": t.bytes,
+              "undrained": t.undrained, "last_used": t.last_used or None,
+              "in_use": t.in_use} for t in tiers]
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
-    if not rows:
+    if not found:
         print("no datasets cached")
-        return 0
     for d in found:
         print(_line(d, names))
-    print(f"{len(found)} datasets, {format_size(sum(d.bytes for d in found))}")
+    for t in tiers:
+        print(_tier_line(t))
+    total = f"{len(found)} datasets, {format_size(sum(d.bytes for d in found))}"
+    if tiers:
+        total += (f"; {len(tiers)} checkpoint tiers, {format_size(sum(t.bytes for t in tiers))}"
+                  " (never pruned)")
+    if found or tiers:
+        print(total)
     return 0
+
+
+def _tier_line(t) -> str:
+    undrained = ("ledger unreadable" if t.undrained is None
+                 else f"{t.undrained} not on the store" if t.undrained else "all on the store")
+    return (f"checkpoint tier {t.path} (drains to {t.store or 'unknown'}): {t.files} files "
+            f"({undrained}), {format_size(t.bytes)}" + (", in use" if t.in_use else ""))
 
 
 def _line(d, names: dict[str, str]) -> str:
@@ -105,7 +128,7 @@ def _line(d, names: dict[str, str]) -> str:
             + (", in use" if d.in_use else ""))
 
 
-def _prune(found, names: dict[str, str], args: argparse.Namespace) -> int:
+def _prune(found, tiers, names: dict[str, str], args: argparse.Namespace) -> int:
     from dlfs.store.nodecache import remove, select_for_pruning
 
     if not (args.dataset or args.older_than is not None or args.to_size is not None):
@@ -114,8 +137,13 @@ def _prune(found, names: dict[str, str], args: argparse.Namespace) -> int:
     for d in found:
         if d.in_use and ((uuids and d.uuid in uuids) or args.to_size is not None):
             print(f"skipped {_line(d, names)}")
+    held = sum(t.bytes for t in tiers)
+    if held and args.to_size is not None:
+        print(f"checkpoint tiers hold {format_size(held)} of the cache dir (never pruned; "
+              "drain them with dlfs mount + dlfs flush, docs/CKPT.md)")
     chosen = select_for_pruning(found, uuids=uuids, older_than=args.older_than,
-                                to_size=args.to_size)
+                                to_size=None if args.to_size is None
+                                else max(args.to_size - held, 0))
     freed = 0
     for d in chosen:
         if args.dry_run:

@@ -258,7 +258,8 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-cache-limit", type=_size, metavar="SIZE",
                    help="the whole cache dir, all datasets, holds at most SIZE: datasets "
                         "earlier jobs left go first, least recently used first, never one "
-                        "a running mount uses (default: no limit; Slurm: dlfs.conf "
+                        "a running mount uses; checkpoint tiers (CACHE_DIR/ckpt/) count "
+                        "but are never removed (default: no limit; Slurm: dlfs.conf "
                         "DLFS_CACHE_NODE_LIMIT)")
     g.add_argument("--stage-jobs", type=_positive, default=2,
                    help="chunks copied from the store at once (default 2)")

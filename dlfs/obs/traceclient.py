@@ -25,7 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from dlfs.errors import DlfsError
-from dlfs.runtime import control_socket_path, mountpoint_path
+from dlfs.runtime import (
+    control_socket_path,
+    mountpoint_path,
+    trusted_user_socket_dir,
+    user_socket_path,
+)
 
 CSV_VERSION = 1
 CKPT_DATASET = -2  # a write into MOUNTPOINT/ckpt/ (row: its inode in the node cache)
@@ -35,24 +40,53 @@ _TIMEOUT = 600.0  # a dump of a million records with paths takes seconds, not mi
 
 
 # -- talking to the daemon ----------------------------------------------------------
+_GONE = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR)
+
+
 def _connect(mountpoint: str) -> socket.socket:
-    path = control_socket_path(mountpoint_path(mountpoint))
+    """A connection to the daemon of `mountpoint`: its control socket in our runtime
+    directory (a daemon we started), else the socket a root daemon keeps for the
+    mount's --uid user (`dlfs flush` on a Slurm prolog's mount; dlfs.runtime
+    USER_SOCKET_DIR), trusted only in a directory only root may write to."""
+    canonical = mountpoint_path(mountpoint)
+    path = control_socket_path(canonical)
+    try:
+        return _open(path)
+    except OSError as err:
+        if err.errno not in _GONE:
+            raise DlfsError(f"cannot reach the daemon of {mountpoint}: {err.strerror}") from None
+    user_path = user_socket_path(canonical)
+    if trusted_user_socket_dir():
+        try:
+            return _open(user_path)
+        except OSError as err:
+            if err.errno in (errno.EACCES, errno.EPERM):
+                raise DlfsError(f"permission denied: the DLFS daemon of {mountpoint} answers "
+                                f"root and the mount's user only (its socket {user_path} is "
+                                "not yours)") from None
+            if err.errno not in _GONE:
+                raise DlfsError(f"cannot reach the daemon of {mountpoint}: "
+                                f"{err.strerror}") from None
+    raise DlfsError(f"no DLFS daemon of yours serves {mountpoint} (no control socket {path} "
+                    f"nor {user_path}; mount it with `dlfs mount` as this user)")
+
+
+def _open(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(_TIMEOUT)
     try:
         sock.connect(str(path))
-    except OSError as err:
+    except OSError:
         sock.close()
-        if err.errno in (errno.ENOENT, errno.ECONNREFUSED):
-            raise DlfsError(f"no DLFS daemon of yours serves {mountpoint} (no control socket "
-                            f"{path}; mount it with `dlfs mount` as this user)") from None
-        raise DlfsError(f"cannot reach the daemon of {mountpoint}: {err.strerror}") from None
+        raise
     return sock
 
 
 def _request(sock: socket.socket, command: str) -> tuple[dict, bytes]:
     """Send one command; return the JSON reply and whatever bytes followed it."""
-    sock.sendall(command.encode() + b"\n")
+    # A daemon that refused and closed first has left its line for us to read.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        sock.sendall(command.encode() + b"\n")
     data = b""
     while b"\n" not in data:
         chunk = sock.recv(1 << 20)

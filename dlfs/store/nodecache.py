@@ -12,6 +12,13 @@ small files in it say the rest:
   it runs (released by the kernel however the daemon ends). Pruning takes the
   exclusive lock without waiting, so it never removes copies a mount uses,
   and a mount starting meanwhile waits the moment the removal takes.
+
+Checkpoint tiers (`ckpt/<key>/`, dlfsd.ckpt.tier, docs/CKPT.md) share the cache
+dir: the local copies of what jobs wrote into MOUNTPOINT/ckpt/, and what an
+epilog could not drain to the checkpoint store stays there for an admin. They
+are never pruned, by `dlfs cache prune` or by --node-cache-limit (the only copy
+of a checkpoint may be there), but they take room on the disk: both count the
+bytes they hold (`ckpt_tiers`), so chunk copies make way for them.
 """
 
 from __future__ import annotations
@@ -21,12 +28,17 @@ import fcntl
 import os
 import re
 import shutil
+import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlfs.runtime import daemon_configs
+
 LAST_USED = ".last-used"
 IN_USE = ".in-use"
+CKPT_DIR = "ckpt"  # dlfsd.ckpt.tier.TIER_DIR
 _UUID_DIR = re.compile(r"[0-9a-f]{32}")
 
 
@@ -136,3 +148,100 @@ def select_for_pruning(found: list[CachedDataset], *, uuids: set[str] | None = N
                 chosen.append(d)
                 left -= d.bytes
     return chosen
+
+
+@dataclass(frozen=True)
+class CkptTier:
+    """A checkpoint tier in a cache dir (never pruned: see the module doc)."""
+
+    path: Path  # CACHE_DIR/ckpt/<key>
+    store: str  # the checkpoint store it drains to ("" if its `store` file is gone)
+    files: int
+    bytes: int  # on disk, its database too (an evicted file is a hole: it takes nothing)
+    undrained: int | None  # files whose bytes the store lacks; None: no readable ledger
+    last_used: float  # newest mtime in it (epoch seconds)
+    in_use: bool  # a live daemon on this node mounts it
+
+
+def ckpt_tiers(root: Path) -> list[CkptTier]:
+    """Every checkpoint tier under cache dir `root`, least recently used first."""
+    try:
+        entries = [e for e in os.scandir(root / CKPT_DIR) if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    mounted = _mounted_ckpt_stores(root)
+    found = [_describe_tier(Path(e.path), mounted) for e in entries]
+    return sorted(found, key=lambda t: (t.last_used, t.path.name))
+
+
+def ckpt_bytes(root: Path) -> int:
+    """What the checkpoint tiers under `root` take on disk (a walk; no ledger, no
+    process table: what --node-cache-limit needs at every mount)."""
+    return _disk_bytes(root / CKPT_DIR)
+
+
+def _disk_bytes(top: Path) -> int:
+    """Blocks the regular files under `top` take (an evicted checkpoint is a hole)."""
+    total = 0
+    for directory, _, names in os.walk(top):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(directory, name))
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_blocks * 512
+    return total
+
+
+def _describe_tier(path: Path, mounted: set[str]) -> CkptTier:
+    try:
+        store = (path / "store").read_text().strip()
+    except OSError:
+        store = ""
+    tree = os.fsencode(path / "tree")
+    newest = 0.0
+    seen: dict[int, tuple[int, int, bytes]] = {}  # the tree's files
+    for directory, _, names in os.walk(tree):
+        for name in names:
+            full = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(full)
+                if stat.S_ISREG(st.st_mode):
+                    newest = max(newest, st.st_mtime)
+                    seen[st.st_ino] = (st.st_size, st.st_mtime_ns, full[len(tree) + 1:])
+    return CkptTier(path, store, len(seen), _disk_bytes(path),
+                    _undrained(path / "state.db", seen), newest,
+                    bool(store) and store in mounted)
+
+
+def _undrained(db: Path, files: dict[int, tuple[int, int, bytes]]) -> int | None:
+    """How many of `files` (ino -> size, mtime_ns, relative path) the store lacks, by
+    the tier's ledger (dlfsd.ckpt.state's `drained` table; the drain's own rule in
+    dlfsd.ckpt.drain.scan: a file whose size, mtime or path differs is not drained)."""
+    if not files:
+        return 0
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return None
+    try:
+        ledger = {ino: (size, mtime, bytes(rel)) for ino, size, mtime, rel in
+                  conn.execute("SELECT ino, size, mtime_ns, relpath FROM drained")}
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+    return sum(1 for ino, row in files.items() if ledger.get(ino) != row)
+
+
+def _mounted_ckpt_stores(root: Path) -> set[str]:
+    """Real paths of the checkpoint stores live daemons on this node mount with cache
+    dir `root` (from the process table: taking a tier's lock to look could make a
+    mount starting at that moment fail)."""
+    real_root = os.path.realpath(root)
+    found = set()
+    for _, config in daemon_configs():
+        cache, store = config.get("cache_dir"), config.get("ckpt_store")
+        if isinstance(cache, str) and isinstance(store, str) \
+                and os.path.realpath(cache) == real_root:
+            found.add(os.path.realpath(store))
+    return found
