@@ -169,10 +169,13 @@ def flush_seconds(mp: Path) -> float:
     return time.monotonic() - started
 
 
-def cp_seconds(source: Path, target_dir: Path, rate: int) -> tuple[float, float]:
-    """(cp + sync seconds, the same under the rate limit)."""
+def cp_seconds(source: Path, target_dir: Path, rate: int,
+               settled: bool = True) -> tuple[float, float]:
+    """(cp + sync seconds, the same under the rate limit); `settled`: sync first (the
+    source's writeback is not cp's), else cp starts while it runs, as the drain does."""
     target_dir.mkdir(parents=True, exist_ok=True)
-    sync()
+    if settled:
+        sync()
     started = time.monotonic()
     subprocess.run(["cp", str(source), str(target_dir / source.name)], check=True)
     sync()
@@ -216,7 +219,8 @@ def one_round(work: Path, args, kinds, paths, rnd: int, res: dict) -> None:
                     res.setdefault(f"{kind}-drain", []).append(nbytes / drained)
                     line += f"; drain {drained:6.2f} s ({nbytes / drained / 2**20:6.1f} MiB/s)"
                 elif where == "local":  # cp right after the write, as the drain runs
-                    t_cp, t_cp_paced = cp_seconds(path, work / "cp-target", args.store_rate)
+                    t_cp, t_cp_paced = cp_seconds(path, work / "cp-target", args.store_rate,
+                                                  settled=False)
                     res.setdefault(f"{kind}-cp", []).append(path.stat().st_size / t_cp_paced)
                     line += (f"; cp + sync {t_cp:5.2f} s, throttled "
                              f"{path.stat().st_size / t_cp_paced / 2**20:6.1f} MiB/s")
