@@ -230,3 +230,53 @@ def test_a_placeholder_a_crash_left_is_removed_at_the_next_mount_not_drained(
     flush(again)
     assert sorted(os.listdir(tmp_path / "ckstore")) == ["real"]
     assert not os.path.exists(os.path.join(tree, b".model.pt.dlfs-adopt-0a1b2c3d"))
+
+
+def replace_on_store(path: Path, data: bytes) -> None:
+    """As another node's drain does: a new file renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.dlfs-drain-otherhost-00000000")
+    tmp.write_bytes(data)
+    os.rename(tmp, path)
+
+
+def test_a_copy_replaced_on_the_store_is_opened_new_at_once_and_never_read_mixed(
+        mounted, small_store, tmp_path):
+    store = tmp_path / "ckstore"
+    store.mkdir()
+    old = os.urandom(1 << 20)
+    (store / "adopted").write_bytes(old)
+    m = node(mounted, small_store, tmp_path, "a")
+    ck = m.path / "ckpt"
+    (ck / "drained").write_bytes(old)
+    flush(m)
+
+    # An open right after the kernel checked the entry (within its 1 s) still gets the
+    # store's new version, with its own size: the stale open is answered ESTALE and the
+    # kernel looks the path up again.
+    for name in ("adopted", "drained"):
+        assert (ck / name).read_bytes() == old
+        new = os.urandom(300_000)
+        os.stat(ck / name)
+        replace_on_store(store / name, new)
+        assert (ck / name).read_bytes() == new, name
+        assert os.stat(ck / name).st_size == len(new)
+
+    # A file open while its store copy is replaced reads the version it opened, or
+    # fails (ESTALE), never the new one's bytes.
+    (store / "open").write_bytes(old)
+    fd = os.open(ck / "open", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == old[:4096]
+        replace_on_store(store / "open", os.urandom(len(old)))
+        os.stat(ck / "open")  # a lookup elsewhere notices the new version
+        time.sleep(KERNEL_CACHE + 0.2)
+        os.stat(ck / "open")
+        for offset in range(0, len(old), 64 << 10):
+            try:
+                got = os.pread(fd, 64 << 10, offset)
+            except OSError as err:
+                assert err.errno in (errno.ESTALE, errno.ENOENT), err
+                continue
+            assert got == old[offset:offset + (64 << 10)], offset
+    finally:
+        os.close(fd)

@@ -188,17 +188,26 @@ class CkptTree:
         self._keep(ino, fd)
         return fd
 
-    def _store_fd(self, ino: int) -> int:
-        relpath = self.state.drained_at(ino)
-        if relpath is None:
+    def _store_fd(self, ino: int, check: bool = True) -> int:
+        """A descriptor of the store's copy of evicted file `ino`; with `check`, of the
+        copy this node saw (ESTALE if another node's has replaced it since: a read must
+        never mix versions, nor read a new one under the old one's size)."""
+        row = self.state.tracking(ino)
+        if row is None:
             raise PosixError(errno.EIO, "evicted checkpoint file without a store copy")
         try:
-            return os.open(self.tier.store_path(relpath), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:  # removed on the store (by another node): so it is here
-            raise PosixError(errno.ENOENT, "the store's copy is gone") from None
+            fd = os.open(self.tier.store_path(row.relpath), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # removed on the store (by another node)
+            raise PosixError(errno.ESTALE, "the store's copy is gone") from None
         except OSError as err:
             raise PosixError(errno.EIO, f"the store's copy of an evicted checkpoint file: "
                                         f"{err.strerror}") from None
+        if check and row.seen is not None:
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns, st.st_ino) != row.seen:
+                os.close(fd)
+                raise PosixError(errno.ESTALE, "the store's copy was replaced")
+        return fd
 
     def _restore(self, ino: int, path: bytes) -> None:
         """An evicted file is written again: copy the store's bytes back first."""
@@ -206,7 +215,7 @@ class CkptTree:
             if not self.state.is_evicted(ino):
                 return  # another process did
             ledger = self.state.ledger().get(ino)
-            source = self._store_fd(ino)
+            source = self._store_fd(ino, check=False)  # what the store holds now
             try:
                 target = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
                 try:
@@ -408,7 +417,14 @@ class CkptTree:
                 return st
             if store_st is None and not self.tier.store_reachable():
                 return st  # a store not mounted looks empty: not a removal
-            self._remove_copy(path, st)  # changed or gone on the store
+            if store_st is not None and not stat.S_ISDIR(st.st_mode) \
+                    and stat.S_IFMT(store_st.st_mode) == stat.S_IFMT(st.st_mode):
+                # A new version: its placeholder is made before the old copy goes, so
+                # it has another inode number (another node id: nothing the kernel
+                # cached, nor a descriptor open on the old one, reads it as the old).
+                return self._adopt(parent & ~CKPT_BIT, directory, name, relpath, store_st,
+                                   replacing=st)
+            self._remove_copy(path, st)  # gone on the store, or another kind now
             st = _lstat_or_none(path)
             if st is not None:
                 return st  # a directory still holding this node's own files
@@ -417,11 +433,13 @@ class CkptTree:
         return self._adopt(parent & ~CKPT_BIT, directory, name, relpath, store_st)
 
     def _adopt(self, parent_ino: int, directory: bytes, name: bytes, relpath: bytes,
-               store_st: os.stat_result) -> os.stat_result | None:
+               store_st: os.stat_result,
+               replacing: os.stat_result | None = None) -> os.stat_result | None:
         """A placeholder of the store's entry at `relpath`: made under a hidden name,
-        recorded (drained; a file also evicted), then linked to `name`. In that order,
-        a crash never leaves a named hole the state does not know (the drain would copy
-        it over the store's bytes). A directory's entries are adopted when looked up."""
+        recorded (drained; a file also evicted), then linked to `name` (or renamed over
+        `replacing`, the local copy of an older version). In that order, a crash never
+        leaves a named hole the state does not know (the drain would copy it over the
+        store's bytes). A directory's entries are adopted when looked up."""
         tmp = os.path.join(directory, adopt_name(name))
         path = os.path.join(directory, name)
         kind = stat.S_IFMT(store_st.st_mode)
@@ -445,7 +463,10 @@ class CkptTree:
             self.state.adopt(st.st_ino, parent_ino, name, st.st_size, st.st_mtime_ns, relpath,
                              kind == stat.S_IFREG,
                              (store_st.st_size, store_st.st_mtime_ns, store_st.st_ino))
-            _link_into_place(tmp, path, kind == stat.S_IFDIR)
+            if replacing is None:
+                _link_into_place(tmp, path, kind == stat.S_IFDIR)
+            else:
+                os.rename(tmp, path)
         except BaseException as err:
             with contextlib.suppress(OSError):
                 os.rmdir(tmp) if kind == stat.S_IFDIR else os.unlink(tmp)
@@ -454,6 +475,10 @@ class CkptTree:
                 return _lstat_or_none(path)  # made here meanwhile: it wins
             raise
         self._paths[st.st_ino] = path
+        if replacing is not None:
+            self.state.forget(replacing.st_ino)
+            self.tier.bump_epoch()  # every process drops its descriptors of the old one
+            self._drop_fd(replacing.st_ino)
         return os.lstat(path)
 
     def _remove_copy(self, path: bytes, st: os.stat_result) -> None:
@@ -490,7 +515,7 @@ class CkptTree:
         relpath = self.tier.relpath(directory)
         try:
             with os.scandir(self.tier.store_path(relpath)) as listing:
-                on_store = {e.name: e for e in listing if not is_drain_temporary(e.name)}
+                on_store = {e.name: e for e in listing if not _hidden(e.name)}
         except (FileNotFoundError, NotADirectoryError):
             on_store = {}
         except OSError as err:
@@ -703,15 +728,39 @@ class CkptTree:
         """An open the daemon answers: O_TRUNC is done here (the kernel leaves it to us)."""
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
         if writing:
-            # Pending from the open on: a file about to be written no longer follows the
-            # store (a lookup elsewhere must not replace it by another node's copy).
-            self._mark_pending(nodeid & ~CKPT_BIT)
-        if writing and flags & os.O_TRUNC:
-            self._unevict_truncated(nodeid)
+            if flags & os.O_TRUNC:
+                self._unevict_truncated(nodeid)
+            if not self.state.is_evicted(nodeid & ~CKPT_BIT):  # else _restore does it
+                # Pending from the open on: a file about to be written no longer
+                # follows the store (a lookup elsewhere must not replace it by another
+                # node's copy).
+                self._mark_pending(nodeid & ~CKPT_BIT)
+        else:
+            self._check_current(nodeid)
         fd = self._fd(nodeid, writing=writing)
         if flags & os.O_TRUNC:
             os.ftruncate(fd, 0)
             self._touch(nodeid & ~CKPT_BIT)
+
+    def _check_current(self, nodeid: int) -> None:
+        """A read-only open of a copy of the store's file (placeholder, or drained and
+        unchanged) whose store copy changed or went since this node looked: ESTALE,
+        upon which the kernel looks the path up again (LOOKUP_REVAL: our lookup then
+        adopts the new version under a new inode) and opens that. Without it an open
+        within the kernel's entry timeout would get the old version."""
+        path, st = self._resolve(nodeid)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        relpath = self.tier.relpath(path)
+        row = self.state.tracking(st.st_ino)
+        if not _is_copy(row, st, relpath):
+            return
+        store_st, ok = self._store_entry(relpath)
+        if not ok or (store_st is not None and _same_copy(row, st.st_mode, store_st)):
+            return
+        if store_st is None and not self.tier.store_reachable():
+            return
+        raise PosixError(errno.ESTALE, "the store's copy changed")
 
     def _unevict_truncated(self, nodeid: int) -> None:
         """An evicted file opened with O_TRUNC: nothing to copy back."""
@@ -776,7 +825,13 @@ _ADOPTABLE = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK)
 def _adoptable(name: bytes, store_st: os.stat_result) -> bool:
     """A store entry `ckpt/` shows: files, directories, symlinks; never a copy in
     progress (a drain's hidden temporary) nor a special file."""
-    return stat.S_IFMT(store_st.st_mode) in _ADOPTABLE and not is_drain_temporary(name)
+    return stat.S_IFMT(store_st.st_mode) in _ADOPTABLE and not _hidden(name)
+
+
+def _hidden(name: bytes) -> bool:
+    """A store name `ckpt/` never shows: a drain's temporary, or one it would take for
+    a placeholder being made."""
+    return is_drain_temporary(name) or is_adopt_temporary(name)
 
 
 def _is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
