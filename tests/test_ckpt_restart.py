@@ -127,6 +127,10 @@ def test_a_checkpoint_flushed_on_node_a_is_listed_stat_read_changed_and_removed_
     assert not os.path.lexists(os.path.join(cb, b".model.pt.dlfs-drain-otherhost-0a1b2c3d"))
     os.unlink(hidden)
     os.unlink(os.path.join(store, b"fifo"))
+    for reserved in (b".x.dlfs-drain-host-1", b".dlfs-adopt-1"):  # the tier's own names
+        with pytest.raises(OSError) as err:
+            open(os.path.join(cb, reserved), "wb").close()
+        assert err.value.errno == errno.EINVAL
 
     # B overwrites the model and changes one byte of a shard: drained as B's versions
     new_model = os.urandom(1 << 20)

@@ -11,7 +11,7 @@ and dlfsd.ckpt.tree).
 
 Hidden temporary names (never shown under `ckpt/`): `.NAME.dlfs-drain-HOST-RANDOM`
 on the store (a drain, or a symlink mirrored, before its rename into place) and
-`.NAME.dlfs-adopt-RANDOM` in the local tree (a placeholder of a store entry before
+`.dlfs-adopt-RANDOM` in the local tree (a placeholder of a store entry before
 its state is recorded; a crash leaves one behind, removed at the next open).
 """
 
@@ -33,7 +33,7 @@ from dlfsd.ckpt.state import CkptState
 
 TIER_DIR = "ckpt"
 TMP_MARK = b".dlfs-drain-"  # store: `.NAME.dlfs-drain-HOST-RANDOM`
-ADOPT_MARK = b".dlfs-adopt-"  # local tree: `.NAME.dlfs-adopt-RANDOM`
+ADOPT_MARK = b".dlfs-adopt-"  # local tree: `.dlfs-adopt-RANDOM`
 
 
 def tmp_name(name: bytes) -> bytes:
@@ -43,8 +43,9 @@ def tmp_name(name: bytes) -> bytes:
     return b"." + name + TMP_MARK + host + b"-" + secrets.token_hex(4).encode()
 
 
-def adopt_name(name: bytes) -> bytes:
-    return b"." + name + ADOPT_MARK + secrets.token_hex(4).encode()
+def adopt_name() -> bytes:
+    """A hidden local name for a placeholder being made (short: any name fits beside)."""
+    return ADOPT_MARK + secrets.token_hex(4).encode()
 
 
 def is_drain_temporary(name: bytes) -> bool:

@@ -78,7 +78,9 @@ def _attr(ino: int, st: os.stat_result) -> Attr:
 
 
 def _checked_name(name: bytes) -> bytes:
-    if not name or b"/" in name or name in (b".", b".."):
+    """A name of one entry, not one of the tier's hidden temporaries (reserved: the
+    store's are never shown, the local ones are removed at the next mount)."""
+    if not name or b"/" in name or name in (b".", b"..") or _hidden(name):
         raise PosixError(errno.EINVAL, repr(name))
     return name
 
@@ -223,6 +225,7 @@ class CkptTree:
                     while chunk := os.pread(source, 4 << 20, offset):
                         os.pwrite(target, chunk, offset)
                         offset += len(chunk)
+                    os.ftruncate(target, offset)  # another node's copy may be shorter
                     os.fsync(target)
                 finally:
                     os.close(target)
@@ -281,8 +284,6 @@ class CkptTree:
         when the name is missing here, or is a file or symlink that is only a copy of
         the store's (to follow it); none for a directory or a file written here."""
         directory, path = self._child(parent, name)
-        if is_adopt_temporary(name):
-            raise PosixError(errno.ENOENT, "lookup")
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -440,7 +441,7 @@ class CkptTree:
         `replacing`, the local copy of an older version). In that order, a crash never
         leaves a named hole the state does not know (the drain would copy it over the
         store's bytes). A directory's entries are adopted when looked up."""
-        tmp = os.path.join(directory, adopt_name(name))
+        tmp = os.path.join(directory, adopt_name())
         path = os.path.join(directory, name)
         kind = stat.S_IFMT(store_st.st_mode)
         times = (store_st.st_atime_ns, store_st.st_mtime_ns)
