@@ -18,10 +18,17 @@ one does (microseconds); on a parallel file system each is a metadata round trip
 --write-only measures `miss` and `create` alone: what runs on code before the union
 too (check out its daemon/ckpt/ to compare).
 
+--in-process times CkptTree.lookup itself, without FUSE (a Tier and a CkptTree in
+this process, as a worker has them), --names calls each per round: a name missing
+here and on the store; a file written here and not drained; a drained file (a copy
+of the store's, checked against it). The FUSE round trip and the kernel are out of
+it, so the difference between code versions shows above the noise of a shared VM.
+
 examples (from the repository root, as root):
   .venv/bin/python bench/ckpt_restart.py --quick
   .venv/bin/python bench/ckpt_restart.py --rounds 5 --names 2000 --size 512M
   .venv/bin/python bench/ckpt_restart.py --rounds 5 --write-only
+  .venv/bin/python bench/ckpt_restart.py --rounds 5 --in-process --names 20000
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from _common import (
@@ -53,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="names looked up / files created and listed (default 1000)")
     p.add_argument("--size", type=size_arg, default=256 << 20,
                    help="bytes of the checkpoint read back (default 256M)")
+    p.add_argument("--in-process", action="store_true",
+                   help="time CkptTree.lookup in this process (no FUSE)")
     p.add_argument("--write-only", action="store_true",
                    help="only `miss` and `create` (they run on code before the union too)")
     args = p.parse_args(argv)
@@ -134,8 +144,65 @@ def one_round(work: Path, args, rnd: int, res: dict[str, list[float]]) -> None:
             res[f"read on {where} (MiB/s)"].append(args.size / seconds / (1 << 20))
 
 
+def in_process_round(work: Path, names: int, rnd: int, res: dict[str, list[float]]) -> None:
+    from dlfsd.ckpt.drain import Drainer, scan
+    from dlfsd.ckpt.tier import Tier
+    from dlfsd.ckpt.tree import CkptTree
+
+    tier = Tier(str(work / f"cache{rnd}"), str(work / f"ckstore{rnd}"))
+    try:
+        tree = CkptTree(tier)
+        root = tree.root_nodeid
+        written = tree.create(root, b"written", 0, 0o644)
+        tree.release(written.ino)
+        drained = tree.create(root, b"drained", 0, 0o644)
+        tree.write(drained.ino, 0, b"x" * 4096)
+        tree.release(drained.ino)
+        drainer = Drainer(tier, jobs=1)
+        drainer.start()
+        try:
+            deadline = time.monotonic() + 30
+            while tier.state.drained_at(drained.ino & ~(1 << 63)) is None \
+                    or tier.state.is_pending(drained.ino & ~(1 << 63)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the drain did not finish")
+                time.sleep(0.05)
+        finally:
+            drainer.stop()
+        tree.open(written.ino, os.O_WRONLY)  # pending again: written here, not drained
+        scan(tier)
+
+        def lookups(name: bytes, found: bool) -> None:
+            for _ in range(names):
+                try:
+                    tree.lookup(root, name)
+                except Exception:
+                    if found:
+                        raise
+                else:
+                    if not found:
+                        raise AssertionError(name)
+
+        for label, name, found in (("missing here and on the store", b"missing", False),
+                                   ("a file written here, not drained", b"written", True),
+                                   ("a drained file (a copy)", b"drained", True)):
+            res[f"lookup: {label} (us)"].append(
+                timed(lambda n=name, f=found: lookups(n, f)) / names * 1e6)
+    finally:
+        tier.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.in_process:
+        with workdir(args.workdir, args.keep, "ckpt-restart") as work:
+            res: dict[str, list[float]] = defaultdict(list)
+            for rnd in range(args.rounds):
+                in_process_round(work, args.names, rnd, res)
+            rows = [(k, min(v), median(v), max(v)) for k, v in res.items()]
+            print_table(["CkptTree.lookup", "min", "median", "max"], rows,
+                        title=f"{args.rounds} rounds of {args.names} calls, no FUSE")
+        return 0
     with workdir(args.workdir, args.keep, "ckpt-restart") as work:
         source = work / "src"
         source.mkdir()

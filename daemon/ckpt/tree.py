@@ -154,8 +154,11 @@ class CkptTree:
 
     def _learn(self, parent: int, parent_path: bytes, name: bytes,
                st: os.stat_result) -> Attr:
-        """Record entry `name` of directory node `parent` (so any process finds it)."""
-        self.state.remember(st.st_ino, parent & ~CKPT_BIT, name)
+        """Record entry `name` of directory node `parent` (so any process finds it): a
+        read first, a write only if the row differs (a lookup of a known entry then
+        commits nothing to the database)."""
+        if self.state.where(st.st_ino) != (parent & ~CKPT_BIT, name):
+            self.state.remember(st.st_ino, parent & ~CKPT_BIT, name)
         self._paths[st.st_ino] = os.path.join(parent_path, name)
         return _attr(st.st_ino, st)
 
