@@ -121,3 +121,34 @@ def test_torch_save_and_three_rank_dcp_reach_the_store_byte_identical_and_load_b
     dcp.load(target, checkpoint_id=str(store / "step-42"))
     assert torch.equal(target["weights"], full)
     assert int(target["step"]) == 42
+
+
+def test_torch_save_on_one_node_loads_with_torch_load_on_another(mounted, small_store,
+                                                                 tmp_path):
+    """Restart on another node: two mounts with their own node cache and one checkpoint
+    store; node B loads what node A saved and flushed, through its own mount."""
+    store = tmp_path / "ckstore"
+    a, b = (mounted(small_store, "--cache-dir", str(tmp_path / f"cache-{n}"),
+                    "--ckpt-store", str(store)) for n in "ab")
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 256)).sum().backward()
+    optimizer.step()
+    assert not os.path.exists(b.path / "ckpt" / "run" / "step-10.pt")  # B looks first
+    (a.path / "ckpt" / "run").mkdir()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": 10}, a.path / "ckpt" / "run" / "step-10.pt")
+    result = run_dlfs("flush", a.path, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+    assert os.listdir(b.path / "ckpt" / "run") == ["step-10.pt"]
+    loaded = torch.load(b.path / "ckpt" / "run" / "step-10.pt", weights_only=True)
+    assert loaded["step"] == 10
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded["model"][key], value), key
+    restored = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    restored.load_state_dict(loaded["optimizer"])
+    momentum = next(iter(restored.state.values()))["momentum_buffer"]
+    assert torch.equal(momentum, next(iter(optimizer.state.values()))["momentum_buffer"])

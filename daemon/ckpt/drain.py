@@ -25,8 +25,6 @@ import ctypes
 import errno
 import logging
 import os
-import secrets
-import socket
 import stat
 import threading
 import time
@@ -34,7 +32,7 @@ import time
 import xxhash
 
 from dlfsd.ckpt.nodeids import CKPT_BIT
-from dlfsd.ckpt.tier import Tier
+from dlfsd.ckpt.tier import TMP_MARK, Tier, is_adopt_temporary, tmp_name
 from dlfsd.ckpt.tree import CkptTree
 
 log = logging.getLogger("dlfsd")
@@ -61,16 +59,10 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 SCAN_EVERY = 5.0  # seconds between scans of the tree for files nobody queued
 IDLE = 2.0  # seconds without a write after which an open file is drained anyway
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0
-TMP_MARK = b".dlfs-drain-"
 RATE_WINDOW = 10.0  # seconds the drain rate is averaged over
 LIMIT_EVERY = 1.0  # seconds between checks of --ckpt-limit
 LOW_WATER = 0.9  # eviction under --ckpt-limit goes down to this share of it
 EVICT_GRACE = 0.05  # without an open-files table: from "drop your copy" to emptying it
-
-
-def tmp_name(name: bytes) -> bytes:
-    host = socket.gethostname().encode(errors="replace").replace(b".", b"_")[:32]
-    return b"." + name + TMP_MARK + host + b"-" + secrets.token_hex(4).encode()
 
 
 class DrainStats:
@@ -137,6 +129,7 @@ class Drainer:
         self.open_files = open_files
         self.passthrough = False  # set once the kernel granted it (dlfsd.main)
         self.owner = owner
+        tier.owner = owner  # the tree makes directories and symlinks on the store too
         self.limit, self.keep = limit, keep
         self.local_bytes = 0
         self.evicted_files = 0
@@ -298,8 +291,8 @@ class Drainer:
             self.state.drop_pending(ino)  # removed meanwhile
             return
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            self.state.drop_pending(ino)
+        if not stat.S_ISREG(st.st_mode) or self.state.is_evicted(ino):
+            self.state.drop_pending(ino)  # an evicted file's local copy is a hole
             return
         if self._written_lately(ino, st):
             return
@@ -326,6 +319,11 @@ class Drainer:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                if not os.path.isdir(os.path.dirname(path)):
+                    # Its directory was removed meanwhile (`rm -r`, whose rmdir left the
+                    # store's directory to us: it held only this temporary then).
+                    with contextlib.suppress(OSError):
+                        os.rmdir(target_dir)
         self.stats.drained(st.st_size)
         if self.stats.failing_since is not None:
             log.info("checkpoint drain to %s works again", self.tier.store)
@@ -373,20 +371,16 @@ class Drainer:
         if self.owner is not None:
             os.chown(tmp, *self.owner)
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        copy = os.lstat(tmp)  # as the store keeps it (its timestamps may be coarser)
         os.rename(tmp, target)
         _fsync_dir(os.path.dirname(target))
-        self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, relpath)
+        self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, relpath,
+                        (copy.st_size, copy.st_mtime_ns, copy.st_ino))
         return True
 
     def _makedirs(self, directory: bytes) -> None:
         """The store's directories of a file, made (and given to `owner`) if missing."""
-        if os.path.isdir(directory):
-            return
-        self._makedirs(os.path.dirname(directory))
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, 0o755)
-            if self.owner is not None:
-                os.chown(directory, *self.owner)
+        self.tier.makedirs_on_store(directory)
 
     def _copy(self, source: bytes, tmp: bytes, size: int) -> int:
         """Copy `source` to `tmp` (paced to --drain-bandwidth);
@@ -517,9 +511,11 @@ def newest_mtime(path: bytes) -> int:
 def scan(tier: Tier, under: bytes | None = None, force: bool = False) -> list[int]:
     """Record every entry of the tree (under `under`) in the node table, and queue the
     files whose local bytes are not on the store yet (by the ledger). Returns their
-    inodes. With `force` they are drained now, closed or not (`dlfs flush`)."""
+    inodes. With `force` they are drained now, closed or not (`dlfs flush`). Evicted
+    files and placeholders of the store's entries have no local bytes to drain."""
     state = tier.state
     ledger = state.ledger()
+    evicted = state.evicted()
     top = tier.tree_bytes if under is None else os.path.join(tier.tree_bytes, under)
     rows, dirty, stamps = [], [], []
     for directory, dirs, files in os.walk(top):
@@ -527,13 +523,16 @@ def scan(tier: Tier, under: bytes | None = None, force: bool = False) -> list[in
             parent = os.lstat(directory).st_ino
         except OSError:
             continue
+        dirs[:] = [d for d in dirs if not is_adopt_temporary(d)]
         for name in dirs + files:
+            if is_adopt_temporary(name):
+                continue  # a placeholder being made (dlfsd.ckpt.tree)
             try:
                 st = os.lstat(os.path.join(directory, name))
             except OSError:
                 continue
             rows.append((st.st_ino, parent, name))
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) and st.st_ino not in evicted:
                 rel = tier.relpath(os.path.join(directory, name))
                 if ledger.get(st.st_ino) != (st.st_size, st.st_mtime_ns, rel):
                     dirty.append(st.st_ino)

@@ -17,8 +17,18 @@ Tables:
                                  a sparse file of the same size, mtime and inode; reads go
                                  to the store's copy, a write first copies it back
   drained(ino, size, mtime_ns, relpath, drained_ns)
-                                 what the store holds of each local file (the ledger:
-                                 a file whose size, mtime or path differs is dirty)
+                                 what the store holds of each local entry (the ledger:
+                                 a file whose size, mtime or path differs is dirty); also
+                                 the directories and symlinks mirrored on the store
+  seen(ino, size, mtime_ns, store_ino)
+                                 the store's copy as this node last saw it (its own stat:
+                                 a store with coarser timestamps, or another node's newer
+                                 copy renamed over it, is told apart from the ledger)
+
+A placeholder of a store entry (dlfsd.ckpt.tree: an entry another node drained, or
+this node's drained and evicted file) is a ledger row, an `evicted` row (files) and a
+`seen` row: the same state an eviction leaves, so reads go to the store's copy and a
+write copies it back first.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import os
 import sqlite3
 import threading
 import time
+from typing import NamedTuple
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes(ino INTEGER PRIMARY KEY, parent INTEGER NOT NULL,
@@ -39,7 +50,32 @@ CREATE TABLE IF NOT EXISTS evicted(ino INTEGER PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS drained(ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
                                    mtime_ns INTEGER NOT NULL, relpath BLOB NOT NULL,
                                    drained_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS seen(ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
+                                mtime_ns INTEGER NOT NULL, store_ino INTEGER NOT NULL);
 """
+_TABLES = ("nodes", "pending", "drained", "evicted", "seen")
+_TRACKING = ("SELECT d.ino, d.size, d.mtime_ns, d.relpath, e.ino IS NOT NULL, "
+             "p.ino IS NOT NULL, s.size, s.mtime_ns, s.store_ino FROM drained d "
+             "LEFT JOIN evicted e ON e.ino=d.ino LEFT JOIN pending p ON p.ino=d.ino "
+             "LEFT JOIN seen s ON s.ino=d.ino WHERE d.ino")
+_MANY = 500  # inodes per query (SQLite bounds the number of parameters)
+
+
+class Tracking(NamedTuple):
+    """What the state says of a local entry the store holds a copy of (the ledger)."""
+
+    size: int
+    mtime_ns: int
+    relpath: bytes
+    evicted: bool
+    pending: bool
+    seen: tuple[int, int, int] | None  # the store copy's (size, mtime_ns, st_ino)
+
+
+def _tracking(row) -> Tracking:
+    return Tracking(row[1], row[2], bytes(row[3]), bool(row[4]), bool(row[5]),
+                    None if row[6] is None else (row[6], row[7], row[8]))
+
 BUSY_TIMEOUT_MS = 30_000
 
 
@@ -92,10 +128,54 @@ class CkptState:
         db = self.db()
         with db:
             db.execute("BEGIN IMMEDIATE")
-            db.execute("DELETE FROM nodes WHERE ino=?", (ino,))
-            db.execute("DELETE FROM pending WHERE ino=?", (ino,))
-            db.execute("DELETE FROM drained WHERE ino=?", (ino,))
-            db.execute("DELETE FROM evicted WHERE ino=?", (ino,))
+            for table in _TABLES:
+                db.execute(f"DELETE FROM {table} WHERE ino=?", (ino,))
+
+    def keep_only(self, inos: set[int]) -> None:
+        """Drop the state of every inode not in `inos` (those in the tree, at open)."""
+        db = self.db()
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("CREATE TEMP TABLE IF NOT EXISTS present(ino INTEGER PRIMARY KEY)")
+            db.execute("DELETE FROM present")
+            db.executemany("INSERT OR IGNORE INTO present VALUES (?)", [(i,) for i in inos])
+            for table in _TABLES[1:]:  # nodes: reset_nodes
+                db.execute(f"DELETE FROM {table} WHERE ino NOT IN (SELECT ino FROM present)")
+            db.execute("DELETE FROM present")
+
+    # -- copies of the store's entries ---------------------------------------------------
+    def tracking(self, ino: int) -> Tracking | None:
+        """Ledger, eviction, pending and seen state of `ino` (None: not on the store)."""
+        row = self.db().execute(_TRACKING + "=?", (ino,)).fetchone()
+        return None if row is None else _tracking(row)
+
+    def tracking_many(self, inos: list[int]) -> dict[int, Tracking]:
+        found = {}
+        db = self.db()
+        for i in range(0, len(inos), _MANY):
+            part = inos[i:i + _MANY]
+            query = _TRACKING + f" IN ({','.join('?' * len(part))})"
+            found.update((row[0], _tracking(row)) for row in db.execute(query, part))
+        return found
+
+    def adopt(self, ino: int, parent: int, name: bytes, size: int, mtime_ns: int,
+              relpath: bytes, evicted: bool, seen: tuple[int, int, int] | None) -> None:
+        """`ino` (at `name` in directory `parent`) is a copy of the store's entry at
+        `relpath`: an adopted placeholder (`evicted`: its bytes are read from the
+        store), or a directory or symlink this node mirrored there. Any state an
+        earlier inode of that number left is dropped first."""
+        db = self.db()
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            for table in _TABLES:
+                db.execute(f"DELETE FROM {table} WHERE ino=?", (ino,))
+            db.execute("INSERT INTO nodes VALUES (?, ?, ?)", (ino, parent, name))
+            db.execute("INSERT INTO drained VALUES (?, ?, ?, ?, ?)",
+                       (ino, size, mtime_ns, relpath, time.time_ns()))
+            if evicted:
+                db.execute("INSERT INTO evicted VALUES (?)", (ino,))
+            if seen is not None:
+                db.execute("INSERT INTO seen VALUES (?, ?, ?, ?)", (ino, *seen))
 
     # -- evicted ---------------------------------------------------------------------
     def mark_evicted(self, ino: int) -> None:
@@ -154,8 +234,10 @@ class CkptState:
             "OR touched_ns <= ?) ORDER BY since_ns LIMIT ?",
             (now_ns, now_ns - idle_ns, limit)).fetchall()
 
-    def done(self, ino: int, touched_ns: int, size: int, mtime_ns: int, relpath: bytes) -> None:
-        """`ino` as it was when touched last at `touched_ns` is on the store at `relpath`."""
+    def done(self, ino: int, touched_ns: int, size: int, mtime_ns: int, relpath: bytes,
+             seen: tuple[int, int, int] | None = None) -> None:
+        """`ino` as it was when touched last at `touched_ns` is on the store at `relpath`
+        (`seen`: the store copy's size, mtime and inode as its file system keeps them)."""
         db = self.db()
         with db:
             db.execute("BEGIN IMMEDIATE")
@@ -163,6 +245,10 @@ class CkptState:
             db.execute("UPDATE pending SET tries=0, error=NULL WHERE ino=?", (ino,))
             db.execute("INSERT OR REPLACE INTO drained VALUES (?, ?, ?, ?, ?)",
                        (ino, size, mtime_ns, relpath, time.time_ns()))
+            if seen is None:
+                db.execute("DELETE FROM seen WHERE ino=?", (ino,))
+            else:
+                db.execute("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?)", (ino, *seen))
 
     def failed(self, ino: int, error: str, retry_ns: int) -> None:
         """A drain of `ino` failed: try again at `retry_ns`."""

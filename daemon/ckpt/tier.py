@@ -6,7 +6,13 @@ did not drain (resume). Inside: `tree/` (the files the job sees under
 `MOUNTPOINT/ckpt/`), `state.db` (dlfsd.ckpt.state), `store` (the store's path, for
 an admin), `.lock` (held by the mount for its lifetime: one mount per checkpoint
 dir per node), `.mutate` (serialises a change of the tree's names with the drain's
-publish of a file, see dlfsd.ckpt.drain).
+publish of a file and with the adoption of the store's entries, see dlfsd.ckpt.drain
+and dlfsd.ckpt.tree).
+
+Hidden temporary names (never shown under `ckpt/`): `.NAME.dlfs-drain-HOST-RANDOM`
+on the store (a drain, or a symlink mirrored, before its rename into place) and
+`.dlfs-adopt-RANDOM` in the local tree (a placeholder of a store entry before
+its state is recorded; a crash leaves one behind, removed at the next open).
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import fcntl
 import hashlib
 import mmap
 import os
+import secrets
+import socket
+import stat
 import threading
 from pathlib import Path
 
@@ -23,6 +32,29 @@ from dlfs.errors import DlfsError
 from dlfsd.ckpt.state import CkptState
 
 TIER_DIR = "ckpt"
+TMP_MARK = b".dlfs-drain-"  # store: `.NAME.dlfs-drain-HOST-RANDOM`
+ADOPT_MARK = b".dlfs-adopt-"  # local tree: `.dlfs-adopt-RANDOM`
+
+
+def tmp_name(name: bytes) -> bytes:
+    """A hidden name beside `name` on the store, with this host's name in it (so a
+    mount removes only its own leftovers, never another node's drain in progress)."""
+    host = socket.gethostname().encode(errors="replace").replace(b".", b"_")[:32]
+    return b"." + name + TMP_MARK + host + b"-" + secrets.token_hex(4).encode()
+
+
+def adopt_name() -> bytes:
+    """A hidden local name for a placeholder being made (short: any name fits beside)."""
+    return ADOPT_MARK + secrets.token_hex(4).encode()
+
+
+def is_drain_temporary(name: bytes) -> bool:
+    """A name on the store that is a copy in progress, never an entry to show."""
+    return name.startswith(b".") and TMP_MARK in name
+
+
+def is_adopt_temporary(name: bytes) -> bool:
+    return name.startswith(b".") and ADOPT_MARK in name
 
 
 def tier_path(cache_dir: str, store: str) -> Path:
@@ -55,14 +87,38 @@ class Tier:
                             f"(its tier {self.root} is in use); unmount that mount first, or "
                             "use another --ckpt-store") from None
         self.tree_bytes = os.fsencode(self.tree)
+        self.store_bytes = os.fsencode(self.store)
         self.root_ino = os.lstat(self.tree).st_ino
         self.state = CkptState(str(self.root / "state.db"))
+        #: (uid, gid) the entries made on the store get (a root daemon mounting for a
+        #: job's user, --uid); set by dlfsd.ckpt.drain.Drainer, before the fork.
+        self.owner: tuple[int, int] | None = None
+        self._tidy()
         # Bumped whenever an entry is removed or replaced: every process then closes the
         # descriptors it keeps (a new file may reuse a removed one's inode number).
         self.epoch = mmap.mmap(-1, 16)  # [epoch, full: the local copies reached the limit]
         self._mutate_path = self.root / ".mutate"
         self._mutate: tuple[int, int] | None = None  # (pid, fd)
         self._mutate_thread = threading.Lock()
+
+    def _tidy(self) -> None:
+        """Before any process uses the tier (the lock is ours): remove placeholders a
+        crash left under their temporary names, and drop the state of inodes no longer
+        in the tree (a crash between a removal and its bookkeeping), so that a new file
+        reusing such an inode number never inherits an old file's state."""
+        inos = {self.root_ino}
+        for directory, dirs, files in os.walk(self.tree_bytes):
+            for name in dirs + files:
+                path = os.path.join(directory, name)
+                if is_adopt_temporary(name):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path) if name in dirs and not os.path.islink(path) \
+                            else os.unlink(path)
+                    continue
+                with contextlib.suppress(OSError):
+                    inos.add(os.lstat(path).st_ino)
+            dirs[:] = [d for d in dirs if not is_adopt_temporary(d)]
+        self.state.keep_only(inos)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -104,4 +160,22 @@ class Tier:
         return path[len(self.tree_bytes) + 1:]
 
     def store_path(self, relpath: bytes) -> bytes:
-        return os.path.join(os.fsencode(self.store), relpath)
+        return os.path.join(self.store_bytes, relpath) if relpath else self.store_bytes
+
+    def store_reachable(self) -> bool:
+        """The store's directory is there: "missing on the store" then means removed,
+        not a store file system that is not mounted (whose mount point looks empty)."""
+        try:
+            return stat.S_ISDIR(os.stat(self.store_bytes).st_mode)
+        except OSError:
+            return False
+
+    def makedirs_on_store(self, directory: bytes) -> None:
+        """A directory on the store (and those above it), given to `owner` if made."""
+        if os.path.isdir(directory):
+            return
+        self.makedirs_on_store(os.path.dirname(directory))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o755)
+            if self.owner is not None:
+                os.chown(directory, *self.owner)

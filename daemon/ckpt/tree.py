@@ -23,10 +23,23 @@ then be reused by a new file.
 Drain bookkeeping: a write marks the file pending (at most once a second per file
 and process); the close of a file the daemon opened (RELEASE) marks it closed.
 dlfsd.ckpt.drain does the rest.
+
+The store's entries (restart on another node): `ckpt/` shows the union of the local
+tree and the checkpoint store. A LOOKUP of a name the local tree lacks, or a READDIR
+from offset 0, adopts what the store has there as a local placeholder in the state an
+eviction leaves (a sparse file of the store copy's size and mtime, recorded drained
+and evicted; a directory; a symlink), so the existing machinery serves it: reads go to
+the store's copy, a write copies it back first, rename and unlink mirror on the store.
+A local entry that is only a copy of the store's (a placeholder, or a drained file
+unchanged since) follows the store: when the store's copy changes or goes, the local
+one is replaced or goes too; a file written here and not drained yet always wins.
+mkdir and symlink are mirrored on the store at once (rmdir already was), so the
+store holds the whole tree, empty directories and "latest" links included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -36,7 +49,8 @@ from collections import OrderedDict
 
 from dlfs.errors import DlfsError
 from dlfsd.ckpt.nodeids import CKPT_BIT
-from dlfsd.ckpt.tier import Tier
+from dlfsd.ckpt.state import Tracking
+from dlfsd.ckpt.tier import Tier, adopt_name, is_adopt_temporary, is_drain_temporary, tmp_name
 from dlfsd.namespace import Attr, StatFs
 
 OPEN_FDS = 128  # descriptors kept per process
@@ -64,7 +78,9 @@ def _attr(ino: int, st: os.stat_result) -> Attr:
 
 
 def _checked_name(name: bytes) -> bytes:
-    if not name or b"/" in name or name in (b".", b".."):
+    """A name of one entry, not one of the tier's hidden temporaries (reserved: the
+    store's are never shown, the local ones are removed at the next mount)."""
+    if not name or b"/" in name or name in (b".", b"..") or _hidden(name):
         raise PosixError(errno.EINVAL, repr(name))
     return name
 
@@ -85,6 +101,7 @@ class CkptTree:
         self._fds: OrderedDict[int, int] = OrderedDict()  # ino -> descriptor
         self._epoch = tier.current_epoch()
         self._touched: dict[int, int] = {}  # ino -> when its pending row was refreshed
+        self._warned: set[str] = set()  # store troubles logged at WARNING (once each)
 
     # -- node ids -> paths ------------------------------------------------------------
     def _resolve(self, nodeid: int) -> tuple[bytes, os.stat_result]:
@@ -137,8 +154,11 @@ class CkptTree:
 
     def _learn(self, parent: int, parent_path: bytes, name: bytes,
                st: os.stat_result) -> Attr:
-        """Record entry `name` of directory node `parent` (so any process finds it)."""
-        self.state.remember(st.st_ino, parent & ~CKPT_BIT, name)
+        """Record entry `name` of directory node `parent` (so any process finds it): a
+        read first, a write only if the row differs (a lookup of a known entry then
+        commits nothing to the database)."""
+        if self.state.where(st.st_ino) != (parent & ~CKPT_BIT, name):
+            self.state.remember(st.st_ino, parent & ~CKPT_BIT, name)
         self._paths[st.st_ino] = os.path.join(parent_path, name)
         return _attr(st.st_ino, st)
 
@@ -173,15 +193,26 @@ class CkptTree:
         self._keep(ino, fd)
         return fd
 
-    def _store_fd(self, ino: int) -> int:
-        relpath = self.state.drained_at(ino)
-        if relpath is None:
+    def _store_fd(self, ino: int, check: bool = True) -> int:
+        """A descriptor of the store's copy of evicted file `ino`; with `check`, of the
+        copy this node saw (ESTALE if another node's has replaced it since: a read must
+        never mix versions, nor read a new one under the old one's size)."""
+        row = self.state.tracking(ino)
+        if row is None:
             raise PosixError(errno.EIO, "evicted checkpoint file without a store copy")
         try:
-            return os.open(self.tier.store_path(relpath), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.tier.store_path(row.relpath), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # removed on the store (by another node)
+            raise PosixError(errno.ESTALE, "the store's copy is gone") from None
         except OSError as err:
             raise PosixError(errno.EIO, f"the store's copy of an evicted checkpoint file: "
                                         f"{err.strerror}") from None
+        if check and row.seen is not None:
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns, st.st_ino) != row.seen:
+                os.close(fd)
+                raise PosixError(errno.ESTALE, "the store's copy was replaced")
+        return fd
 
     def _restore(self, ino: int, path: bytes) -> None:
         """An evicted file is written again: copy the store's bytes back first."""
@@ -189,7 +220,7 @@ class CkptTree:
             if not self.state.is_evicted(ino):
                 return  # another process did
             ledger = self.state.ledger().get(ino)
-            source = self._store_fd(ino)
+            source = self._store_fd(ino, check=False)  # what the store holds now
             try:
                 target = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
                 try:
@@ -197,6 +228,7 @@ class CkptTree:
                     while chunk := os.pread(source, 4 << 20, offset):
                         os.pwrite(target, chunk, offset)
                         offset += len(chunk)
+                    os.ftruncate(target, offset)  # another node's copy may be shorter
                     os.fsync(target)
                 finally:
                     os.close(target)
@@ -205,6 +237,9 @@ class CkptTree:
             if ledger is not None:
                 os.utime(path, ns=(time.time_ns(), ledger[1]))  # still the drained bytes
             self.state.unevict(ino)
+            # Pending before the lock goes: to be written, it no longer follows the store
+            # (a lookup elsewhere must not replace it by another node's newer copy).
+            self._mark_pending(ino)
             self.tier.bump_epoch()
 
     def _wait_for_room(self) -> None:
@@ -235,6 +270,11 @@ class CkptTree:
         if fd is not None:
             os.close(fd)
 
+    def _mark_pending(self, ino: int) -> None:
+        """Pending now, whatever `_touch`'s once-a-second rule says."""
+        self._touched[ino] = time.monotonic_ns()
+        self.state.touch(ino)
+
     def _touch(self, ino: int) -> None:
         now = time.monotonic_ns()
         if now - self._touched.get(ino, -TOUCH_EVERY_NS) >= TOUCH_EVERY_NS:
@@ -243,11 +283,20 @@ class CkptTree:
 
     # -- metadata ----------------------------------------------------------------------
     def lookup(self, parent: int, name: bytes) -> Attr:
+        """The local entry, else the store's (adopted). Costs one lstat on the store
+        when the name is missing here, or is a file or symlink that is only a copy of
+        the store's (to follow it); none for a directory or a file written here."""
         directory, path = self._child(parent, name)
         try:
             st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
         except OSError as err:
             raise PosixError(err.errno or errno.ENOENT, "lookup") from None
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            st = self._beside_store(parent, directory, name, st)
+            if st is None:
+                raise PosixError(errno.ENOENT, "lookup")
         return self._learn(parent, directory, name, st)
 
     def getattr(self, nodeid: int) -> Attr:
@@ -288,11 +337,15 @@ class CkptTree:
     def readdir(self, nodeid: int, start: int):
         """(name, Attr, next offset) from offset `start` (names sorted: stable offsets).
         Every entry is recorded before any is handed out: READDIRPLUS makes the kernel
-        know each as a node, and its next request may reach another process."""
+        know each as a node, and its next request may reach another process. A listing
+        from its start merges the store's directory in first (_merge_store)."""
         directory = self._dir(nodeid)
+        if start == 0:
+            self._merge_store(nodeid, directory)
         parent_ino = nodeid & ~CKPT_BIT
         entries, learned = [], []
-        for offset, name in enumerate(sorted(os.listdir(directory))[start:], start + 1):
+        names = sorted(n for n in os.listdir(directory) if not is_adopt_temporary(n))
+        for offset, name in enumerate(names[start:], start + 1):
             path = os.path.join(directory, name)
             try:
                 st = os.lstat(path)
@@ -303,6 +356,212 @@ class CkptTree:
             entries.append((name, _attr(st.st_ino, st), offset))
         self.state.remember_many(learned)
         return iter(entries)
+
+    # -- the store's entries (restart on another node) ------------------------------------
+    def _beside_store(self, parent: int, directory: bytes, name: bytes,
+                      st: os.stat_result | None) -> os.stat_result | None:
+        """Local entry `name` (`st`; None: missing here) as `ckpt/` shows it beside the
+        store's: the store's adopted where this node has none, a copy brought up to
+        date (or gone) where the store's changed (or went). Returns its stat; None:
+        neither has it. The checks cost one lstat on the store, no lock."""
+        relpath = self.tier.relpath(os.path.join(directory, name))
+        row = None
+        if st is not None:
+            row = self.state.tracking(st.st_ino)
+            if not _is_copy(row, st, relpath):
+                return st  # written here (or never on the store): it wins
+        store_st, ok = self._store_entry(relpath)
+        if not ok:
+            return st
+        if st is None:
+            if store_st is None or not _adoptable(name, store_st):
+                return None
+        elif store_st is not None and _same_copy(row, st.st_mode, store_st):
+            return st
+        try:
+            with self.tier.mutating():
+                return self._reconcile(parent, directory, name)
+        except OSError as err:
+            raise PosixError(err.errno or errno.EIO, "checkpoint entry from the store") \
+                from None
+
+    def _store_entry(self, relpath: bytes) -> tuple[os.stat_result | None, bool]:
+        """(the store's entry at `relpath`, None if there is none; False: the store
+        cannot be asked now, and `ckpt/` shows this node's entries alone meanwhile)."""
+        try:
+            return os.lstat(self.tier.store_path(relpath)), True
+        except (FileNotFoundError, NotADirectoryError):
+            return None, True
+        except OSError as err:
+            self._store_trouble("read", err, f"checkpoint store {self.tier.store} cannot be "
+                                "read; ckpt/ shows this node's files only meanwhile")
+            return None, False
+
+    def _store_trouble(self, kind: str, err: OSError, what: str) -> None:
+        """Log a store trouble once per kind and process (WARNING), later ones at DEBUG."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        log.log(level, "%s (%s)", what, err.strerror or err)
+
+    def _reconcile(self, parent: int, directory: bytes, name: bytes) -> os.stat_result | None:
+        """Under the tier's mutating lock (which name changes, the drain's publish and
+        other adoptions hold too), with everything looked at again: make local entry
+        `name` agree with the store's. Returns the local entry's stat (None: none)."""
+        path = os.path.join(directory, name)
+        relpath = self.tier.relpath(path)
+        st = _lstat_or_none(path)
+        store_st, ok = self._store_entry(relpath)
+        if not ok:
+            return st
+        if st is not None:
+            row = self.state.tracking(st.st_ino)
+            if not _is_copy(row, st, relpath):
+                return st
+            if store_st is not None and _same_copy(row, st.st_mode, store_st):
+                return st
+            if store_st is None and not self.tier.store_reachable():
+                return st  # a store not mounted looks empty: not a removal
+            if store_st is not None and not stat.S_ISDIR(st.st_mode) \
+                    and stat.S_IFMT(store_st.st_mode) == stat.S_IFMT(st.st_mode):
+                # A new version: its placeholder is made before the old copy goes, so
+                # it has another inode number (another node id: nothing the kernel
+                # cached, nor a descriptor open on the old one, reads it as the old).
+                return self._adopt(parent & ~CKPT_BIT, directory, name, relpath, store_st,
+                                   replacing=st)
+            self._remove_copy(path, st)  # gone on the store, or another kind now
+            st = _lstat_or_none(path)
+            if st is not None:
+                return st  # a directory still holding this node's own files
+        if store_st is None or not _adoptable(name, store_st):
+            return None
+        return self._adopt(parent & ~CKPT_BIT, directory, name, relpath, store_st)
+
+    def _adopt(self, parent_ino: int, directory: bytes, name: bytes, relpath: bytes,
+               store_st: os.stat_result,
+               replacing: os.stat_result | None = None) -> os.stat_result | None:
+        """A placeholder of the store's entry at `relpath`: made under a hidden name,
+        recorded (drained; a file also evicted), then linked to `name` (or renamed over
+        `replacing`, the local copy of an older version). In that order, a crash never
+        leaves a named hole the state does not know (the drain would copy it over the
+        store's bytes). A directory's entries are adopted when looked up."""
+        tmp = os.path.join(directory, adopt_name())
+        path = os.path.join(directory, name)
+        kind = stat.S_IFMT(store_st.st_mode)
+        times = (store_st.st_atime_ns, store_st.st_mtime_ns)
+        if kind == stat.S_IFREG:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                         stat.S_IMODE(store_st.st_mode))
+            try:
+                os.ftruncate(fd, store_st.st_size)  # a hole: no local bytes
+            finally:
+                os.close(fd)
+            os.utime(tmp, ns=times)
+        elif kind == stat.S_IFDIR:
+            os.mkdir(tmp, stat.S_IMODE(store_st.st_mode) | 0o700)  # we add entries to it
+            os.utime(tmp, ns=times)
+        else:
+            os.symlink(os.readlink(self.tier.store_path(relpath)), tmp)
+            os.utime(tmp, ns=times, follow_symlinks=False)
+        st = os.lstat(tmp)
+        try:
+            self.state.adopt(st.st_ino, parent_ino, name, st.st_size, st.st_mtime_ns, relpath,
+                             kind == stat.S_IFREG,
+                             (store_st.st_size, store_st.st_mtime_ns, store_st.st_ino))
+            if replacing is None:
+                _link_into_place(tmp, path, kind == stat.S_IFDIR)
+            else:
+                os.rename(tmp, path)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                os.rmdir(tmp) if kind == stat.S_IFDIR else os.unlink(tmp)
+            self.state.forget(st.st_ino)
+            if isinstance(err, FileExistsError):
+                return _lstat_or_none(path)  # made here meanwhile: it wins
+            raise
+        self._paths[st.st_ino] = path
+        if replacing is not None:
+            self.state.forget(replacing.st_ino)
+            self.tier.bump_epoch()  # every process drops its descriptors of the old one
+            self._drop_fd(replacing.st_ino)
+        return os.lstat(path)
+
+    def _remove_copy(self, path: bytes, st: os.stat_result) -> None:
+        """Remove local copy `path` (its store entry changed or went); a directory keeps
+        what in it was written here and not drained, and then stays itself."""
+        if stat.S_ISDIR(st.st_mode):
+            self._prune_inside(path)
+            try:
+                os.rmdir(path)
+            except OSError:
+                return
+        else:
+            os.unlink(path)
+        self.state.forget(st.st_ino)
+        self.tier.bump_epoch()  # every process drops its descriptors of it
+        self._drop_fd(st.st_ino)
+
+    def _prune_inside(self, directory: bytes) -> None:
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            st = _lstat_or_none(path)
+            if st is None:
+                continue
+            if _is_copy(self.state.tracking(st.st_ino), st, self.tier.relpath(path)):
+                self._remove_copy(path, st)
+            elif stat.S_ISDIR(st.st_mode):
+                self._prune_inside(path)
+
+    def _merge_store(self, nodeid: int, directory: bytes) -> None:
+        """Before a listing from its start: adopt what the store's directory holds and
+        this one lacks, and bring the copies in it up to date. Costs one listing of the
+        store's directory and one lstat per store entry that is new here or a copy of a
+        file or symlink; changes take the mutating lock, nothing else does."""
+        relpath = self.tier.relpath(directory)
+        try:
+            with os.scandir(self.tier.store_path(relpath)) as listing:
+                on_store = {e.name: e for e in listing if not _hidden(e.name)}
+        except (FileNotFoundError, NotADirectoryError):
+            on_store = {}
+        except OSError as err:
+            self._store_trouble("read", err, f"checkpoint store {self.tier.store} cannot be "
+                                "read; ckpt/ shows this node's files only meanwhile")
+            return
+        local = {}
+        for name in os.listdir(directory):
+            st = None if is_adopt_temporary(name) else \
+                _lstat_or_none(os.path.join(directory, name))
+            if st is not None:
+                local[name] = st
+        rows = self.state.tracking_many([st.st_ino for st in local.values()])
+        todo = []
+        for name, st in local.items():
+            row = rows.get(st.st_ino)
+            if not _is_copy(row, st, os.path.join(relpath, name)):
+                continue
+            entry = on_store.get(name)
+            if entry is None:
+                todo.append(name)
+            elif stat.S_ISDIR(st.st_mode):
+                if not entry.is_dir(follow_symlinks=False):
+                    todo.append(name)
+            else:
+                try:
+                    if not _same_copy(row, st.st_mode, entry.stat(follow_symlinks=False)):
+                        todo.append(name)
+                except OSError:
+                    todo.append(name)  # gone meanwhile (_reconcile looks again)
+        todo += [name for name, entry in on_store.items() if name not in local and
+                 (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)
+                  or entry.is_symlink())]
+        if not todo:
+            return
+        with self.tier.mutating():
+            for name in todo:
+                try:
+                    self._reconcile(nodeid, directory, name)
+                except OSError as err:
+                    log.warning("checkpoint entry %s of the store not shown in ckpt/ (%s)",
+                                os.fsdecode(os.path.join(relpath, name)), err.strerror)
 
     def statfs(self) -> StatFs:
         s = os.statvfs(self.tier.tree)
@@ -341,22 +600,68 @@ class CkptTree:
         return attr
 
     def mkdir(self, parent: int, name: bytes, mode: int) -> Attr:
+        """A directory here and (one mkdir) on the store: an empty directory is part of
+        a checkpoint too, and another node sees it."""
         directory, path = self._child(parent, name)
-        try:
-            os.mkdir(path, stat.S_IMODE(mode) or 0o755)
-            st = os.lstat(path)
-        except OSError as err:
-            raise PosixError(err.errno or errno.EIO, "mkdir") from None
-        return self._learn(parent, directory, name, st)
+        with self.tier.mutating():
+            try:
+                os.mkdir(path, stat.S_IMODE(mode) or 0o755)
+                st = os.lstat(path)
+            except OSError as err:
+                raise PosixError(err.errno or errno.EIO, "mkdir") from None
+            attr = self._learn(parent, directory, name, st)
+            relpath = self.tier.relpath(path)
+            target = self.tier.store_path(relpath)
+            try:
+                self.tier.makedirs_on_store(target)
+                if not stat.S_ISDIR(os.lstat(target).st_mode):
+                    raise FileExistsError(errno.EEXIST, "not a directory", target)
+            except OSError as err:
+                self._store_trouble("mkdir", err, f"checkpoint directory {os.fsdecode(relpath)} "
+                                    "made here but not on the store; it appears there when "
+                                    "a file in it is drained")
+                return attr
+            self.state.adopt(st.st_ino, parent & ~CKPT_BIT, name, st.st_size,
+                             st.st_mtime_ns, relpath, False, None)
+        return attr
 
     def symlink(self, parent: int, name: bytes, target: bytes) -> Attr:
+        """A symlink here and on the store (made under a hidden name and renamed into
+        place, like a drained file): a `latest` link is how a restart finds its step."""
         directory, path = self._child(parent, name)
+        with self.tier.mutating():
+            try:
+                os.symlink(target, path)
+                st = os.lstat(path)
+            except OSError as err:
+                raise PosixError(err.errno or errno.EIO, "symlink") from None
+            attr = self._learn(parent, directory, name, st)
+            relpath = self.tier.relpath(path)
+            try:
+                seen = self._symlink_on_store(relpath, target)
+            except OSError as err:
+                self._store_trouble("symlink", err, f"checkpoint symlink "
+                                    f"{os.fsdecode(relpath)} made here but not on the store")
+                return attr
+            self.state.adopt(st.st_ino, parent & ~CKPT_BIT, name, st.st_size,
+                             st.st_mtime_ns, relpath, False, seen)
+        return attr
+
+    def _symlink_on_store(self, relpath: bytes, target: bytes) -> tuple[int, int, int]:
+        dest = self.tier.store_path(relpath)
+        self.tier.makedirs_on_store(os.path.dirname(dest))
+        tmp = os.path.join(os.path.dirname(dest), tmp_name(os.path.basename(dest)))
+        os.symlink(target, tmp)
         try:
-            os.symlink(target, path)
-            st = os.lstat(path)
-        except OSError as err:
-            raise PosixError(err.errno or errno.EIO, "symlink") from None
-        return self._learn(parent, directory, name, st)
+            if self.tier.owner is not None:
+                os.lchown(tmp, *self.tier.owner)
+            os.rename(tmp, dest)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        copy = os.lstat(dest)
+        return copy.st_size, copy.st_mtime_ns, copy.st_ino
 
     def unlink(self, parent: int, name: bytes) -> None:
         self._remove(parent, name, directory=False)
@@ -369,17 +674,23 @@ class CkptTree:
         copy too: the store mirrors the tree (a program deleting old checkpoints means
         the store's)."""
         _, path = self._child(parent, name)
+        relpath = self.tier.relpath(path)
         with self.tier.mutating():
             try:
                 st = os.lstat(path)
-                os.rmdir(path) if directory else os.unlink(path)
+                if directory:
+                    # The store's directory first: one holding entries this node has not
+                    # adopted yet is not empty in `ckpt/` either (ENOTEMPTY, nothing done).
+                    if stat.S_ISDIR(st.st_mode) and not os.listdir(path):
+                        _rmdir_on_store(self.tier, relpath)
+                    os.rmdir(path)
+                else:
+                    os.unlink(path)
             except OSError as err:
                 raise PosixError(err.errno or errno.EIO, "remove") from None
             self.tier.bump_epoch()
             self._drop_fd(st.st_ino)
-            relpath = self.tier.relpath(path)
-            drained = self.state.drained_at(st.st_ino)
-            if directory or drained == relpath:
+            if not directory and self.state.drained_at(st.st_ino) == relpath:
                 _remove_on_store(self.tier, relpath, directory)
             if directory or st.st_nlink <= 1:
                 self.state.forget(st.st_ino)
@@ -399,6 +710,10 @@ class CkptTree:
                     raise PosixError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
                 if flags & RENAME_NOREPLACE and replaced is not None:
                     raise PosixError(errno.EEXIST, "rename")
+                if replaced is not None and stat.S_ISDIR(replaced.st_mode) \
+                        and _store_holds_entries(self.tier, self.tier.relpath(new)):
+                    raise PosixError(errno.ENOTEMPTY, "rename over a directory the "
+                                                      "checkpoint store holds entries in")
                 os.rename(old, new)
             except OSError as err:
                 raise PosixError(err.errno or errno.EIO, "rename") from None
@@ -416,17 +731,40 @@ class CkptTree:
     def open(self, nodeid: int, flags: int) -> None:
         """An open the daemon answers: O_TRUNC is done here (the kernel leaves it to us)."""
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR))
-        if writing and flags & os.O_TRUNC:
-            self._unevict_truncated(nodeid)
+        if writing:
+            if flags & os.O_TRUNC:
+                self._unevict_truncated(nodeid)
+            if not self.state.is_evicted(nodeid & ~CKPT_BIT):  # else _restore does it
+                # Pending from the open on: a file about to be written no longer
+                # follows the store (a lookup elsewhere must not replace it by another
+                # node's copy).
+                self._mark_pending(nodeid & ~CKPT_BIT)
+        else:
+            self._check_current(nodeid)
         fd = self._fd(nodeid, writing=writing)
         if flags & os.O_TRUNC:
             os.ftruncate(fd, 0)
             self._touch(nodeid & ~CKPT_BIT)
 
-    def mark_written(self, nodeid: int) -> None:
-        """A file opened for writing whose writes the daemon will not see (FUSE
-        passthrough): pending from now, drained once closed or idle."""
-        self._touch(nodeid & ~CKPT_BIT)
+    def _check_current(self, nodeid: int) -> None:
+        """A read-only open of a copy of the store's file (placeholder, or drained and
+        unchanged) whose store copy changed or went since this node looked: ESTALE,
+        upon which the kernel looks the path up again (LOOKUP_REVAL: our lookup then
+        adopts the new version under a new inode) and opens that. Without it an open
+        within the kernel's entry timeout would get the old version."""
+        path, st = self._resolve(nodeid)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        relpath = self.tier.relpath(path)
+        row = self.state.tracking(st.st_ino)
+        if not _is_copy(row, st, relpath):
+            return
+        store_st, ok = self._store_entry(relpath)
+        if not ok or (store_st is not None and _same_copy(row, st.st_mode, store_st)):
+            return
+        if store_st is None and not self.tier.store_reachable():
+            return
+        raise PosixError(errno.ESTALE, "the store's copy changed")
 
     def _unevict_truncated(self, nodeid: int) -> None:
         """An evicted file opened with O_TRUNC: nothing to copy back."""
@@ -435,6 +773,7 @@ class CkptTree:
             with self.tier.mutating():
                 os.truncate(path, 0)
                 self.state.unevict(st.st_ino)
+                self._mark_pending(st.st_ino)
                 self.tier.bump_epoch()
 
     def read(self, nodeid: int, offset: int, size: int) -> bytes:
@@ -482,6 +821,94 @@ def _lstat_or_none(path: bytes) -> os.stat_result | None:
         return os.lstat(path)
     except FileNotFoundError:
         return None
+
+
+_ADOPTABLE = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK)
+
+
+def _adoptable(name: bytes, store_st: os.stat_result) -> bool:
+    """A store entry `ckpt/` shows: files, directories, symlinks; never a copy in
+    progress (a drain's hidden temporary) nor a special file."""
+    return stat.S_IFMT(store_st.st_mode) in _ADOPTABLE and not _hidden(name)
+
+
+def _hidden(name: bytes) -> bool:
+    """A store name `ckpt/` never shows: a drain's temporary, or one it would take for
+    a placeholder being made."""
+    return is_drain_temporary(name) or is_adopt_temporary(name)
+
+
+def _is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
+    """Local entry `st` at `relpath` is only a copy of the store's entry there, unchanged
+    here since it was made (it follows the store): a placeholder, a drained file not
+    written since, a directory or symlink mirrored on (or adopted from) the store."""
+    if row is None or row.relpath != relpath or row.pending:
+        return False
+    if stat.S_ISREG(st.st_mode):
+        return row.evicted or (row.size, row.mtime_ns) == (st.st_size, st.st_mtime_ns)
+    return True
+
+
+def _same_copy(row: Tracking, local_mode: int, store_st: os.stat_result) -> bool:
+    """The store's entry is still the one the local copy was made of (the same kind;
+    for files and symlinks the same size, mtime and inode as seen then: another node's
+    drain renames a new inode into place)."""
+    if stat.S_IFMT(store_st.st_mode) != stat.S_IFMT(local_mode):
+        return False
+    if stat.S_ISDIR(local_mode):
+        return True
+    if row.seen is not None:
+        return (store_st.st_size, store_st.st_mtime_ns, store_st.st_ino) == row.seen
+    return (store_st.st_size, store_st.st_mtime_ns) == (row.size, row.mtime_ns)
+
+
+def _link_into_place(tmp: bytes, path: bytes, directory: bool) -> None:
+    """Give the made placeholder `tmp` its name `path`, never replacing an entry made
+    meanwhile (FileExistsError): a hard link for files and symlinks; a directory is
+    renamed (mkdir and symlink hold the mutating lock we hold, and a rename of a
+    directory never replaces a file)."""
+    if not directory:
+        try:
+            os.link(tmp, path, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as err:
+            if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+        else:
+            os.unlink(tmp)
+            return
+    if os.path.lexists(path):
+        raise FileExistsError(errno.EEXIST, "made meanwhile", path)
+    os.rename(tmp, path)
+
+
+def _store_holds_entries(tier: Tier, relpath: bytes) -> bool:
+    """The store's directory at `relpath` holds entries (copies in progress aside)."""
+    try:
+        return any(not is_drain_temporary(n) for n in os.listdir(tier.store_path(relpath)))
+    except OSError:
+        return False
+
+
+def _rmdir_on_store(tier: Tier, relpath: bytes) -> None:
+    """rmdir of an empty local directory, on the store first: ENOTEMPTY when the store's
+    holds entries (not adopted here yet); one holding only copies in progress is left
+    to the drain, which removes it with its temporary."""
+    target = tier.store_path(relpath)
+    try:
+        os.rmdir(target)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            if _store_holds_entries(tier, relpath):
+                raise PosixError(errno.ENOTEMPTY, "the checkpoint store's directory holds "
+                                                  "entries") from None
+            return
+        log.warning(
+            "checkpoint %s removed here but not on the store (%s): remove %s by hand",
+            os.fsdecode(relpath), err.strerror, os.fsdecode(target))
 
 
 def _remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:

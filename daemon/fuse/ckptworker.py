@@ -176,9 +176,7 @@ class CkptWorker(RequestLoop):
         self._opened = ino if backing_id >= 0 else 0
         fh = (self.caller.pid << 32 | (int(time.time()) & 0x7FFFFFFF) << 1
               | (backing_id >= 0))
-        if backing_id > 0:
-            if flags & WRITE_FLAGS:
-                self.tree.mark_written(node)
+        if backing_id > 0:  # (a write-open is pending already: CkptTree.open)
             return fw.OPEN_OUT.pack(fh, FOPEN_PASSTHROUGH, backing_id)
         if self.passthrough:  # an evicted file read from the store's copy: no page cache
             return fw.OPEN_OUT.pack(fh, fw.FOPEN_DIRECT_IO, 0)  # (a cached open would bar
