@@ -121,6 +121,8 @@ def test_passthrough_writes_skip_the_daemon_share_one_backing_id_and_drain(
     status = status_once(m, lambda s: s["written_bytes"] >= 8 * MIB, "the bytes written")
     assert status["written_bytes"] == 8 * MIB
     assert status["write_requests"] == 1  # counted once, at close: no WRITE reached us
+    human = run_dlfs("status", m.path)
+    assert human.returncode == 0 and "passthrough on;" in human.stdout, human.stdout
     assert (ck / "model.pt").read_bytes() == data
 
     # many opens of one file at once, reading and writing, reach several workers:
@@ -164,6 +166,9 @@ def test_without_passthrough_every_write_is_a_request_and_drains_the_same(
     m = ckpt_mount(mounted, small_store, tmp_path)
     status = ckpt_status(m)
     assert status["passthrough"] == "off (DLFS_CKPT_PASSTHROUGH=0)"
+    human = run_dlfs("status", m.path)
+    assert "passthrough off (DLFS_CKPT_PASSTHROUGH=0); 0 checkpoint files open" \
+        in human.stdout, human.stdout
     assert status["passthrough_open"] is None
     data = write_mib(m.path / "ckpt" / "model.pt", 8, seed=2)
     status = status_once(m, lambda s: s["written_bytes"] >= 8 * MIB, "the bytes written")

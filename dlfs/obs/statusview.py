@@ -153,6 +153,11 @@ def ckpt_lines(c: dict | None) -> list[str]:
              f"{format_size(c['drained_bytes'])} drained ({c['drained_files']} files) to "
              f"{c['store']}; {c['queued_files']} files ({format_size(c['queued_bytes'])}) "
              f"queued, {format_size(c['drain_rate'])}/s, eta {_eta(c['eta_seconds'])}"]
+    if c.get("passthrough"):
+        lines.append(f"  passthrough {c['passthrough']}; "
+                     f"{c.get('open_files') or 0} checkpoint files open"
+                     + (f", {c['passthrough_open']} through passthrough"
+                        if c.get("passthrough_open") is not None else ""))
     if c.get("limit"):
         lines.append(f"  local copies {format_size(c.get('local_bytes') or 0)} of "
                      f"{format_size(c['limit'])} (--ckpt-limit), {c['evicted_files']} evicted"
