@@ -170,6 +170,11 @@ def test_without_passthrough_every_write_is_a_request_and_drains_the_same(
     assert "passthrough off (DLFS_CKPT_PASSTHROUGH=0); 0 checkpoint files open" \
         in human.stdout, human.stdout
     assert status["passthrough_open"] is None
+    # the drain's threads (2 copying, 1 scanning) run as background work: nice +10
+    tasks = Path(f"/proc/{m.pid}/task")
+    niced = [t for t in tasks.iterdir()
+             if int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) == 10]
+    assert len(niced) == 3, [t.name for t in niced]
     data = write_mib(m.path / "ckpt" / "model.pt", 8, seed=2)
     status = status_once(m, lambda s: s["written_bytes"] >= 8 * MIB, "the bytes written")
     assert status["written_bytes"] == 8 * MIB and status["write_requests"] >= 8

@@ -173,6 +173,7 @@ class Drainer:
 
     # -- scanning --------------------------------------------------------------------------
     def _scanning(self) -> None:
+        background_priority()
         try:
             self._remove_stale_temporaries()
             resumed = scan(self.tier)
@@ -254,6 +255,7 @@ class Drainer:
 
     # -- draining ----------------------------------------------------------------------------
     def _draining(self) -> None:
+        background_priority()
         while not self._stop.is_set():
             job = self._next()
             if job is None:
@@ -471,6 +473,27 @@ class Drainer:
             "failing_since": self.stats.failing_since,
             **self._open_counts(),
         }
+
+
+DRAIN_NICE = 10  # added to the daemon's nice value for the drain's threads
+IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
+IOPRIO_WHO_PROCESS, IOPRIO_CLASS_BE, IOPRIO_LOWEST = 1, 2, 7
+
+
+def background_priority() -> None:
+    """Make the calling thread background work: CPU niceness +10 and the lowest
+    best-effort I/O priority (both per thread on Linux). The drain copies, hashes and
+    reads back gigabytes while training reads its samples through the same node: on
+    a busy node it must yield to the FUSE workers and the readers, and it still gets
+    whatever they leave (--drain-bandwidth caps it, this only ranks it)."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid,
+                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + DRAIN_NICE))
+    number = IOPRIO_SET.get(os.uname().machine)
+    if number is not None:
+        _libc.syscall(number, IOPRIO_WHO_PROCESS, tid,
+                      IOPRIO_CLASS_BE << 13 | IOPRIO_LOWEST)
 
 
 def local_files(tier: Tier) -> list[tuple[bytes, bytes, os.stat_result, int]]:
