@@ -270,7 +270,12 @@ def test_the_peer_server_takes_a_connection_from_every_process_of_a_big_job(
     to this daemon (its workers and the look-ahead's probe). The server had 256 slots
     whatever the job's size: the 257th was refused, and the refused peer took this node
     for down and read the store instead. Only one node of the list runs here; the
-    others' connections come from this test, each authenticated with the job secret."""
+    others' connections come from this test, each authenticated with the job secret.
+
+    --replica-wait 0: the 59 other nodes never come up, so where n00 is a chunk's second
+    owner it would wait the default 30 s for a primary "not up yet" before copying from
+    the store, and this test waits for n00's whole share (its first read needs a staged
+    chunk). Replication is not what is tested here; the 295 connections take under 1 s."""
     from dlfsd.pool.peer import PeerError
     from dlfsd.pool.peersync import BlockingPeerClient
 
@@ -281,7 +286,7 @@ def test_the_peer_server_takes_a_connection_from_every_process_of_a_big_job(
     secret = write_secret(tmp_path / "secret")
     mount = mounted(scale_store, "--cache-dir", str(tmp_path / "cache"), "--nodes", node_list,
                     "--node", names[0], "--replicas", "2", "--secret-file", str(secret),
-                    "--workers", "4", "--dataset", "ds")
+                    "--workers", "4", "--dataset", "ds", "--replica-wait", "0")
     d = Store(scale_store).open("ds")
     mine = np.flatnonzero((owners(d.uuid, d.chunk_count, names, 2) == 0).any(axis=1))
     assert len(mine) > 0, "node n00 owns no chunk of ds"
