@@ -358,7 +358,9 @@ async def test_the_stager_reports_demanded_chunks_until_it_has_staged_them(
     from dlfsd.pool import stager as stager_module
 
     monkeypatch.setattr(stager_module, "READ_BLOCK", 16 << 10)
-    stager = make_stager(dataset, tmp_path, jobs=1, store_rate=64 << 10)  # ~4 s a chunk
+    # ~1 s a chunk: the two demanded chunks stay demanded for 1-3 s, which the 5 ms
+    # polls below see hundreds of times (64 KiB/s, 4 s a chunk, made the test 12 s)
+    stager = make_stager(dataset, tmp_path, jobs=1, store_rate=256 << 10)
     last = dataset.chunk_count - 1
     try:
         async with trio.open_nursery() as nursery:
