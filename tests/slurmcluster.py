@@ -64,22 +64,29 @@ def _pid_from(path: Path) -> int | None:
         return None
 
 
-def _stop_pid(pid: int | None, timeout: float = 10.0) -> None:
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _stop_pids(pids: list[int | None], timeout: float = 10.0) -> None:
+    """SIGTERM all of them at once, wait up to `timeout` for all, SIGKILL the rest. At
+    once: each Slurm daemon takes ~2 s to exit, and one after another the six of a
+    cluster took 12 s."""
+    left = {pid for pid in pids if pid is not None}
+    for pid in list(left):
         try:
-            os.kill(pid, 0)
+            os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+            left.discard(pid)
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                left.discard(pid)
         time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @dataclass
@@ -130,11 +137,11 @@ class SlurmCluster:
                 self.cmd("scancel", *jobs, check=False, timeout=10)
                 for job in jobs:
                     self.wait_finished(job, timeout=30)
-        for node in self.nodes:
-            _stop_pid(_pid_from(self.base / f"slurmd-{node}.pid"))
-        _stop_pid(_pid_from(self.base / "slurmctld.pid"))
+        pids = [_pid_from(self.base / f"slurmd-{node}.pid") for node in self.nodes]
+        pids.append(_pid_from(self.base / "slurmctld.pid"))
         if self.started_munge:
-            _stop_pid(_pid_from(Path("/run/munge/munged.pid")))
+            pids.append(_pid_from(Path("/run/munge/munged.pid")))
+        _stop_pids(pids)
 
     def _start_munge(self) -> None:
         if self._munge_works():

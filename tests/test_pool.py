@@ -174,20 +174,22 @@ def test_three_nodes_read_identical_and_stage_only_their_share(
     for mount in cluster.mounts:
         read_and_compare(mount, pool_source, files)
     total = sum(p.stat().st_size for p in (pool_source / f for f in files))
-    for i, mount in enumerate(cluster.mounts):
-        sources = fresh_sources(dlfs_cli, mount)
+    # One status of each node written after every read (each such wait costs up to 1 s
+    # and a few CLI runs: asked for once, not three times).
+    statuses = [fresh_status(dlfs_cli, m) for m in cluster.mounts]
+    for i, status in enumerate(statuses):
+        sources = status["datasets"][0]["sources"]
         assert sources["store"]["requests"] == 0, f"{cluster.names[i]} went to the store"
         assert sources["peer"]["bytes"] > 0 and sources["local"]["bytes"] > 0
         # Every byte read once, from exactly one source (files are read once per mount).
         assert sources["local"]["bytes"] + sources["peer"]["bytes"] == total
-    statuses = [fresh_status(dlfs_cli, m) for m in cluster.mounts]
     served = [s["peer_server"] for s in statuses]
     fetched = sum(s["datasets"][0]["sources"]["peer"]["bytes"] for s in statuses)
     # Servers send whole extents; two workers may each fetch one a partial read needs.
     assert sum(s["bytes_served"] for s in served) >= fetched > 0
     assert all(s["bytes_served"] > 0 and s["auth_failures"] == 0 for s in served)
     # The reads are over, so the counters stand still: the plain view shows the same.
-    served_by_n2 = fresh_status(dlfs_cli, cluster.mounts[1])["peer_server"]["reads_served"]
+    served_by_n2 = served[1]["reads_served"]
     text = dlfs_cli("status", cluster.mounts[1].path)  # not a terminal: plain lines
     assert text.returncode == 0, describe_result(text)
     line = next(x for x in text.stdout.splitlines() if x.startswith("peer server:"))

@@ -166,9 +166,15 @@ def test_replicas_2_take_each_chunk_from_the_store_once(
 def test_a_primary_killed_mid_staging_leaves_its_secondaries_complete(
         mounted, pool_store, pool_source, tmp_path, dlfs_cli, store_opens, store_chunks):
     """n3 dies while the store (paced to 1 MiB/s a stream) is still being copied from:
-    the chunks it was first owner of reach n1 and n2 from the store instead."""
+    the chunks it was first owner of reach n1 and n2 from the store instead.
+
+    --replica-wait 5, not the default 30: a survivor that never got an answer from n3
+    before the kill takes it for a daemon not up yet and waits that long before going
+    to the store (dlfsd.pool.replicate), which made 30 of this test's 35 s. 5 s still
+    covers the ~1 s between the mounts coming up; the fallback is the same either way."""
     cluster = Cluster(mounted, pool_store, tmp_path, 3, replicas=2,
-                      extra=("--store-bandwidth", "1M", "--peer-timeout", "5"))
+                      extra=("--store-bandwidth", "1M", "--peer-timeout", "5",
+                             "--replica-wait", "5"))
     shares = expected_shares(pool_store, cluster.names, 2)
     victim = cluster.mounts[2]
     time.sleep(0.5)

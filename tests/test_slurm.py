@@ -359,15 +359,22 @@ def test_a_later_job_on_the_same_nodes_reads_nothing_from_the_store(site):
 
 
 def test_two_jobs_at_once_on_the_same_nodes_each_read_their_whole_dataset(site):
+    """Each job's step waits on every node until the other job is mounted there too, and
+    fails if it never is: the jobs overlap or the test fails. Each asks for a little
+    memory (--mem): with the default CR_Core_Memory and no --mem, a job takes all of a
+    node's memory and Slurm ran the second only after the first (whose wait then ran
+    out after 60 s and read alone: the test passed without two jobs at once)."""
     cache = _node_cache_conf(site)
+    both_up = f"[ $(ls {site.base}/out | grep -c \"^up-.*-$SLURMD_NODENAME$\") -ge 2 ]"
     together = (  # both jobs mounted at once before either reads
         f"touch {site.base}/out/up-$SLURM_JOB_ID-$SLURMD_NODENAME; for i in $(seq 600); do "
-        f"[ $(ls {site.base}/out | grep -c \"^up-.*-$SLURMD_NODENAME$\") -ge 2 ] && break; "
-        "sleep 0.1; done;")
+        f"{both_up} && break; sleep 0.1; done; "
+        f"{both_up} || {{ echo the other job never mounted on $SLURMD_NODENAME; exit 1; }};")
     try:
         script = _read_script(site, "together.sh", together)
-        jobs = [site.cluster.sbatch("-N3", "--comment=dlfs", f"--output={site.out('%j.out')}",
-                                    str(script)) for _ in range(2)]
+        jobs = [site.cluster.sbatch("-N3", "--mem=100", "--comment=dlfs",
+                                    f"--output={site.out('%j.out')}", str(script))
+                for _ in range(2)]
         states = [site.cluster.wait_finished(job, timeout=180) for job in jobs]
         assert states == ["COMPLETED"] * 2, [site.out(f"{j}.out").read_text() for j in jobs]
         expected = _source_sums(site.source)
