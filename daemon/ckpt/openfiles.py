@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -38,20 +39,22 @@ class OpenFiles:
         self._slots = np.frombuffer(self._map, dtype=_SLOT)
         self._lock_path = lock_path
         self._lock: tuple[int, int] | None = None  # (pid, fd): flock is per open file
+        self._threads = threading.Lock()  # threads of one process share that open file
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Held around every change of the table (and eviction's check): a process that
         dies holding it releases it (flock), unlike a semaphore."""
-        if self._lock is None or self._lock[0] != os.getpid():
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            self._lock = (os.getpid(), fd)
-        fd = self._lock[1]
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        with self._threads:
+            if self._lock is None or self._lock[0] != os.getpid():
+                fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._lock = (os.getpid(), fd)
+            fd = self._lock[1]
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _find(self, ino: int) -> int:
         hits = np.flatnonzero(self._slots["ino"] == ino)
