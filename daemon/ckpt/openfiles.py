@@ -18,14 +18,12 @@ last RELEASE closes the id.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import mmap
-import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
+
+from dlfsd.ckpt.nodelock import NodeLock
 
 SLOTS = 16384  # checkpoint files open at once; beyond, opens are served, not counted
 _SLOT = np.dtype([("ino", "<u8"), ("id", "<i4"), ("opens", "<u4")])
@@ -37,24 +35,12 @@ class OpenFiles:
     def __init__(self, lock_path: str, slots: int = SLOTS) -> None:
         self._map = mmap.mmap(-1, slots * _SLOT.itemsize)  # MAP_SHARED: one table for all
         self._slots = np.frombuffer(self._map, dtype=_SLOT)
-        self._lock_path = lock_path
-        self._lock: tuple[int, int] | None = None  # (pid, fd): flock is per open file
-        self._threads = threading.Lock()  # threads of one process share that open file
+        self._lock = NodeLock(lock_path)
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Held around every change of the table (and eviction's check): a process that
-        dies holding it releases it (flock), unlike a semaphore."""
-        with self._threads:
-            if self._lock is None or self._lock[0] != os.getpid():
-                fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                self._lock = (os.getpid(), fd)
-            fd = self._lock[1]
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+    def locked(self) -> NodeLock:
+        """Held around every change of the table (and eviction's check), by any process
+        or thread of the daemon."""
+        return self._lock
 
     def _find(self, ino: int) -> int:
         hits = np.flatnonzero(self._slots["ino"] == ino)

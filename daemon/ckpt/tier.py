@@ -25,10 +25,10 @@ import os
 import secrets
 import socket
 import stat
-import threading
 from pathlib import Path
 
 from dlfs.errors import DlfsError
+from dlfsd.ckpt.nodelock import NodeLock
 from dlfsd.ckpt.state import CkptState
 
 TIER_DIR = "ckpt"
@@ -97,9 +97,7 @@ class Tier:
         # Bumped whenever an entry is removed or replaced: every process then closes the
         # descriptors it keeps (a new file may reuse a removed one's inode number).
         self.epoch = mmap.mmap(-1, 16)  # [epoch, full: the local copies reached the limit]
-        self._mutate_path = self.root / ".mutate"
-        self._mutate: tuple[int, int] | None = None  # (pid, fd)
-        self._mutate_thread = threading.Lock()
+        self._mutate = NodeLock(str(self.root / ".mutate"))
 
     def _tidy(self) -> None:
         """Before any process uses the tier (the lock is ours): remove placeholders a
@@ -139,21 +137,11 @@ class Tier:
     def full(self) -> bool:
         return self.epoch[8] != 0
 
-    @contextlib.contextmanager
-    def mutating(self):
+    def mutating(self) -> NodeLock:
         """Held around a change of names in the tree (and its mirror on the store) and
         around the drain's publish of a file: the drain then publishes each file at the
         path it has when the rename is done, never at one a rename just gave up."""
-        with self._mutate_thread:
-            if self._mutate is None or self._mutate[0] != os.getpid():
-                fd = os.open(self._mutate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                self._mutate = (os.getpid(), fd)
-            fd = self._mutate[1]
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+        return self._mutate
 
     def relpath(self, path: bytes) -> bytes:
         """`path` (in the tree) relative to the tree's root."""
