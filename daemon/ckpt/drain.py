@@ -62,7 +62,6 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0
 RATE_WINDOW = 10.0  # seconds the drain rate is averaged over
 LIMIT_EVERY = 1.0  # seconds between checks of --ckpt-limit
 LOW_WATER = 0.9  # eviction under --ckpt-limit goes down to this share of it
-EVICT_GRACE = 0.05  # without an open-files table: from "drop your copy" to emptying it
 
 
 class DrainStats:
@@ -230,8 +229,6 @@ class Drainer:
                 return False  # a reader (or the kernel, with passthrough) uses this copy
             self.state.mark_evicted(st.st_ino)  # opens from now on read the store's copy
             self.tier.bump_epoch()  # every process drops its descriptor of the local copy
-            if self.open_files is None:
-                time.sleep(EVICT_GRACE)  # a read that began before the bump ends first
             os.truncate(path, 0)
             os.truncate(path, st.st_size)  # a hole of the same size, inode and mtime
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
