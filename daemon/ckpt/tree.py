@@ -69,10 +69,6 @@ class PosixError(DlfsError):
         self.errno = code
 
 
-def is_ckpt(nodeid: int) -> bool:
-    return nodeid >= CKPT_BIT
-
-
 def _attr(ino: int, st: os.stat_result) -> Attr:
     return Attr(CKPT_BIT | ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_nlink)
 
@@ -802,12 +798,14 @@ class CkptTree:
         fd = self._fd(nodeid, writing=False)
         os.fdatasync(fd) if datasync else os.fsync(fd)
 
-    def release(self, nodeid: int) -> None:
-        """The kernel closed a file the daemon opened or created: drain it now if written."""
+    def release(self, nodeid: int, closed: bool = True) -> None:
+        """The kernel closed a file the daemon opened or created: drain it now if written
+        and `closed` (no other open of it is left)."""
         ino = nodeid & ~CKPT_BIT
         self._drop_fd(ino)
         self._touched.pop(ino, None)
-        self.state.closed(ino)  # its pending row, if written (by any process)
+        if closed:
+            self.state.closed(ino)  # its pending row, if written (by any process)
 
     def fallocate(self, nodeid: int, offset: int, length: int, mode: int) -> None:
         if mode:
