@@ -61,21 +61,20 @@ class OpenFiles:
         self._slots[free] = (ino, backing_id, 1)
         return backing_id
 
-    def release(self, ino: int, unregister: Callable[[int], None]) -> bool:
+    def release(self, ino: int, unregister: Callable[[int], None]) -> None:
         """One open of `ino` ended (call under `locked`); the last one unregisters its
-        backing id, if it has one. Returns whether it was the last (or not counted)."""
+        backing id, if it has one."""
         at = self._find(ino)
         if at < 0:
-            return True
+            return
         left = int(self._slots["opens"][at]) - 1
         if left > 0:
             self._slots["opens"][at] = left
-            return False
+            return
         backing_id = int(self._slots["id"][at])
         self._slots[at] = (0, 0, 0)
         if backing_id > 0:
             unregister(backing_id)
-        return True
 
     def is_open(self, ino: int) -> bool:
         """`ino` is open now (call under `locked` to act on it)."""

@@ -69,6 +69,10 @@ class PosixError(DlfsError):
         self.errno = code
 
 
+def is_ckpt(nodeid: int) -> bool:
+    return nodeid >= CKPT_BIT
+
+
 def _attr(ino: int, st: os.stat_result) -> Attr:
     return Attr(CKPT_BIT | ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_nlink)
 
@@ -798,14 +802,12 @@ class CkptTree:
         fd = self._fd(nodeid, writing=False)
         os.fdatasync(fd) if datasync else os.fsync(fd)
 
-    def release(self, nodeid: int, closed: bool = True) -> None:
-        """The kernel closed a file the daemon opened or created: drain it now if written
-        and `closed` (no other open of it is left)."""
+    def release(self, nodeid: int) -> None:
+        """The kernel closed a file the daemon opened or created: drain it now if written."""
         ino = nodeid & ~CKPT_BIT
         self._drop_fd(ino)
         self._touched.pop(ino, None)
-        if closed:
-            self.state.closed(ino)  # its pending row, if written (by any process)
+        self.state.closed(ino)  # its pending row, if written (by any process)
 
     def fallocate(self, nodeid: int, offset: int, length: int, mode: int) -> None:
         if mode:

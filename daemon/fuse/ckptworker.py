@@ -225,17 +225,14 @@ class CkptWorker(RequestLoop):
 
     def release(self, nodeid: int, n: int) -> None:
         fh, flags, _ = fw.RELEASE_IN.unpack_from(self._buf, HEADER)
-        last = True
         if fh & 1:  # counted at its open (see _open_reply)
             ino = nodeid & ~CKPT_BIT
             with self.open_files.locked():
                 passed = self.open_files.passthrough(ino)
-                last = self.open_files.release(ino, self._unregister)
+                self.open_files.release(ino, self._unregister)
             if passed and flags & WRITE_FLAGS:
                 self._count_passthrough_write(nodeid, fh >> 32, fh >> 1 & 0x7FFFFFFF)
-        # Closed for the drain only when no open is left: a reader's close must not
-        # drain a file another process still writes (through passthrough, unseen).
-        self.tree.release(nodeid, closed=last)
+        self.tree.release(nodeid)
 
     def _count_passthrough_write(self, nodeid: int, pid: int, opened_s: int) -> None:
         """The daemon saw none of the writes: a file changed since it was opened counts
