@@ -69,10 +69,6 @@ class PosixError(DlfsError):
         self.errno = code
 
 
-def is_ckpt(nodeid: int) -> bool:
-    return nodeid >= CKPT_BIT
-
-
 def _attr(ino: int, st: os.stat_result) -> Attr:
     return Attr(CKPT_BIT | ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_nlink)
 

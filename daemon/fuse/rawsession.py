@@ -68,7 +68,6 @@ class RawSession:
         self.uid, self.gid = uid, gid
         self.allow_other = allow_other
         self.fd = -1
-        self.negotiated: Negotiated | None = None
 
     def mount(self) -> None:
         """Mount (the kernel then queues INIT; answer it with answer_init)."""
@@ -132,8 +131,7 @@ class RawSession:
                               1, 256, 0, FLAGS2_PASSTHROUGH if use else 0,
                               MAX_STACK_DEPTH if use else 0, *[0] * 6)
         os.write(self.fd, fw.reply_header(unique, len(reply)) + reply)
-        self.negotiated = Negotiated(minor, use)
-        return self.negotiated
+        return Negotiated(minor, use)
 
     def unmount(self) -> None:
         """Unmount lazily (a process may still have it as its cwd) and close."""
