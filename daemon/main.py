@@ -598,6 +598,7 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     report = SharedJson()
     namespace.observe.add_section("ckpt", report.read)
     open_files = OpenFiles(str(tier.root / ".open"))
+    namespace.ckpt.open_files = open_files  # the union never replaces a file being written
     services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
                                  config.ckpt_idle, config.ckpt_limit, config.ckpt_keep,
                                  (config.uid, config.gid if config.gid is not None

@@ -250,3 +250,32 @@ def test_a_file_opened_for_writing_and_closed_unchanged_is_not_copied_again(
     assert run_dlfs("flush", m.path).returncode == 0
     assert os.stat(stored).st_ino != first
     assert stored.read_bytes() == b"changed" + data[7:]
+
+
+def test_a_readers_close_leaves_a_file_being_written_alone_and_flush_waits_for_it(
+        mounted, small_store, tmp_path):
+    """RELEASE is asynchronous and says nothing of the other opens of the file: only
+    the last close makes a file due for the drain at once. And a file drained while
+    open (idle) and written since (through passthrough: unseen) is one `dlfs flush`
+    waits for."""
+    m = ckpt_mount(mounted, small_store, tmp_path)
+    ck, stored = m.path / "ckpt", tmp_path / "ckstore" / "w.bin"
+    (ck / "w.bin").write_bytes(b"v1")
+    assert run_dlfs("flush", m.path).returncode == 0
+    reader = open(ck / "w.bin", "rb")  # noqa: SIM115 (closed while the writer writes)
+    writer = os.open(ck / "w.bin", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(writer, b"v2, being written")
+        reader.close()
+        time.sleep(1.0)  # a closed file drains within 0.2 s, an open one once 2 s idle
+        assert stored.read_bytes() == b"v1"
+        wait_for(lambda: stored.read_bytes() == b"v2, being written", 30,
+                 "the drain of the idle open file")
+        os.pwrite(writer, b"v3", 0)
+        assert run_dlfs("flush", m.path).returncode == 0  # the writer still has it open
+        assert stored.read_bytes() == b"v3, being written"
+        os.pwrite(writer, b"v4", 0)
+    finally:
+        os.close(writer)
+    assert run_dlfs("flush", m.path).returncode == 0
+    assert stored.read_bytes() == b"v4, being written"

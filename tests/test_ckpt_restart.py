@@ -193,6 +193,32 @@ def test_a_local_file_not_drained_yet_wins_over_the_store(mounted, small_store, 
     assert (tmp_path / "ckstore" / "x").read_bytes() == b"B, not drained yet"
 
 
+def test_a_file_open_for_writing_is_never_replaced_by_another_nodes_copy(
+        mounted, small_store, tmp_path):
+    """Even once drained (it was idle) and no longer pending: through passthrough the
+    daemon sees none of its writes, the open-files table says it is being written. A
+    replaced file would leave the writer writing an unlinked inode, never drained."""
+    a = node(mounted, small_store, tmp_path, "a")
+    b = node(mounted, small_store, tmp_path, "b")
+    stored = tmp_path / "ckstore" / "y"
+    fd = os.open(b.path / "ckpt" / "y", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"B, kept open")
+        assert wait_for(lambda: stored.exists() and stored.read_bytes() == b"B, kept open",
+                        30)  # drained once idle (2 s), still open
+        assert (a.path / "ckpt" / "y").read_bytes() == b"B, kept open"  # adopted on A
+        (a.path / "ckpt" / "y").write_bytes(b"A, newer")
+        flush(a)
+        assert stored.read_bytes() == b"A, newer"
+        time.sleep(KERNEL_CACHE + 0.2)
+        assert (b.path / "ckpt" / "y").read_bytes() == b"B, kept open"
+        os.pwrite(fd, b"b", 0)
+    finally:
+        os.close(fd)
+    flush(b)
+    assert stored.read_bytes() == b"b, kept open"  # the last drain wins on the store
+
+
 def test_a_checkpoint_put_in_the_store_by_hand_is_shown_and_rmdir_sees_its_entries(
         mounted, small_store, tmp_path):
     store = os.fsencode(tmp_path / "ckstore")

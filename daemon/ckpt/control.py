@@ -30,7 +30,9 @@ class CkptControl:
         if words[0] == "ckpt-flush" and len(words) == 2:
             under = self._under(words[1])
             since = time.time_ns()
-            queued = scan(self.tier, under, force=True)
+            # Rows it adds are pending since `since`: the flush waits for them too (a
+            # file drained while open and written since had none).
+            queued = scan(self.tier, under, force=True, now_ns=since)
             return {"ok": True, "since": since, "files": len(queued),
                     "store": self.tier.store}
         if words[0] == "ckpt-pending" and len(words) == 3:

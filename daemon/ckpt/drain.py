@@ -528,10 +528,12 @@ def newest_mtime(path: bytes) -> int:
     return newest
 
 
-def scan(tier: Tier, under: bytes | None = None, force: bool = False) -> list[int]:
+def scan(tier: Tier, under: bytes | None = None, force: bool = False,
+         now_ns: int | None = None) -> list[int]:
     """Record every entry of the tree (under `under`) in the node table, and queue the
     files whose local bytes are not on the store yet (by the ledger). Returns their
-    inodes. With `force` they are drained now, closed or not (`dlfs flush`). Evicted
+    inodes. With `force` they are drained now, closed or not (`dlfs flush`; a file
+    that had no pending row gets one pending since `now_ns`, the flush's start). Evicted
     files and placeholders of the store's entries have no local bytes to drain."""
     state = tier.state
     ledger = state.ledger()
@@ -559,7 +561,7 @@ def scan(tier: Tier, under: bytes | None = None, force: bool = False) -> list[in
                     stamps.append(st.st_mtime_ns)
     state.remember_many(rows)
     if force:
-        state.force(dirty, time.time_ns())
+        state.force(dirty, now_ns or time.time_ns())
     else:
         state.ensure_pending(list(zip(dirty, stamps, strict=True)))
     return dirty

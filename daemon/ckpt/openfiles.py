@@ -14,6 +14,12 @@ every open of a file that is already open must name the same id. Opens of one fi
 reach any worker process, so the ids live here, in shared memory made before the
 fork: per inode its id (0: served by the daemon) and how many opens use it. The
 last RELEASE closes the id.
+
+The table also says how many of those opens may write. Through passthrough the daemon
+never sees a WRITE, so this count is what tells it that a file is being written: such
+a file is not drained before it is idle, and the union with the store
+(dlfsd.ckpt.tree) never replaces it by another node's newer copy (the writer's
+descriptor would keep writing an unlinked inode).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import numpy as np
 from dlfsd.ckpt.nodelock import NodeLock
 
 SLOTS = 16384  # checkpoint files open at once; beyond, opens are served, not counted
-_SLOT = np.dtype([("ino", "<u8"), ("id", "<i4"), ("opens", "<u4")])
+_SLOT = np.dtype([("ino", "<u8"), ("id", "<i4"), ("opens", "<u4"), ("writers", "<u4"),
+                  ("_pad", "<u4")])
 
 
 class OpenFiles:
@@ -46,39 +53,50 @@ class OpenFiles:
         hits = np.flatnonzero(self._slots["ino"] == ino)
         return int(hits[0]) if len(hits) else -1
 
-    def acquire(self, ino: int, register: Callable[[], int]) -> int:
-        """One more open of `ino` (call under `locked`); returns its backing id: the one
-        in use, else `register()`'s new one (0: served by the daemon); -1 if the table
-        is full (then the open is not counted)."""
+    def acquire(self, ino: int, register: Callable[[], int], writing: bool = False) -> int:
+        """One more open of `ino` (`writing`: one that may write; call under `locked`);
+        returns its backing id: the one in use, else `register()`'s new one (0: served
+        by the daemon); -1 if the table is full (then the open is not counted)."""
         at = self._find(ino)
         if at >= 0:
             self._slots["opens"][at] += 1
+            self._slots["writers"][at] += writing
             return int(self._slots["id"][at])
         free = self._find(0)
         if free < 0:
             return -1
         backing_id = register()
-        self._slots[free] = (ino, backing_id, 1)
+        self._slots[free] = (ino, backing_id, 1, int(writing), 0)
         return backing_id
 
-    def release(self, ino: int, unregister: Callable[[int], None]) -> None:
-        """One open of `ino` ended (call under `locked`); the last one unregisters its
-        backing id, if it has one."""
+    def release(self, ino: int, unregister: Callable[[int], None],
+                writing: bool = False) -> bool:
+        """One open of `ino` ended (call under `locked`; `writing` as at its acquire);
+        the last one unregisters its backing id, if it has one. Returns whether it was
+        the last open of `ino` (True too for an open the table never counted)."""
         at = self._find(ino)
         if at < 0:
-            return
+            return True
         left = int(self._slots["opens"][at]) - 1
         if left > 0:
             self._slots["opens"][at] = left
-            return
+            if writing and self._slots["writers"][at]:
+                self._slots["writers"][at] -= 1
+            return False
         backing_id = int(self._slots["id"][at])
-        self._slots[at] = (0, 0, 0)
+        self._slots[at] = (0, 0, 0, 0, 0)
         if backing_id > 0:
             unregister(backing_id)
+        return True
 
     def is_open(self, ino: int) -> bool:
         """`ino` is open now (call under `locked` to act on it)."""
         return self._find(ino) >= 0
+
+    def written(self, ino: int) -> bool:
+        """`ino` is open for writing now, by any process."""
+        at = self._find(ino)
+        return at >= 0 and int(self._slots["writers"][at]) > 0
 
     def passthrough(self, ino: int) -> bool:
         """`ino` is open through passthrough now (its writes never reach the daemon)."""

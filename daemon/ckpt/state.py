@@ -213,8 +213,20 @@ class CkptState:
                                "VALUES (?, ?, ?)", [(i, t, t) for i, t in rows])
 
     def closed(self, ino: int) -> None:
-        """The last descriptor of a written file was closed: drain it now."""
+        """The last open of a written file was closed: drain it now."""
         self.db().execute("UPDATE pending SET closed=1 WHERE ino=?", (ino,))
+
+    def closed_after_writing(self, ino: int, now_ns: int | None = None) -> None:
+        """The last open of `ino` was closed, and one of its opens may have written it:
+        drain it now (if unchanged since its last drain, the drain finds that and copies
+        nothing). Inserted if missing: writes through passthrough never touch the row,
+        and a drain while the file was idle-but-open removed it. Touched too, so that a
+        drain publishing an older copy right now does not take the row with it."""
+        now = now_ns or time.time_ns()
+        self.db().execute(
+            "INSERT INTO pending(ino, since_ns, touched_ns, closed) VALUES (?, ?, ?, 1) "
+            "ON CONFLICT(ino) DO UPDATE SET touched_ns=excluded.touched_ns, closed=1",
+            (ino, now, now))
 
     def force(self, inos: list[int], now_ns: int) -> None:
         """`dlfs flush`: drain these now, closed or not (inserted if missing)."""

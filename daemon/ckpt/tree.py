@@ -98,6 +98,7 @@ class CkptTree:
         self._epoch = tier.current_epoch()
         self._touched: dict[int, int] = {}  # ino -> when its pending row was refreshed
         self._warned: set[str] = set()  # store troubles logged at WARNING (once each)
+        self.open_files = None  # dlfsd.ckpt.openfiles.OpenFiles, once the mount has it
 
     # -- node ids -> paths ------------------------------------------------------------
     def _resolve(self, nodeid: int) -> tuple[bytes, os.stat_result]:
@@ -364,7 +365,7 @@ class CkptTree:
         row = None
         if st is not None:
             row = self.state.tracking(st.st_ino)
-            if not _is_copy(row, st, relpath):
+            if not self._follows_store(row, st, relpath):
                 return st  # written here (or never on the store): it wins
         store_st, ok = self._store_entry(relpath)
         if not ok:
@@ -380,6 +381,16 @@ class CkptTree:
         except OSError as err:
             raise PosixError(err.errno or errno.EIO, "checkpoint entry from the store") \
                 from None
+
+    def _follows_store(self, row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
+        """Local entry `st` is only a copy of the store's (`_is_copy`) and no process has
+        it open for writing: the open-files table knows that even when the pending row
+        does not (passthrough writes never reach the daemon; a drain of the idle-but-open
+        file removed the row). Replacing such a file would leave its writer writing an
+        unlinked inode, whose bytes no drain would ever see."""
+        if not _is_copy(row, st, relpath):
+            return False
+        return self.open_files is None or not self.open_files.written(st.st_ino)
 
     def _store_entry(self, relpath: bytes) -> tuple[os.stat_result | None, bool]:
         """(the store's entry at `relpath`, None if there is none; False: the store
@@ -411,7 +422,7 @@ class CkptTree:
             return st
         if st is not None:
             row = self.state.tracking(st.st_ino)
-            if not _is_copy(row, st, relpath):
+            if not self._follows_store(row, st, relpath):
                 return st
             if store_st is not None and _same_copy(row, st.st_mode, store_st):
                 return st
@@ -502,7 +513,7 @@ class CkptTree:
             st = _lstat_or_none(path)
             if st is None:
                 continue
-            if _is_copy(self.state.tracking(st.st_ino), st, self.tier.relpath(path)):
+            if self._follows_store(self.state.tracking(st.st_ino), st, self.tier.relpath(path)):
                 self._remove_copy(path, st)
             elif stat.S_ISDIR(st.st_mode):
                 self._prune_inside(path)
@@ -532,7 +543,7 @@ class CkptTree:
         todo = []
         for name, st in local.items():
             row = rows.get(st.st_ino)
-            if not _is_copy(row, st, os.path.join(relpath, name)):
+            if not self._follows_store(row, st, os.path.join(relpath, name)):
                 continue
             entry = on_store.get(name)
             if entry is None:
@@ -753,7 +764,7 @@ class CkptTree:
             return
         relpath = self.tier.relpath(path)
         row = self.state.tracking(st.st_ino)
-        if not _is_copy(row, st, relpath):
+        if not self._follows_store(row, st, relpath):
             return
         store_st, ok = self._store_entry(relpath)
         if not ok or (store_st is not None and _same_copy(row, st.st_mode, store_st)):
@@ -799,11 +810,20 @@ class CkptTree:
         os.fdatasync(fd) if datasync else os.fsync(fd)
 
     def release(self, nodeid: int) -> None:
-        """The kernel closed a file the daemon opened or created: drain it now if written."""
+        """The kernel closed an open of a file: this process's descriptor of it goes (the
+        drain is told by `closed`)."""
         ino = nodeid & ~CKPT_BIT
         self._drop_fd(ino)
         self._touched.pop(ino, None)
-        self.state.closed(ino)  # its pending row, if written (by any process)
+
+    def closed(self, ino: int, written: bool) -> None:
+        """The last open of file `ino` was closed (`written`: one of them could write):
+        drain it now if it was written, by any process and either way (served or
+        through passthrough)."""
+        if written:
+            self.state.closed_after_writing(ino)
+        else:
+            self.state.closed(ino)
 
     def fallocate(self, nodeid: int, offset: int, length: int, mode: int) -> None:
         if mode:

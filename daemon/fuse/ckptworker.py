@@ -64,6 +64,7 @@ class CkptWorker(RequestLoop):
         self.ns, self.tree = namespace, tree
         self.open_files, self.passthrough = open_files, passthrough
         self._opened = 0  # the inode the OPEN/CREATE being answered counted (_reply_lost)
+        self._opened_writing = False  # and whether that open may write
         self._register_warned = False
         self.root = tree.root_nodeid
         self.attrs = fw.CkptAttrPacker(uid, gid, CKPT_ATTR_TIMEOUT)
@@ -169,11 +170,15 @@ class CkptWorker(RequestLoop):
         The handle says who opened it and when (its RELEASE comes from the kernel,
         pid 0, and must count and trace the writes) and whether it was counted."""
         ino = node & ~CKPT_BIT
+        writing = bool(flags & WRITE_FLAGS)
         with self.open_files.locked():
             local = self.passthrough and not self.tree.state.is_evicted(ino)
             backing_id = self.open_files.acquire(
-                ino, (lambda: self._register(node)) if local else (lambda: 0))
+                ino, (lambda: self._register(node)) if local else (lambda: 0), writing)
+            if writing:  # pending again: a RELEASE of an earlier open may have marked
+                self.tree.state.touch(ino)  # it closed since CkptTree.open did
         self._opened = ino if backing_id >= 0 else 0
+        self._opened_writing = writing
         fh = (self.caller.pid << 32 | (int(time.time()) & 0x7FFFFFFF) << 1
               | (backing_id >= 0))
         if backing_id > 0:  # (a write-open is pending already: CkptTree.open)
@@ -187,7 +192,7 @@ class CkptWorker(RequestLoop):
         kernel will send no RELEASE for it, so it must not stay counted."""
         if opcode in (fw.OPEN, fw.CREATE) and self._opened:
             with self.open_files.locked():
-                self.open_files.release(self._opened, self._unregister)
+                self.open_files.release(self._opened, self._unregister, self._opened_writing)
             self._opened = 0
 
     def _register(self, node: int) -> int:
@@ -224,14 +229,23 @@ class CkptWorker(RequestLoop):
         return fw.WRITE_OUT.pack(written, 0)
 
     def release(self, nodeid: int, n: int) -> None:
+        """The kernel closed an open: the file is closed for the drain only when it was
+        the last open of it. RELEASE is asynchronous: a reader's may arrive after another
+        process opened the file for writing, which (through passthrough, unseen) it may
+        still be doing. Decided under the open-files lock, which the opens take too."""
         fh, flags, _ = fw.RELEASE_IN.unpack_from(self._buf, HEADER)
+        ino = nodeid & ~CKPT_BIT
+        writing = bool(flags & WRITE_FLAGS)
+        passed = False
         if fh & 1:  # counted at its open (see _open_reply)
-            ino = nodeid & ~CKPT_BIT
             with self.open_files.locked():
                 passed = self.open_files.passthrough(ino)
-                self.open_files.release(ino, self._unregister)
-            if passed and flags & WRITE_FLAGS:
-                self._count_passthrough_write(nodeid, fh >> 32, fh >> 1 & 0x7FFFFFFF)
+                if self.open_files.release(ino, self._unregister, writing):
+                    self.tree.closed(ino, writing)
+        else:
+            self.tree.closed(ino, writing)
+        if passed and writing:
+            self._count_passthrough_write(nodeid, fh >> 32, fh >> 1 & 0x7FFFFFFF)
         self.tree.release(nodeid)
 
     def _count_passthrough_write(self, nodeid: int, pid: int, opened_s: int) -> None:
