@@ -33,6 +33,7 @@ from dlfs.mountinfo import find_mount
 from dlfs.pipes import describe_pipe_size, usable_pipe_size
 from dlfs.runtime import (
     DaemonRecord,
+    ckpt_mount_path,
     control_socket_path,
     read_record,
     remove_record,
@@ -594,7 +595,8 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     tier.state.reset_nodes(tier.root_ino)
     undrained = scan(tier)  # resume: files an earlier mount did not drain
     written = WriteCounter(namespace.observe.slot)
-    namespace.attach_ckpt(CkptTree(tier, written, config.ckpt_limit_wait))
+    where, link = ckpt_mountpoint(config)
+    namespace.attach_ckpt(CkptTree(tier, written, config.ckpt_limit_wait), link)
     report = SharedJson()
     namespace.observe.add_section("ckpt", report.read)
     open_files = OpenFiles(str(tier.root / ".open"))
@@ -605,8 +607,9 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
                                   else config.uid) if config.uid is not None else None,
                                  open_files=open_files),
                          written, report)
-    log.info("checkpoint directory %s/ckpt: written to %s, drained to %s%s",
-             config.mountpoint, tier.tree, tier.store,
+    log.info("checkpoint directory %s/ckpt%s: written to %s, drained to %s%s",
+             config.mountpoint, f" (a symlink to {where})" if link else "", tier.tree,
+             tier.store,
              f" ({len(undrained)} files from an earlier mount still to drain)"
              if undrained else "")
     return CkptControl(tier), open_files
@@ -694,6 +697,18 @@ class _Teardown:
     aborted: bool = False  # the connection was aborted and the dead mount is still there
 
 
+def ckpt_mountpoint(config: MountConfig) -> tuple[str, bytes | None]:
+    """Where the checkpoint connection is mounted, and the symlink target MOUNTPOINT/ckpt
+    shows (None: it is mounted on MOUNTPOINT/ckpt itself, as a root daemon does; one
+    that is not root mounts through fusermount3, which cannot reach inside our mount:
+    see dlfs.runtime.ckpt_mount_path)."""
+    if os.geteuid() == 0:
+        return os.path.join(config.mountpoint, CKPT_NAME.decode()), None
+    where = ckpt_mount_path(config.mountpoint)
+    where.mkdir(mode=0o700, exist_ok=True)
+    return str(where), os.fsencode(where)
+
+
 def _mount_ckpt(config: MountConfig, daemon: _Loaded,
                 release: contextlib.ExitStack) -> dict[int, int]:
     """Mount the checkpoint directory's own connection on MOUNTPOINT/ckpt, answer its
@@ -703,7 +718,7 @@ def _mount_ckpt(config: MountConfig, daemon: _Loaded,
     uid = os.getuid() if config.uid is None else config.uid
     gid = os.getgid() if config.gid is None else config.gid
     before = fuse_fds()
-    ckpt = RawSession(os.path.join(config.mountpoint, CKPT_NAME.decode()), uid, gid,
+    ckpt = RawSession(ckpt_mountpoint(config)[0], uid, gid,
                       config.allow_other or config.uid is not None)
     try:
         ckpt.mount()

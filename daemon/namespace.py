@@ -144,16 +144,19 @@ class Namespace:
         self._by_name = {d.name.encode(): i for i, d in enumerate(self.datasets)}
         self.mounted_ns = time.time_ns()
         self.ckpt = None  # the writable checkpoint subtree (dlfsd.ckpt.tree), if any
+        self.ckpt_link: bytes | None = None  # `ckpt` is a symlink to this (not root)
 
-    def attach_ckpt(self, ckpt) -> None:
+    def attach_ckpt(self, ckpt, link: bytes | None = None) -> None:
         """Show `ckpt/` in the root, an empty directory: the checkpoint tier (a
         dlfsd.ckpt.tree.CkptTree) is a FUSE connection of its own mounted on it
-        (dlfsd.fuse.rawsession); the tree is kept here for the write counter and trace."""
+        (dlfsd.fuse.rawsession); the tree is kept here for the write counter and trace.
+        `link`: the connection is mounted there instead (a daemon that is not root,
+        see dlfs.runtime.ckpt_mount_path), and `ckpt` is a symlink to it."""
         if CKPT_NAME in self._by_name:
             raise DlfsError("a dataset named ckpt cannot be mounted with --ckpt-store (the "
                             "checkpoint directory takes MOUNTPOINT/ckpt); mount the other "
                             "datasets with --dataset, or rename that dataset")
-        self.ckpt = ckpt
+        self.ckpt, self.ckpt_link = ckpt, link
 
     def use_spans(self, max_length: int) -> None:
         """Worker processes that splice replies: reads of verified bytes up to
@@ -219,6 +222,9 @@ class Namespace:
             return Attr(ROOT_INODE, self.root_mode, 0, self.mounted_ns,
                         2 + len(self.datasets) + (self.ckpt is not None))
         if ino == CKPT_DIR_INODE and self.ckpt is not None:
+            if self.ckpt_link is not None:
+                return Attr(CKPT_DIR_INODE, stat.S_IFLNK | 0o777, len(self.ckpt_link),
+                            self.mounted_ns, 1)
             return Attr(CKPT_DIR_INODE, self.root_mode, 0, self.mounted_ns, 2)
         if ino < FIRST_DATASET_INODE:
             return Attr(*self.control.attr(ino))
@@ -232,6 +238,8 @@ class Namespace:
         return Attr(*self.control.latest_attr(ino, pid))
 
     def readlink(self, ino: int) -> bytes:
+        if ino == CKPT_DIR_INODE and self.ckpt_link is not None:
+            return self.ckpt_link
         k, row = self._locate(ino)
         try:
             return self._dirs[k].readlink(row)
@@ -240,7 +248,8 @@ class Namespace:
 
     def check_dir(self, ino: int) -> None:
         if ino == CKPT_DIR_INODE:
-            self._getattr(ino)
+            if not stat.S_ISDIR(self._getattr(ino).mode):  # the symlink of a non-root mount
+                raise NotADirError(ino)
         elif self.control.owns(ino):
             if not self.control.is_dir(ino):
                 raise NotADirError(ino)

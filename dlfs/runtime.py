@@ -119,6 +119,14 @@ def status_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.status.json"
 
 
+def ckpt_mount_path(mountpoint: str) -> Path:
+    """Where a daemon that is not root mounts the checkpoint connection of `mountpoint`;
+    MOUNTPOINT/ckpt is then a symlink to it. fusermount3 (setuid root) may not look
+    inside another user's FUSE mount (the kernel lets only the mount's owner in, root
+    not included, without allow_other), so it cannot mount on MOUNTPOINT/ckpt."""
+    return runtime_dir() / f"{_key(mountpoint)}.ckpt"
+
+
 def default_log_path(mountpoint: str) -> Path:
     return runtime_dir() / f"{_key(mountpoint)}.log"
 

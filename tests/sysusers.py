@@ -12,6 +12,7 @@ import sysconfig
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -22,12 +23,15 @@ class User:
     uid: int
     gid: int
 
-    def run(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
-        """Run argv as this user (runuser, no login shell)."""
-        return subprocess.run(["runuser", "-u", self.name, "--", *argv], capture_output=True,
-                              text=True, timeout=timeout)
+    def run(self, *argv: str, timeout: float = 30,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run argv as this user (runuser, no login shell); `env`: variables added."""
+        extra = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+        return subprocess.run(["runuser", "-u", self.name, "--", *extra, *argv],
+                              capture_output=True, text=True, timeout=timeout)
 
-    def dlfs(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    def dlfs(self, *args: str, timeout: float = 60,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run the `dlfs` CLI as this user: a real process with the user's uid and no
         capabilities. The venv's interpreter may sit in a directory only root may enter
         (/root/.pyenv): run a system Python of the same version instead, with the
@@ -35,7 +39,18 @@ class User:
         python = user_python(self)
         code = (f"import site, sys; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "
                 "from dlfs.cli.main import main; sys.argv[0] = 'dlfs'; sys.exit(main())")
-        return self.run(python, "-c", code, *args, timeout=timeout)
+        return self.run(python, "-c", code, *args, timeout=timeout, env=env)
+
+
+def site_env(directory: Path) -> dict[str, str]:
+    """Environment under which a Python that `User.dlfs` runs passes the venv's
+    packages on to the Pythons it starts itself (the daemon: `python -m dlfsd`): a
+    sitecustomize in `directory` (which the user must be able to read) adds them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(
+        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    directory.chmod(0o755)
+    return {"PYTHONPATH": str(directory)}
 
 
 _PYTHONS: dict[str, str] = {}

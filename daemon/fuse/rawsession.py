@@ -28,7 +28,7 @@ import struct
 import subprocess
 from dataclasses import dataclass
 
-from dlfs.mountinfo import CKPT_FSTYPE
+from dlfs.mountinfo import CKPT_FSTYPE, find_mount
 from dlfsd.fuse import fusewire as fw
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,28 @@ class RawSession:
 
     def mount(self) -> None:
         """Mount (the kernel then queues INIT; answer it with answer_init)."""
+        self._clear_stale()
         if os.geteuid() == 0:
             self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
             self._mount_syscall()
         else:
             self.fd = self._mount_fusermount()
+
+    def _clear_stale(self) -> None:
+        """A checkpoint connection a killed daemon left mounted here (a non-root daemon's
+        lies outside the dataset mount, so nothing else detaches it): detach it, or the
+        mount fails on a dead mountpoint (ENOTCONN)."""
+        entry = find_mount(self.mountpoint)
+        if entry is None or entry.fstype != FSTYPE:
+            return
+        log.info("detaching a checkpoint directory a stopped daemon left mounted on %s",
+                 self.mountpoint)
+        if os.geteuid() == 0:
+            ctypes.CDLL(None, use_errno=True).umount2(os.fsencode(self.mountpoint),
+                                                      MNT_DETACH)
+        else:
+            subprocess.run(["fusermount3", "-u", "-z", "-q", self.mountpoint],
+                           capture_output=True, timeout=60)
 
     def _options(self) -> str:
         return "default_permissions" + (",allow_other" if self.allow_other else "")

@@ -26,6 +26,7 @@ from dlfs.errors import DlfsError, NotFoundError, NotMountedError
 from dlfs.launch import COMMIT, COMMIT_FD_ENV, ERROR_PREFIX, READY, READY_FD_ENV, daemon_argv
 from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount
 from dlfs.runtime import (
+    ckpt_mount_path,
     default_log_path,
     lock_path,
     mountpoint_path,
@@ -50,7 +51,15 @@ def mounted_fstype(mountpoint: str) -> str | None:
 
 def _fusermount(mountpoint: str, lazy: bool) -> subprocess.CompletedProcess:
     """fusermount3 -u; a checkpoint directory mounted on it goes first (a lazy unmount
-    detaches both at once; a plain one would find the mount busy)."""
+    detaches both at once; a plain one would find the mount busy). A daemon that is not
+    root mounted it outside, MOUNTPOINT/ckpt being a symlink to it
+    (dlfs.runtime.ckpt_mount_path): that one goes first, lazily too when asked."""
+    if os.geteuid() != 0:
+        outside = str(ckpt_mount_path(mountpoint))
+        if mounted_fstype(outside) == CKPT_FSTYPE:
+            done = _fusermount_one(outside, lazy)
+            if done.returncode:
+                return done
     ckpt = os.path.join(mountpoint, CKPT_DIR)
     if not lazy and mounted_fstype(ckpt) == CKPT_FSTYPE:
         done = _fusermount_one(ckpt, lazy)
