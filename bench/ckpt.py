@@ -42,10 +42,14 @@ Targets (issue 22):
 --drain-only measures the drain alone against cp (a synced file, no FUSE): what the
 drain costs where the cache disk and the store are separate devices.
 
+--reads-only measures only what the drain costs dataset reads, each condition over
+--window seconds of epochs back to back (one epoch alone is too short on this VM).
+
 examples (from the repository root, as root):
   .venv/bin/python bench/ckpt.py --quick
   .venv/bin/python bench/ckpt.py --size 2G --rounds 3
   .venv/bin/python bench/ckpt.py --drain-only --size 2G --rounds 3
+  .venv/bin/python bench/ckpt.py --reads-only --size 2G --rounds 5
 """
 
 from __future__ import annotations
@@ -99,6 +103,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-only", action="store_true",
                    help="only the drain against cp, in this process, of a file already on "
                         "disk (no FUSE, no writeback of the local copy competing)")
+    p.add_argument("--reads-only", action="store_true",
+                   help="only what a drain costs dataset reads, over --window seconds of "
+                        "epochs per condition")
+    p.add_argument("--window", type=float, default=6.0,
+                   help="seconds of reads per condition with --reads-only (default 6; the "
+                        "drain of --size at --store-rate must outlast it)")
     args = p.parse_args(argv)
     if args.quick:
         args.size = min(args.size, 256 << 20)
@@ -188,6 +198,27 @@ def cp_seconds(source: Path, target_dir: Path, rate: int,
 def epoch_files_per_s(mp: Path, paths: list[str], readers: int, seed: int) -> float:
     r = shuffled_epoch([str(mp / "ds" / p) for p in paths], readers, seed=seed)
     return len(paths) / r.seconds
+
+
+def files_per_s_for(mp: Path, paths: list[str], readers: int, seconds: float,
+                    seed: int) -> float:
+    """Files/s of shuffled epochs run back to back for `seconds` of wall time (the
+    clock of each epoch only: its readers' start is not counted)."""
+    files, took = 0, 0.0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        r = shuffled_epoch([str(mp / "ds" / p) for p in paths], readers, seed=seed)
+        files, took, seed = files + r.files, took + r.seconds, seed + 1
+    return files / took
+
+
+def daemon_cpu_seconds(mp: Path) -> float:
+    """CPU seconds (user + system, all threads) the mount's main daemon process has
+    used: the drain runs there. Kernel writeback (kworkers) is not in it."""
+    pid = json.loads(run_dlfs(["status", str(mp), "--json"]).stdout)["pid"]
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def queued(mp: Path) -> int:
@@ -348,11 +379,79 @@ def drain_only(work: Path, args) -> int:
     return 0
 
 
+def reads_only(work: Path, args, paths: list[str]) -> int:
+    """What a drain costs training-like reads, with windows long enough to be told
+    from this VM's noise (one epoch of 2,000 files takes ~0.5 s and moved 1.5x between
+    runs): per round, files/s over --window seconds of back-to-back epochs on a quiet
+    node, right after a local checkpoint write (its writeback runs), and right after
+    one written through the mount (its writeback and its drain run; the drain must
+    outlast the window). The order of the three alternates by round."""
+    block = os.urandom(BLOCK)
+    mount_args = ["--cache-dir", str(work / "cache"), "--ckpt-store", str(work / "ckstore"),
+                  "--drain-bandwidth", str(args.store_rate), *args.mount_args.split()]
+    res: dict[str, list[float]] = {"quiet": [], "local": [], "drain": []}
+    share: list[float] = []  # of all CPUs, the daemon's (the drain's) during the window
+    with mounted(work / "store", work / "mnt", mount_args, work / "dlfsd.log") as mp:
+        wait_staged(mp)
+        (work / "local").mkdir(exist_ok=True)
+        places = {"local": work / "local", "drain": mp / "ckpt"}
+        files_per_s_for(mp, paths, args.readers, 2, 999)  # warm-up
+        for rnd in range(args.rounds):
+            order = ["quiet", "local", "drain"]
+            order = order if rnd % 2 == 0 else order[::-1]
+            line = []
+            for what in order:
+                path = None
+                if what != "quiet":
+                    path = places[what] / "during.ckpt"
+                    timed_write("block", what, path, args.size, args.store_rate, block, None)
+                cpu, started = daemon_cpu_seconds(mp), time.monotonic()
+                rate = files_per_s_for(mp, paths, args.readers, args.window, rnd * 100)
+                note = ""
+                if what == "drain":
+                    share.append((daemon_cpu_seconds(mp) - cpu)
+                                 / ((time.monotonic() - started) * (os.cpu_count() or 1)))
+                    note = f" (daemon CPU {share[-1]:.1%} of all CPUs)"
+                    if not queued(mp):
+                        note += " (DRAIN ENDED FIRST)"
+                res[what].append(rate)
+                line.append(f"{what} {rate:7.0f}{note}")
+                if path is not None:
+                    flush_seconds(mp)
+                    path.unlink()
+                sync()
+            print(f"round {rnd + 1}/{args.rounds}: files/s " + "; ".join(line), flush=True)
+    print_table(("measure", "min / median / max"),
+                [(f"reads {what} (files/s)", summary(v)) for what, v in res.items()],
+                title=f"{args.rounds} rounds")
+    ratios = [d / a for d, a in zip(res["drain"], res["local"], strict=True)]
+    print(f"during a drain / after a local write, per round: "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"the daemon's CPU share during the drain windows (a bound: readers that use "
+          f"every CPU lose at least that much): {summary(share)}")
+    print(f"during a drain / quiet, per round: "
+          f"{', '.join(f'{d / q:.3f}' for d, q in zip(res['drain'], res['quiet'], strict=True))}")
+    print_targets([Target("reads during a drain / after a local checkpoint write",
+                          median(res["drain"]) / median(res["local"]), ">=", 0.9),
+                   Target("reads during a drain / quiet",
+                          median(res["drain"]) / median(res["quiet"]), ">=", 0.9)], args.quick)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.drain_only:
         with workdir(args.workdir, args.keep, "ckpt-drain") as work:
             return drain_only(work, args)
+    if args.reads_only:
+        with workdir(args.workdir, args.keep, "ckpt-reads") as work:
+            tree = generate_tree(work / "src", args.files, 110 << 10, seed=1)
+            paths = [str(p.relative_to(work / "src")) for p in tree.paths]
+            populate(work / "src", work / "store", "ds", ["--chunk-size", "16M", "--no-fsync"])
+            print(f"checkpoint {args.size / 2**20:,.0f} MiB drained at "
+                  f"{args.store_rate / 2**20:.0f} MiB/s; reads: {args.files} files of 110 KiB, "
+                  f"{args.readers} readers, {args.window:.0f} s windows")
+            return reads_only(work, args, paths)
     kinds = ["block"]
     try:
         import torch  # noqa: F401
