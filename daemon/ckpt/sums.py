@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import struct
+import time
 
 import xxhash
 
@@ -40,6 +42,8 @@ SUMS_DIR = b".dlfs-sums"  # at the store's root; never shown in ckpt/
 MAGIC = b"DLFSCKS\0"
 VERSION = 1
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, extent size, file size
+UNCHECKED, LOADING, CHECKED = 0, 1, 2  # one byte per extent, shared by the workers
+LOADING_WAIT = 2.0  # seconds a worker waits for another's check before doing its own
 
 
 def extents_of(size: int) -> int:
@@ -123,16 +127,20 @@ def remove(store: bytes, st: os.stat_result | None) -> None:
 
 
 class ExtentCheck:
-    """The sums of one store copy, and which of its extents this process has checked
-    (per descriptor: dropped with it, so a reopened copy is checked again)."""
+    """The sums of one store copy, and the state of each of its extents (UNCHECKED,
+    LOADING, CHECKED): one byte per extent in a file mapped by every worker process
+    that reads the copy (`checked_dir/<identity>`), so an extent is read from the
+    store and hashed once per copy and mount, not once per worker (the kernel's
+    read-ahead spreads one file's reads over all of them); per process if that file
+    cannot be made."""
 
-    __slots__ = ("digests", "size", "verified", "what")
+    __slots__ = ("digests", "size", "state", "what")
 
-    def __init__(self, digests: bytes, size: int, what: str) -> None:
+    def __init__(self, digests: bytes, size: int, what: str, state) -> None:
         self.digests = digests
         self.size = size
-        self.verified = bytearray(extents_of(size))
-        self.what = what  # for the log: the file's path in ckpt/ and on the store
+        self.state = state  # mmap or bytearray of extents_of(size) bytes
+        self.what = what  # for the log: the file's path in ckpt/
 
     def matches(self, index: int, data) -> bool:
         """`data` is extent `index` as the drain read it."""
@@ -141,10 +149,12 @@ class ExtentCheck:
             self.digests[index * 8:index * 8 + 8], "little")
 
 
-def load(store: bytes, st: os.stat_result, what: str) -> ExtentCheck | None:
+def load(store: bytes, st: os.stat_result, what: str,
+         checked_dir: bytes | None = None) -> ExtentCheck | None:
     """The sums of store copy `st` (fstat of the descriptor it is read through); None
     if it has none (read unchecked). A sums file that is not one (another version,
-    cut short) is logged (WARNING, once per process) and ignored."""
+    cut short) is logged (WARNING, once per process) and ignored. `checked_dir`: where
+    the extents' states are shared with the other workers (None: this process only)."""
     try:
         with open(sums_path(store, st), "rb") as f:
             data = f.read()
@@ -158,10 +168,31 @@ def load(store: bytes, st: os.stat_result, what: str) -> ExtentCheck | None:
         magic, version, extent, size = _HEADER.unpack_from(data)
         if (magic, version, extent, size) == (MAGIC, VERSION, EXTENT, st.st_size) \
                 and len(data) == _HEADER.size + 8 * extents_of(size):
-            return ExtentCheck(data[_HEADER.size:], size, what)
+            return ExtentCheck(data[_HEADER.size:], size, what,
+                               _shared_state(checked_dir, st, extents_of(size)))
     _warn_once(("bad", None), "checkpoint checksums %s are not in a known form; %s is "
                "read unchecked", os.fsdecode(sums_path(store, st)), what)
     return None
+
+
+def _shared_state(checked_dir: bytes | None, st: os.stat_result, count: int):
+    """`count` bytes shared with every process mapping the same store copy's file in
+    `checked_dir` (made zero, UNCHECKED, by the first); a private bytearray if none."""
+    if checked_dir is None or count == 0:
+        return bytearray(count)
+    try:
+        fd = os.open(os.path.join(checked_dir, os.path.basename(sums_path(b"", st))),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size != count:
+                os.ftruncate(fd, count)  # every process asks for the same size
+            return mmap.mmap(fd, count)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        _warn_once(("state", err.errno), "checked checkpoint extents cannot be shared "
+                   "between workers (%s); each worker checks them itself", err.strerror)
+        return bytearray(count)
 
 
 _warned: set = set()
@@ -190,7 +221,9 @@ class CheckedReads:
     read touching an extent reads the whole extent into one buffer (EXTENT bytes, made
     at the first such read and reused), checks it, and answers from it; later reads of
     that extent are answered from the buffer while it holds it (a sequential reader
-    reads the store once), of another checked extent by a plain pread."""
+    reads the store once), of another checked extent (by any worker) by a plain
+    pread. A worker whose read touches an extent another one is checking waits for
+    its result (LOADING_WAIT at most: a worker that died leaves LOADING behind)."""
 
     def __init__(self) -> None:
         self._buf: bytearray | None = None
@@ -205,8 +238,9 @@ class CheckedReads:
             return os.pread(fd, size, offset)  # at or past the end: nothing to check
         first, last = offset // EXTENT, (end - 1) // EXTENT
         if not (first == last and self._held is check and self._held_index == first):
+            state = check.state
             for index in range(first, last + 1):
-                if not check.verified[index]:
+                if state[index] != CHECKED:
                     self._verify(fd, check, index)
             if not (first == last and self._held is check and self._held_index == first):
                 return os.pread(fd, size, offset)
@@ -214,17 +248,25 @@ class CheckedReads:
         return bytes(self._view[offset - base:end - base])
 
     def _verify(self, fd: int, check: ExtentCheck, index: int) -> None:
+        state = check.state
+        if state[index] == LOADING and _wait_for_other(state, index):
+            return
         if self._buf is None:
             self._buf = bytearray(EXTENT)
             self._view = memoryview(self._buf)
         self._held = None
-        start = index * EXTENT
-        want = min(EXTENT, check.size - start)
-        n = read_full(fd, self._view[:want], start)
-        if not check.matches(index, self._view[:n]):
-            raise self.mismatch(check, index)
-        check.verified[index] = 1
-        self._held, self._held_index = check, index
+        state[index] = LOADING
+        try:
+            start = index * EXTENT
+            want = min(EXTENT, check.size - start)
+            n = read_full(fd, self._view[:want], start)
+            if not check.matches(index, self._view[:n]):
+                raise self.mismatch(check, index)
+            state[index] = CHECKED
+            self._held, self._held_index = check, index
+        finally:
+            if state[index] == LOADING:
+                state[index] = UNCHECKED
 
     def mismatch(self, check: ExtentCheck, index: int) -> CorruptDataError:
         """The error for a bad extent, logged at WARNING once per file and process."""
@@ -236,3 +278,13 @@ class CheckedReads:
                 "file to the store again from a good copy, or remove it)", check.what,
                 start, min(start + EXTENT, check.size), index)
         return CorruptDataError(f"checksum mismatch: {check.what}, extent {index}")
+
+
+def _wait_for_other(state, index: int) -> bool:
+    """Another worker checks extent `index`: wait for it; True if it found it good."""
+    deadline = time.monotonic() + LOADING_WAIT
+    while state[index] == LOADING:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+    return state[index] == CHECKED

@@ -215,7 +215,8 @@ class CkptTree:
                     and (st.st_size, st.st_mtime_ns, st.st_ino) != row.seen:
                 raise PosixError(errno.ESTALE, "the store's copy was replaced")
             # The sums of the very copy this descriptor reads (its fstat names them)
-            return fd, sums.load(self.tier.store_bytes, st, os.fsdecode(row.relpath))
+            return fd, sums.load(self.tier.store_bytes, st, os.fsdecode(row.relpath),
+                                 self.tier.checked_bytes)
         except BaseException:
             os.close(fd)
             raise
