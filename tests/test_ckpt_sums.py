@@ -93,6 +93,9 @@ def test_sums_are_written_at_drain_and_a_copy_damaged_on_the_store_is_eio_where_
     assert read(b.path / "ckpt" / "step-1" / "model.pt") == data
     assert os.stat(os.path.join(local_tree(tmp_path, "b"), b"step-1", b"model.pt")
                    ).st_blocks == 0  # read from the store: the local copy is a hole
+    # Each extent checked once for all of B's workers: their shared state says so
+    checked = Path(os.fsdecode(local_tree(tmp_path, "b"))).parent / "checked"
+    assert (checked / identity(copy)).read_bytes() == b"\x02" * 3
     for m in (a, b):
         assert sorted(os.listdir(m.path / "ckpt")) == ["step-1"]
         assert not os.path.exists(m.path / "ckpt" / ".dlfs-sums")
