@@ -216,3 +216,22 @@ def test_sums_follow_the_store_copies_through_rewrite_rename_unlink_and_rmdir(
     assert not (store / "step-1").exists()
     assert sums_names(store) == set()
     assert wait_for(lambda: os.listdir(ck) == [])
+
+
+def test_a_drain_that_cannot_write_sums_publishes_all_the_same(mounted, small_store,
+                                                               tmp_path):
+    store = tmp_path / "ckstore"
+    store.mkdir()
+    (store / ".dlfs-sums").write_bytes(b"not a directory")  # every sums write fails
+    a = node(mounted, small_store, tmp_path, "a")
+    data = os.urandom(5 << 20)
+    for name in ("one.pt", "two.pt"):
+        (a.path / "ckpt" / name).write_bytes(data)
+    flush(a)
+    assert (store / "one.pt").read_bytes() == data
+    assert (store / "two.pt").read_bytes() == data
+    log = a.log_text()
+    assert log.count("checkpoint checksums cannot be written") == 1, log[-2000:]
+    b = node(mounted, small_store, tmp_path, "b")
+    assert sorted(os.listdir(b.path / "ckpt")) == ["one.pt", "two.pt"]
+    assert read(b.path / "ckpt" / "one.pt") == data  # unchecked

@@ -303,6 +303,7 @@ class Drainer:
         target_dir = os.path.dirname(self.tier.store_path(self.tier.relpath(path)))
         self._makedirs(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
+        copy = None
         try:
             digest, extents = self._copy(path, tmp, st.st_size)
             if _changed(path, st):
@@ -312,14 +313,16 @@ class Drainer:
             if _hash_file(tmp) != digest:
                 raise OSError(errno.EIO, f"the store's copy of {os.fsdecode(path)} reads "
                                          "back different bytes")
+            copy = self._finish_copy(tmp, st, extents)  # outside the lock: store round trips
             with self.tier.mutating():
-                if not self._publish(tree, ino, touched_ns, st, tmp, extents):
+                if not self._publish(tree, ino, touched_ns, st, tmp, copy):
                     return
             tmp = None
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                sums.remove(self.tier.store_bytes, copy)  # (None: none written)
                 if not os.path.isdir(os.path.dirname(path)):
                     # Its directory was removed meanwhile (`rm -r`, whose rmdir left the
                     # store's directory to us: it held only this temporary then).
@@ -355,11 +358,23 @@ class Drainer:
         self.state.postpone(ino, until)
         return True
 
+    def _finish_copy(self, tmp: bytes, st: os.stat_result, extents: list[int]
+                     ) -> os.stat_result:
+        """Give the checked copy its owner and times, and write its sums (`extents`,
+        dlfsd.ckpt.sums) before it is published: a reader never finds it without them.
+        Returns its stat as the store keeps it (timestamps may be coarser), which
+        names its sums and is what `seen` records."""
+        if self.owner is not None:
+            os.chown(tmp, *self.owner)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        copy = os.lstat(tmp)
+        self._write_sums(copy, extents)
+        return copy
+
     def _publish(self, tree: CkptTree, ino: int, touched_ns: int, st: os.stat_result,
-                 tmp: bytes, extents: list[int]) -> bool:
-        """Rename the checked copy into place at the path the file has now, its sums
-        (`extents`, dlfsd.ckpt.sums) written first: a reader never finds the copy
-        without them. The sums of the copy it replaces go."""
+                 tmp: bytes, copy: os.stat_result) -> bool:
+        """Rename the checked copy into place at the path the file has now; the sums of
+        the copy it replaces there go."""
         try:
             path = tree.path_of(CKPT_BIT | ino)
         except Exception:
@@ -371,17 +386,8 @@ class Drainer:
         relpath = self.tier.relpath(path)
         target = self.tier.store_path(relpath)
         self._makedirs(os.path.dirname(target))
-        if self.owner is not None:
-            os.chown(tmp, *self.owner)
-        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-        copy = os.lstat(tmp)  # as the store keeps it (its timestamps may be coarser)
-        self._write_sums(copy, extents)
         replaced = _lstat_or_none(target)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            sums.remove(self.tier.store_bytes, copy)
-            raise
+        os.rename(tmp, target)
         sums.remove(self.tier.store_bytes, replaced)
         _fsync_dir(os.path.dirname(target))
         self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, relpath,

@@ -276,7 +276,7 @@ class CkptTree:
 
     def _keep(self, ino: int, fd: int, check: sums.ExtentCheck | None = None) -> None:
         """Keep `fd` as this process's descriptor of `ino` (with the sums of the store
-        copy it reads, if any: what was checked goes with the descriptor)."""
+        copy it reads, if any: they go with the descriptor)."""
         old = self._fds.pop(ino, None)
         if old is not None and old != fd:
             os.close(old)
