@@ -11,7 +11,10 @@ over one small dataset; each round measures, through real FUSE mounts:
            directory on B: each file adopted as a placeholder
   list     the same listing again on B: one store lstat per placeholder
   read     --size bytes written and flushed on A, read back on B (from the store's
-           copy) and on A (its local copy), MiB/s
+           copy, each 4 MiB extent checked against the drain's sums) and on A (its
+           local copy), MiB/s; and a second such file whose sums were removed
+           (DIR/.dlfs-sums), read unchecked on B: "checked / unchecked" is the ratio
+           of the two reads on B, per round (the two are read in alternating order)
 
 The store is a directory on the same disk here, so a store lstat costs what a local
 one does (microseconds); on a parallel file system each is a metadata round trip.
@@ -134,14 +137,23 @@ def one_round(work: Path, args, rnd: int, res: dict[str, list[float]]) -> None:
         res["list (files/s)"].append(names / timed(lambda: listing(cb / "many2")))
 
         block = os.urandom(4 << 20)
-        with open(ca / "model.pt", "wb") as f:
-            for _ in range(args.size // len(block)):
-                f.write(block)
+        for name in ("model.pt", "unchecked.pt"):
+            with open(ca / name, "wb") as f:
+                for _ in range(args.size // len(block)):
+                    f.write(block)
         run_dlfs(["flush", str(a), "--quiet"])
+        st = os.lstat(store / "unchecked.pt")
+        os.unlink(store / ".dlfs-sums" / f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}")
         sync()
-        for where, ck in (("B, from the store", cb), ("A, local copy", ca)):
-            seconds = timed(lambda ck=ck: read_all(ck / "model.pt"))
-            res[f"read on {where} (MiB/s)"].append(args.size / seconds / (1 << 20))
+        reads = [("B, from the store", cb, "model.pt"), ("B, unchecked", cb, "unchecked.pt")]
+        if rnd % 2:
+            reads.reverse()
+        seconds = {}
+        for where, ck, name in [*reads, ("A, local copy", ca, "model.pt")]:
+            seconds[where] = timed(lambda ck=ck, name=name: read_all(ck / name))
+            res[f"read on {where} (MiB/s)"].append(args.size / seconds[where] / (1 << 20))
+        res["checked / unchecked (read time on B)"].append(
+            seconds["B, from the store"] / seconds["B, unchecked"])
 
 
 def in_process_round(work: Path, names: int, rnd: int, res: dict[str, list[float]]) -> None:
@@ -211,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, list[float]] = {}
         for key in ("miss (us/lookup)", "create (files/s)", "adopt (files/s)",
                     "list (files/s)", "read on B, from the store (MiB/s)",
+                    "read on B, unchecked (MiB/s)", "checked / unchecked (read time on B)",
                     "read on A, local copy (MiB/s)"):
             res[key] = []
         for rnd in range(args.rounds):

@@ -42,9 +42,12 @@ def small_store(tmp_path_factory, store_with):
 
 
 def files_of(top: bytes) -> dict[bytes, str]:
-    """relative path -> sha256 of every regular file under `top` (bytes names)."""
+    """relative path -> sha256 of every regular file under `top` (bytes names); a
+    store's checksums (`.dlfs-sums` at its root, test_ckpt_sums) aside."""
     found = {}
-    for directory, _, names in os.walk(top):
+    for directory, dirs, names in os.walk(top):
+        if directory == top:
+            dirs[:] = [d for d in dirs if d != b".dlfs-sums"]
         for name in names:
             path = os.path.join(directory, name)
             with open(path, "rb") as f:

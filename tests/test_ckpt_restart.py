@@ -160,7 +160,12 @@ def test_a_checkpoint_flushed_on_node_a_is_listed_stat_read_changed_and_removed_
     assert not os.path.exists(os.path.join(store, b"step-1"))
     assert wait_for(lambda: sorted(os.listdir(ca)) == [b"latest", b"model.pt"])
     assert not any(b".dlfs-" in n for n in names_under(local_tree(tmp_path, "a")))
-    assert not any(b".dlfs-" in n for n in names_under(store))
+    # the store's checksums are those of its files (test_ckpt_sums), nothing else
+    assert not any(b".dlfs-" in n for n in names_under(store)
+                   if not n.startswith(b".dlfs-sums/") and n != b".dlfs-sums")
+    st = os.lstat(os.path.join(store, b"model.pt"))
+    assert os.listdir(os.path.join(store, b".dlfs-sums")) == [
+        b"%d-%d-%d" % (st.st_ino, st.st_size, st.st_mtime_ns)]
 
 
 def test_a_local_file_not_drained_yet_wins_over_the_store(mounted, small_store, tmp_path):
@@ -258,7 +263,7 @@ def test_a_placeholder_a_crash_left_is_removed_at_the_next_mount_not_drained(
     again = node(mounted, small_store, tmp_path, "a")
     assert os.listdir(again.path / "ckpt") == ["real"]
     flush(again)
-    assert sorted(os.listdir(tmp_path / "ckstore")) == ["real"]
+    assert sorted(os.listdir(tmp_path / "ckstore")) == [".dlfs-sums", "real"]
     assert not os.path.exists(os.path.join(tree, b".model.pt.dlfs-adopt-0a1b2c3d"))
 
 

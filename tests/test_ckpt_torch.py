@@ -59,8 +59,11 @@ def small_store(tmp_path_factory, store_with):
 
 
 def digests(top) -> dict[str, str]:
+    """relative path -> sha256 of every file under `top`, a store's checksums aside."""
     found = {}
-    for directory, _, names in os.walk(top):
+    for directory, dirs, names in os.walk(top):
+        if os.fspath(directory) == os.fspath(top):
+            dirs[:] = [d for d in dirs if d != ".dlfs-sums"]
         for name in names:
             path = os.path.join(directory, name)
             with open(path, "rb") as f:

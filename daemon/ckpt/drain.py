@@ -31,6 +31,7 @@ import time
 
 import xxhash
 
+from dlfsd.ckpt import sums
 from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.tier import TMP_MARK, Tier, is_adopt_temporary, tmp_name
 from dlfsd.ckpt.tree import CkptTree
@@ -143,6 +144,7 @@ class Drainer:
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         self._trees: dict[int, CkptTree] = {}  # per thread: its path cache
+        self._sums_warned = False  # a failure to write sums is logged once at WARNING
 
     def _tree(self) -> CkptTree:
         key = threading.get_ident()
@@ -301,8 +303,9 @@ class Drainer:
         target_dir = os.path.dirname(self.tier.store_path(self.tier.relpath(path)))
         self._makedirs(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
+        copy = None
         try:
-            digest = self._copy(path, tmp, st.st_size)
+            digest, extents = self._copy(path, tmp, st.st_size)
             if _changed(path, st):
                 self.stats.discarded += 1  # written again meanwhile: once it is idle
                 self.state.postpone(ino, time.time_ns() + self.idle_ns)
@@ -310,14 +313,16 @@ class Drainer:
             if _hash_file(tmp) != digest:
                 raise OSError(errno.EIO, f"the store's copy of {os.fsdecode(path)} reads "
                                          "back different bytes")
+            copy = self._finish_copy(tmp, st, extents)  # outside the lock: store round trips
             with self.tier.mutating():
-                if not self._publish(tree, ino, touched_ns, st, tmp):
+                if not self._publish(tree, ino, touched_ns, st, tmp, copy):
                     return
             tmp = None
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                sums.remove(self.tier.store_bytes, copy)  # (None: none written)
                 if not os.path.isdir(os.path.dirname(path)):
                     # Its directory was removed meanwhile (`rm -r`, whose rmdir left the
                     # store's directory to us: it held only this temporary then).
@@ -353,9 +358,23 @@ class Drainer:
         self.state.postpone(ino, until)
         return True
 
+    def _finish_copy(self, tmp: bytes, st: os.stat_result, extents: list[int]
+                     ) -> os.stat_result:
+        """Give the checked copy its owner and times, and write its sums (`extents`,
+        dlfsd.ckpt.sums) before it is published: a reader never finds it without them.
+        Returns its stat as the store keeps it (timestamps may be coarser), which
+        names its sums and is what `seen` records."""
+        if self.owner is not None:
+            os.chown(tmp, *self.owner)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        copy = os.lstat(tmp)
+        self._write_sums(copy, extents)
+        return copy
+
     def _publish(self, tree: CkptTree, ino: int, touched_ns: int, st: os.stat_result,
-                 tmp: bytes) -> bool:
-        """Rename the checked copy into place at the path the file has now."""
+                 tmp: bytes, copy: os.stat_result) -> bool:
+        """Rename the checked copy into place at the path the file has now; the sums of
+        the copy it replaces there go."""
         try:
             path = tree.path_of(CKPT_BIT | ino)
         except Exception:
@@ -367,24 +386,36 @@ class Drainer:
         relpath = self.tier.relpath(path)
         target = self.tier.store_path(relpath)
         self._makedirs(os.path.dirname(target))
-        if self.owner is not None:
-            os.chown(tmp, *self.owner)
-        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-        copy = os.lstat(tmp)  # as the store keeps it (its timestamps may be coarser)
+        replaced = _lstat_or_none(target)
         os.rename(tmp, target)
+        sums.remove(self.tier.store_bytes, replaced)
         _fsync_dir(os.path.dirname(target))
         self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, relpath,
                         (copy.st_size, copy.st_mtime_ns, copy.st_ino))
         return True
 
+    def _write_sums(self, copy: os.stat_result, extents: list[int]) -> None:
+        """The sums of store copy `copy`; a failure is logged (once at WARNING) and the
+        copy published all the same: its reads are then unchecked, not refused."""
+        try:
+            sums.write(self.tier.store_bytes, copy, extents, self.owner)
+        except (OSError, ValueError) as err:
+            level = logging.DEBUG if self._sums_warned else logging.WARNING
+            self._sums_warned = True
+            log.log(level, "checkpoint checksums cannot be written to %s (%s); the files "
+                    "drained meanwhile are read unchecked from the store",
+                    os.fsdecode(os.path.join(self.tier.store_bytes, sums.SUMS_DIR)),
+                    err.strerror if isinstance(err, OSError) else err)
+
     def _makedirs(self, directory: bytes) -> None:
         """The store's directories of a file, made (and given to `owner`) if missing."""
         self.tier.makedirs_on_store(directory)
 
-    def _copy(self, source: bytes, tmp: bytes, size: int) -> int:
-        """Copy `source` to `tmp` (paced to --drain-bandwidth);
-        returns the xxh3-64 of the bytes read."""
+    def _copy(self, source: bytes, tmp: bytes, size: int) -> tuple[int, list[int]]:
+        """Copy `source` to `tmp` (paced to --drain-bandwidth); returns the xxh3-64 of
+        the bytes read, and that of each of their extents (the sums readers check)."""
         hasher = xxhash.xxh3_64()
+        extents = sums.ExtentHasher()
         buf = bytearray(BLOCK)
         view = memoryview(buf)
         src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
@@ -400,6 +431,7 @@ class Drainer:
                     if n == 0:
                         break
                     hasher.update(view[:n])
+                    extents.update(view[:n])
                     done = 0
                     while done < n:
                         done += os.write(dst, view[done:n])
@@ -412,7 +444,7 @@ class Drainer:
                 os.close(dst)
         finally:
             os.close(src)
-        return hasher.intdigest()
+        return hasher.intdigest(), extents.finish()
 
     def _failed(self, ino: int, err: Exception) -> None:
         message = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
@@ -574,6 +606,13 @@ def _changed(path: bytes, st: os.stat_result) -> bool:
         return True
     return (now.st_ino, now.st_size, now.st_mtime_ns) != (st.st_ino, st.st_size,
                                                           st.st_mtime_ns)
+
+
+def _lstat_or_none(path: bytes) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
 
 
 def _hash_file(path: bytes) -> int:

@@ -12,7 +12,8 @@ and dlfsd.ckpt.tree).
 Hidden temporary names (never shown under `ckpt/`): `.NAME.dlfs-drain-HOST-RANDOM`
 on the store (a drain, or a symlink mirrored, before its rename into place) and
 `.dlfs-adopt-RANDOM` in the local tree (a placeholder of a store entry before
-its state is recorded; a crash leaves one behind, removed at the next open).
+its state is recorded; a crash leaves one behind, removed at the next open). The
+store's root also holds `.dlfs-sums/` (dlfsd.ckpt.sums), never shown either.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class Tier:
         self.tree_bytes = os.fsencode(self.tree)
         self.store_bytes = os.fsencode(self.store)
         self.root_ino = os.lstat(self.tree).st_ino
+        #: Which extents of the store's copies the workers checked (dlfsd.ckpt.sums),
+        #: one small file per copy read; emptied at each mount.
+        self.checked_bytes: bytes | None = os.fsencode(self.root / "checked")
         self.state = CkptState(str(self.root / "state.db"))
         #: (uid, gid) the entries made on the store get (a root daemon mounting for a
         #: job's user, --uid); set by dlfsd.ckpt.drain.Drainer, before the fork.
@@ -117,6 +121,13 @@ class Tier:
                     inos.add(os.lstat(path).st_ino)
             dirs[:] = [d for d in dirs if not is_adopt_temporary(d)]
         self.state.keep_only(inos)
+        try:
+            os.makedirs(self.checked_bytes, mode=0o700, exist_ok=True)
+            for name in os.listdir(self.checked_bytes):  # checked again by this mount
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.checked_bytes, name))
+        except OSError:
+            self.checked_bytes = None  # each worker checks for itself
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

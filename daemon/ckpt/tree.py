@@ -48,6 +48,7 @@ import time
 from collections import OrderedDict
 
 from dlfs.errors import DlfsError
+from dlfsd.ckpt import sums
 from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.state import Tracking
 from dlfsd.ckpt.tier import Tier, adopt_name, is_adopt_temporary, is_drain_temporary, tmp_name
@@ -90,6 +91,9 @@ class CkptTree:
         self.tier = tier
         self.limit_wait = limit_wait
         self._from_store: set[int] = set()  # inodes whose kept descriptor is the store's
+        # Of those, the ones whose store copy has sums (dlfsd.ckpt.sums): checked reads
+        self._checks: dict[int, sums.ExtentCheck] = {}
+        self._checked_reads = sums.CheckedReads()
         self.state = tier.state
         self.root_nodeid = CKPT_BIT | tier.root_ino
         self.written = written
@@ -175,8 +179,8 @@ class CkptTree:
             raise PosixError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
         if self.state.is_evicted(ino):
             if not writing:  # served from the store's copy (the local one is a hole)
-                fd = self._store_fd(ino)
-                self._keep(ino, fd)
+                fd, check = self._store_fd(ino)
+                self._keep(ino, fd, check)
                 self._from_store.add(ino)
                 return fd
             self._restore(ino, path)
@@ -190,10 +194,11 @@ class CkptTree:
         self._keep(ino, fd)
         return fd
 
-    def _store_fd(self, ino: int, check: bool = True) -> int:
-        """A descriptor of the store's copy of evicted file `ino`; with `check`, of the
-        copy this node saw (ESTALE if another node's has replaced it since: a read must
-        never mix versions, nor read a new one under the old one's size)."""
+    def _store_fd(self, ino: int, check: bool = True) -> tuple[int, sums.ExtentCheck | None]:
+        """A descriptor of the store's copy of evicted file `ino` and the copy's sums
+        (None: it has none, read unchecked); with `check`, of the copy this node saw
+        (ESTALE if another node's has replaced it since: a read must never mix
+        versions, nor read a new one under the old one's size)."""
         row = self.state.tracking(ino)
         if row is None:
             raise PosixError(errno.EIO, "evicted checkpoint file without a store copy")
@@ -204,12 +209,17 @@ class CkptTree:
         except OSError as err:
             raise PosixError(errno.EIO, f"the store's copy of an evicted checkpoint file: "
                                         f"{err.strerror}") from None
-        if check and row.seen is not None:
+        try:
             st = os.fstat(fd)
-            if (st.st_size, st.st_mtime_ns, st.st_ino) != row.seen:
-                os.close(fd)
+            if check and row.seen is not None \
+                    and (st.st_size, st.st_mtime_ns, st.st_ino) != row.seen:
                 raise PosixError(errno.ESTALE, "the store's copy was replaced")
-        return fd
+            # The sums of the very copy this descriptor reads (its fstat names them)
+            return fd, sums.load(self.tier.store_bytes, st, os.fsdecode(row.relpath),
+                                 self.tier.checked_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _restore(self, ino: int, path: bytes) -> None:
         """An evicted file is written again: copy the store's bytes back first."""
@@ -217,18 +227,9 @@ class CkptTree:
             if not self.state.is_evicted(ino):
                 return  # another process did
             ledger = self.state.ledger().get(ino)
-            source = self._store_fd(ino, check=False)  # what the store holds now
+            source, check = self._store_fd(ino, check=False)  # what the store holds now
             try:
-                target = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-                try:
-                    offset = 0
-                    while chunk := os.pread(source, 4 << 20, offset):
-                        os.pwrite(target, chunk, offset)
-                        offset += len(chunk)
-                    os.ftruncate(target, offset)  # another node's copy may be shorter
-                    os.fsync(target)
-                finally:
-                    os.close(target)
+                self._copy_back(source, check, path)
             finally:
                 os.close(source)
             if ledger is not None:
@@ -239,6 +240,32 @@ class CkptTree:
             self._mark_pending(ino)
             self.tier.bump_epoch()
 
+    def _copy_back(self, source: int, check: sums.ExtentCheck | None, path: bytes) -> None:
+        """Copy the store's bytes into the placeholder `path`, each extent checked
+        against its sums where it has some. A mismatch fails with EIO (CorruptDataError)
+        and leaves the placeholder as it was: a hole of its size and times."""
+        before = os.lstat(path)
+        buf = bytearray(sums.EXTENT)
+        view = memoryview(buf)
+        target = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            offset = index = 0
+            while n := sums.read_full(source, view, offset):
+                if check is not None and not check.matches(index, view[:n]):
+                    os.ftruncate(target, 0)  # the hole again, as eviction leaves it
+                    os.ftruncate(target, before.st_size)
+                    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+                    raise self._checked_reads.mismatch(check, index)
+                done = 0
+                while done < n:
+                    done += os.pwrite(target, view[done:n], offset + done)
+                offset += n
+                index += 1
+            os.ftruncate(target, offset)  # another node's copy may be shorter
+            os.fsync(target)
+        finally:
+            os.close(target)
+
     def _wait_for_room(self) -> None:
         """--ckpt-limit reached: wait for the drain to make room, else ENOSPC."""
         deadline = time.monotonic() + self.limit_wait
@@ -247,22 +274,33 @@ class CkptTree:
                 raise PosixError(errno.ENOSPC, "checkpoint tier full (--ckpt-limit)")
             time.sleep(0.05)
 
-    def _keep(self, ino: int, fd: int) -> None:
+    def _keep(self, ino: int, fd: int, check: sums.ExtentCheck | None = None) -> None:
+        """Keep `fd` as this process's descriptor of `ino` (with the sums of the store
+        copy it reads, if any: they go with the descriptor)."""
         old = self._fds.pop(ino, None)
         if old is not None and old != fd:
             os.close(old)
         self._fds[ino] = fd
+        if check is None:
+            self._checks.pop(ino, None)
+        else:
+            self._checks[ino] = check
         while len(self._fds) > OPEN_FDS:
-            os.close(self._fds.popitem(last=False)[1])
+            gone, old = self._fds.popitem(last=False)
+            os.close(old)
+            self._checks.pop(gone, None)
+            self._from_store.discard(gone)
 
     def _close_all(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._from_store.clear()
+        self._checks.clear()
 
     def _drop_fd(self, ino: int) -> None:
         self._from_store.discard(ino)
+        self._checks.pop(ino, None)
         fd = self._fds.pop(ino, None)
         if fd is not None:
             os.close(fd)
@@ -784,7 +822,14 @@ class CkptTree:
                 self.tier.bump_epoch()
 
     def read(self, nodeid: int, offset: int, size: int) -> bytes:
-        return os.pread(self._fd(nodeid, writing=False), size, offset)
+        """Bytes of the local copy; of a placeholder, of the store's copy, checked
+        extent by extent where the drain left sums (dlfsd.ckpt.sums): a mismatch is
+        EIO for the reads touching that extent."""
+        fd = self._fd(nodeid, writing=False)
+        check = self._checks.get(nodeid & ~CKPT_BIT)
+        if check is None:
+            return os.pread(fd, size, offset)
+        return self._checked_reads.read(fd, check, offset, size)
 
     def write(self, nodeid: int, offset: int, data) -> int:
         if self.tier.full():
@@ -849,9 +894,10 @@ def _adoptable(name: bytes, store_st: os.stat_result) -> bool:
 
 
 def _hidden(name: bytes) -> bool:
-    """A store name `ckpt/` never shows: a drain's temporary, or one it would take for
-    a placeholder being made."""
-    return is_drain_temporary(name) or is_adopt_temporary(name)
+    """A store name `ckpt/` never shows: a drain's temporary, one it would take for a
+    placeholder being made, or the sums directory (dlfsd.ckpt.sums; only ever at the
+    store's root, reserved in every directory: one rule is simpler to state)."""
+    return is_drain_temporary(name) or is_adopt_temporary(name) or name == sums.SUMS_DIR
 
 
 def _is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
@@ -928,9 +974,15 @@ def _rmdir_on_store(tier: Tier, relpath: bytes) -> None:
 
 
 def _remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:
+    """Remove the store's copy at `relpath` (and a file's sums with it)."""
     target = tier.store_path(relpath)
     try:
-        os.rmdir(target) if directory else os.unlink(target)
+        if directory:
+            os.rmdir(target)
+        else:
+            gone = os.lstat(target)
+            os.unlink(target)
+            sums.remove(tier.store_bytes, gone)
     except FileNotFoundError:
         pass
     except OSError as err:
@@ -947,7 +999,11 @@ def _rename_on_store(tier: Tier, old: bytes, new: bytes) -> bool:
         return True
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
+        replaced = _lstat_or_none(target)
+        if replaced is not None and replaced.st_ino == os.lstat(source).st_ino:
+            replaced = None  # the same file (a rename onto itself): its sums stay
         os.rename(source, target)
+        sums.remove(tier.store_bytes, replaced)  # (the moved copy keeps its own)
         return True
     except OSError as err:
         log.warning(
