@@ -124,7 +124,13 @@ def ckpt_mount_path(mountpoint: str) -> Path:
     MOUNTPOINT/ckpt is then a symlink to it. fusermount3 (setuid root) may not look
     inside another user's FUSE mount (the kernel lets only the mount's owner in, root
     not included, without allow_other), so it cannot mount on MOUNTPOINT/ckpt."""
-    return runtime_dir() / f"{_key(mountpoint)}.ckpt"
+    return runtime_dir() / ckpt_mount_name(mountpoint)
+
+
+def ckpt_mount_name(mountpoint: str) -> str:
+    """The name of ckpt_mount_path, the same in every user's runtime dir (root unmounting
+    a user's mount finds it by it). Touches nothing."""
+    return f"{_key(mountpoint)}.ckpt"
 
 
 def default_log_path(mountpoint: str) -> Path:

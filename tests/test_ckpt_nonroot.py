@@ -5,8 +5,9 @@ It mounts through fusermount3, which (setuid root) may not look inside the user'
 FUSE mount: the kernel lets only the mount's owner in, root included only with
 allow_other. So the checkpoint connection is mounted in the user's runtime directory
 and MOUNTPOINT/ckpt is a symlink to it. Checked: write, list, flush, read back, store
-byte-exact; `dlfs umount` takes both mounts down; after a SIGKILL of the daemon the
-next `dlfs mount` detaches both stale mounts and serves the same checkpoints.
+byte-exact; `dlfs umount` (the user's, and root's) takes both mounts down; after a
+SIGKILL of the daemon the next `dlfs mount` detaches both stale mounts and serves the
+same checkpoints.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from conftest import (
     mounts_by_path,
     populate_store,
     require_fuse,
+    run_dlfs,
 )
 from sysusers import require_useradd, site_env, temp_user
 
@@ -126,6 +128,14 @@ def test_a_users_daemon_mounts_ckpt_outside_and_links_it(fuse_for_users, tmp_pat
         assert read.returncode == 0 and read.stdout.split()[0] == digest, read.stderr
 
         done = user.dlfs("umount", str(mnt), env=env)
+        assert done.returncode == 0, done.stderr
+        assert ckpt_mounts(user.uid) == []
+        assert str(mnt) not in mounts_by_path()
+
+        # root unmounting the user's mount finds the checkpoint connection too
+        mount()
+        assert ckpt_mounts(user.uid) == outside
+        done = run_dlfs("umount", mnt)
         assert done.returncode == 0, done.stderr
         assert ckpt_mounts(user.uid) == []
         assert str(mnt) not in mounts_by_path()

@@ -24,9 +24,9 @@ from typing import BinaryIO
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError, NotFoundError, NotMountedError
 from dlfs.launch import COMMIT, COMMIT_FD_ENV, ERROR_PREFIX, READY, READY_FD_ENV, daemon_argv
-from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount
+from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount, mountpoints_of_type
 from dlfs.runtime import (
-    ckpt_mount_path,
+    ckpt_mount_name,
     default_log_path,
     lock_path,
     mountpoint_path,
@@ -54,9 +54,11 @@ def _fusermount(mountpoint: str, lazy: bool) -> subprocess.CompletedProcess:
     detaches both at once; a plain one would find the mount busy). A daemon that is not
     root mounted it outside, MOUNTPOINT/ckpt being a symlink to it
     (dlfs.runtime.ckpt_mount_path): that one goes first, lazily too when asked."""
-    if os.geteuid() != 0:
-        outside = str(ckpt_mount_path(mountpoint))
-        if mounted_fstype(outside) == CKPT_FSTYPE:
+    # Found by its name, the same in every user's runtime dir: root unmounting a
+    # user's mount finds it too.
+    name = ckpt_mount_name(mountpoint)
+    for outside in mountpoints_of_type(CKPT_FSTYPE):
+        if os.path.basename(outside) == name:
             done = _fusermount_one(outside, lazy)
             if done.returncode:
                 return done
