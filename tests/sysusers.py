@@ -84,8 +84,12 @@ def temp_user(prefix: str = "dlfst") -> Iterator[User]:
     name = f"{prefix}{uuid.uuid4().hex[:8]}"
     subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/bin/sh", name],
                    check=True, capture_output=True)
+    uid = None
     try:
         entry = pwd.getpwnam(name)
+        uid = entry.pw_uid
         yield User(name, entry.pw_uid, entry.pw_gid)
     finally:
+        if uid is not None:  # the runtime dir its `dlfs` runs made (dlfs.runtime)
+            shutil.rmtree(f"/tmp/dlfs-{uid}", ignore_errors=True)
         subprocess.run(["userdel", name], capture_output=True)
