@@ -232,20 +232,27 @@ class CheckedReads:
         self._held_index = -1
         self._bad: set[str] = set()  # files whose mismatch was logged at WARNING
 
-    def read(self, fd: int, check: ExtentCheck, offset: int, size: int) -> bytes:
+    def read(self, fd: int, check: ExtentCheck, offset: int, size: int) -> bytes | memoryview:
+        """`size` bytes at `offset`, checked. From the held extent, a view of this
+        process's buffer (no copy): valid until its next read, and the reply is written
+        before that."""
         end = min(offset + size, check.size)
         if offset >= end:
             return os.pread(fd, size, offset)  # at or past the end: nothing to check
         first, last = offset // EXTENT, (end - 1) // EXTENT
-        if not (first == last and self._held is check and self._held_index == first):
+        if not self._holds(check, first, last):
             state = check.state
             for index in range(first, last + 1):
                 if state[index] != CHECKED:
                     self._verify(fd, check, index)
-            if not (first == last and self._held is check and self._held_index == first):
+            if not self._holds(check, first, last):
                 return os.pread(fd, size, offset)
         base = first * EXTENT
-        return bytes(self._view[offset - base:end - base])
+        return self._view[offset - base:end - base]
+
+    def _holds(self, check: ExtentCheck, first: int, last: int) -> bool:
+        """The buffer holds the one extent [first, last] of `check`'s copy."""
+        return first == last and self._held is check and self._held_index == first
 
     def _verify(self, fd: int, check: ExtentCheck, index: int) -> None:
         state = check.state

@@ -821,7 +821,7 @@ class CkptTree:
                 self._mark_pending(st.st_ino)
                 self.tier.bump_epoch()
 
-    def read(self, nodeid: int, offset: int, size: int) -> bytes:
+    def read(self, nodeid: int, offset: int, size: int) -> bytes | memoryview:
         """Bytes of the local copy; of a placeholder, of the store's copy, checked
         extent by extent where the drain left sums (dlfsd.ckpt.sums): a mismatch is
         EIO for the reads touching that extent."""
