@@ -590,7 +590,8 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     from dlfsd.ckpt.tree import CkptTree
     from dlfsd.obs.sharedjson import SharedJson
 
-    tier = Tier(config.cache_dir, config.ckpt_store)
+    # Every file operation of the tier runs as the job's user (docs/SECURITY.md)
+    tier = Tier(config.cache_dir, config.ckpt_store, ckpt_creds(config))
     release.callback(tier.close)
     tier.state.reset_nodes(tier.root_ino)
     undrained = scan(tier)  # resume: files an earlier mount did not drain
@@ -603,8 +604,6 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
     namespace.ckpt.open_files = open_files  # the union never replaces a file being written
     services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
                                  config.ckpt_idle, config.ckpt_limit, config.ckpt_keep,
-                                 (config.uid, config.gid if config.gid is not None
-                                  else config.uid) if config.uid is not None else None,
                                  open_files=open_files),
                          written, report)
     log.info("checkpoint directory %s/ckpt%s: written to %s, drained to %s%s",
@@ -613,6 +612,15 @@ def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
              f" ({len(undrained)} files from an earlier mount still to drain)"
              if undrained else "")
     return CkptControl(tier), open_files
+
+
+def ckpt_creds(config: MountConfig):
+    """The credentials the checkpoint tier acts with: the mount's --uid/--gid user (a
+    root daemon mounting for a job), else the daemon's own."""
+    from dlfsd.ckpt.creds import Creds
+    if config.uid is None:
+        return Creds.none()
+    return Creds.for_user(config.uid, config.gid if config.gid is not None else config.uid)
 
 
 PASSTHROUGH_VAR = "DLFS_CKPT_PASSTHROUGH"  # 0: checkpoint bytes through the daemon

@@ -321,9 +321,12 @@ def test_the_mounts_user_flushes_a_root_mount_made_for_it_and_no_other_user_may(
     mounter = Mounter(base)
     try:
         with temp_user() as owner, temp_user() as other:
+            ckstore = base / "ckstore"  # the user's, as the prolog makes it
+            ckstore.mkdir(mode=0o700)
+            os.chown(ckstore, owner.uid, owner.gid)
             m = mounter(small_store, "--uid", str(owner.uid), "--gid", str(owner.gid),
                         "--workers", "1", "--cache-dir", str(tmp_path / "cache"),
-                        "--ckpt-store", str(tmp_path / "ckstore"), "--drain-bandwidth", "1M")
+                        "--ckpt-store", str(ckstore), "--drain-bandwidth", "1M")
             m.path.parent.chmod(0o755)
             sock = user_socket_path(os.path.realpath(m.path))
             st = os.stat(sock)
@@ -336,7 +339,8 @@ def test_the_mounts_user_flushes_a_root_mount_made_for_it_and_no_other_user_may(
             flushed = owner.dlfs("flush", str(m.path))
             assert flushed.returncode == 0, flushed.stderr
             assert "flushed" in flushed.stdout
-            stored = (tmp_path / "ckstore" / "s.pt").read_bytes()  # 2 s at 1M/s: not early
+            stored = (ckstore / "s.pt").read_bytes()  # 2 s at 1M/s: not early
+            assert (ckstore / "s.pt").stat().st_uid == owner.uid
             assert hashlib.sha256(stored).hexdigest() == wrote.stdout.split()[0]
 
             refused = other.dlfs("flush", str(m.path))

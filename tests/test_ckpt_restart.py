@@ -13,6 +13,7 @@ removed at the next mount, never drained over the store's bytes.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import threading
@@ -44,6 +45,12 @@ def node(mounted, store: Path, tmp: Path, name: str):
 def flush(mount) -> None:
     result = run_dlfs("flush", mount.path, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def status_of(mount) -> dict:
+    result = run_dlfs("status", mount.path, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def read(path) -> bytes:
@@ -168,7 +175,11 @@ def test_a_checkpoint_flushed_on_node_a_is_listed_stat_read_changed_and_removed_
         b"%d-%d-%d" % (st.st_ino, st.st_size, st.st_mtime_ns)]
 
 
-def test_a_local_file_not_drained_yet_wins_over_the_store(mounted, small_store, tmp_path):
+def test_a_local_file_not_drained_yet_wins_here_and_is_kept_beside_the_store(
+        mounted, small_store, tmp_path):
+    """B's file, written and not drained, wins on B over A's newer copy; its drain
+    then never replaces A's copy (B last saw another one: no rollback of the store),
+    it is kept as x.dlfs-conflict-HOST-TIME and drained under that name."""
     a = node(mounted, small_store, tmp_path, "a")
     b = node(mounted, small_store, tmp_path, "b")
     (a.path / "ckpt" / "x").write_bytes(b"from A")
@@ -195,7 +206,14 @@ def test_a_local_file_not_drained_yet_wins_over_the_store(mounted, small_store, 
         writer.join()
         os.close(fd)
     flush(b)
-    assert (tmp_path / "ckstore" / "x").read_bytes() == b"B, not drained yet"
+    store = tmp_path / "ckstore"
+    assert (store / "x").read_bytes() == b"A again"
+    kept = [p for p in store.iterdir() if p.name.startswith("x.dlfs-conflict-")]
+    assert [p.read_bytes() for p in kept] == [b"B, not drained yet"]
+    assert wait_for(lambda: status_of(b)["ckpt"]["conflicts"] == 1)  # rewritten each second
+    assert status_of(b)["ckpt"]["conflict_names"] == [kept[0].name]
+    time.sleep(KERNEL_CACHE + 0.2)
+    assert (b.path / "ckpt" / "x").read_bytes() == b"A again"  # B follows the store again
 
 
 def test_a_file_open_for_writing_is_never_replaced_by_another_nodes_copy(
@@ -221,7 +239,9 @@ def test_a_file_open_for_writing_is_never_replaced_by_another_nodes_copy(
     finally:
         os.close(fd)
     flush(b)
-    assert stored.read_bytes() == b"b, kept open"  # the last drain wins on the store
+    assert stored.read_bytes() == b"A, newer"  # B's drain never rolls the store back
+    kept = [p for p in stored.parent.iterdir() if p.name.startswith("y.dlfs-conflict-")]
+    assert [p.read_bytes() for p in kept] == [b"b, kept open"]  # nor is B's lost
 
 
 def test_a_checkpoint_put_in_the_store_by_hand_is_shown_and_rmdir_sees_its_entries(

@@ -12,10 +12,12 @@ connection, and `dlfs trace` stays answered meanwhile.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
 
+from dlfsd.ckpt.beneath import check_relpath
 from dlfsd.ckpt.drain import scan
 from dlfsd.ckpt.tier import Tier
 
@@ -40,11 +42,24 @@ class CkptControl:
         return {"ok": False, "error": f"bad checkpoint command {' '.join(words)!r}"}
 
     def _under(self, word: str) -> bytes | None:
+        """The directory of `dlfs flush PATH`, relative to ckpt/: a plain relative path
+        (no '..', no leading '/') of existing directories, each reached without
+        following a link (dlfsd.ckpt.beneath), so a flush never walks outside the tree."""
         if word == "-":
             return None
         under = bytes.fromhex(word)
-        if not os.path.lexists(os.path.join(self.tier.tree_bytes, under)):
-            raise FileNotFoundError(f"no {os.fsdecode(under)} in the checkpoint directory")
+        shown = os.fsdecode(under)
+        try:
+            check_relpath(under)
+            with self.tier.local.directory(under):
+                pass
+        except OSError as err:
+            why = {errno.EINVAL: "not a plain relative path (no '..', no leading '/')",
+                   errno.ELOOP: "a symlink on the way (flush the directory it points to)",
+                   errno.ENOTDIR: "not a directory (flush the directory holding it)",
+                   errno.ENOENT: "no such directory"}.get(err.errno, err.strerror)
+            raise FileNotFoundError(f"cannot flush {shown} in the checkpoint directory: "
+                                    f"{why}") from None
         return under
 
     def pending(self, under: bytes | None, since: int) -> dict:
@@ -52,32 +67,15 @@ class CkptControl:
                 self.tier.state.pending_rows() if since_ns <= since}
         files = nbytes = 0
         names, error = [], None
-        top = self.tier.tree_bytes if under is None else os.path.join(self.tier.tree_bytes,
-                                                                       under)
-        for path in _files(top):
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            row = rows.get(st.st_ino)
-            if row is None:
-                continue
-            files += 1
-            nbytes += st.st_size
-            error = error or row[1]
-            if len(names) < SAMPLE_NAMES:
-                names.append(os.fsdecode(self.tier.relpath(path)))
+        for directory, entries in self.tier.local.walk(under or b""):
+            for name, st in entries:
+                row = rows.get(st.st_ino)
+                if row is None or not stat.S_ISREG(st.st_mode):
+                    continue
+                files += 1
+                nbytes += st.st_size
+                error = error or row[1]
+                if len(names) < SAMPLE_NAMES:
+                    names.append(os.fsdecode(os.path.join(directory, name)))
         return {"files": files, "bytes": nbytes, "names": names, "error": error or None,
                 "local": str(self.tier.tree)}
-
-
-def _files(top: bytes):
-    try:
-        if not stat.S_ISDIR(os.lstat(top).st_mode):
-            yield top
-            return
-    except OSError:
-        return
-    for directory, _, files in os.walk(top):
-        for name in files:
-            yield os.path.join(directory, name)

@@ -25,6 +25,7 @@ import ctypes
 import errno
 import logging
 import os
+import socket
 import stat
 import threading
 import time
@@ -32,7 +33,9 @@ import time
 import xxhash
 
 from dlfsd.ckpt import sums
+from dlfsd.ckpt.beneath import Beneath
 from dlfsd.ckpt.nodeids import CKPT_BIT
+from dlfsd.ckpt.state import identity, same_identity
 from dlfsd.ckpt.tier import TMP_MARK, Tier, is_adopt_temporary, tmp_name
 from dlfsd.ckpt.tree import CkptTree
 
@@ -63,6 +66,7 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0
 RATE_WINDOW = 10.0  # seconds the drain rate is averaged over
 LIMIT_EVERY = 1.0  # seconds between checks of --ckpt-limit
 LOW_WATER = 0.9  # eviction under --ckpt-limit goes down to this share of it
+SAMPLE_CONFLICTS = 10  # conflict names status shows
 
 
 class DrainStats:
@@ -74,6 +78,8 @@ class DrainStats:
         self.recent: list[tuple[float, int]] = []  # (monotonic, bytes) of recent drains
         self.error: str | None = None
         self.failing_since: float | None = None
+        self.conflict_count = 0  # files kept under a conflict name (Drainer._conflict)
+        self.conflicts: list[str] = []  # the last SAMPLE_CONFLICTS of their names
 
     def drained(self, nbytes: int) -> None:
         now = time.monotonic()
@@ -117,19 +123,16 @@ class Drainer:
 
     def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
                  idle: float = IDLE, limit: int = 0, keep: int = 1,
-                 owner: tuple[int, int] | None = None, open_files=None) -> None:
+                 open_files=None) -> None:
         """`limit`: bytes the local copies may take (0: none; nothing is evicted);
-        `keep`: the newest top-level entries of the tree never evicted; `owner`:
-        (uid, gid) the store's copies and the directories made for them get (a root
-        daemon mounting for a job's user, --uid), so the user can remove them later;
+        `keep`: the newest top-level entries of the tree never evicted (the store's
+        copies are made as the job's user, tier.creds, so they are the user's);
         `open_files`: dlfsd.ckpt.openfiles.OpenFiles, the files open on the mount now
         (never evicted; those open through passthrough are timed by mtime, see
         `_written_lately`)."""
         self.tier = tier
         self.open_files = open_files
         self.passthrough = False  # set once the kernel granted it (dlfsd.main)
-        self.owner = owner
-        tier.owner = owner  # the tree makes directories and symlinks on the store too
         self.limit, self.keep = limit, keep
         self.local_bytes = 0
         self.evicted_files = 0
@@ -224,18 +227,64 @@ class Drainer:
         return freed
 
     def _evict_one(self, path: bytes, st: os.stat_result) -> bool:
+        """Make the local copy of drained file `path` a hole, only once its store copy is
+        known sound: the copy this node published (same identity), whose bytes match
+        their sums (or, without sums, the local bytes). The check reads the store's
+        copy, outside the lock; under it, nothing may have changed since."""
+        if not self._store_copy_sound(path, st):
+            return False
         with self.tier.mutating(), self._open_files_locked():
-            if _changed(path, st) or self.state.is_pending(st.st_ino):
+            if _changed(self.tier.local, path, st) or self.state.is_pending(st.st_ino):
                 return False
             if self.open_files is not None and self.open_files.is_open(st.st_ino):
                 return False  # a reader (or the kernel, with passthrough) uses this copy
-            self.state.mark_evicted(st.st_ino)  # opens from now on read the store's copy
+            row = self.state.tracking(st.st_ino)
+            stored = self.tier.store_fs.lstat_or_none(path)
+            if row is None or row.seen is None or stored is None \
+                    or not same_identity(stored, row.seen):
+                return False
+            self.state.mark_evicted(st.st_ino)  # durable: opens now read the store's copy
             self.tier.bump_epoch()  # every process drops its descriptor of the local copy
-            os.truncate(path, 0)
-            os.truncate(path, st.st_size)  # a hole of the same size, inode and mtime
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            fd = self.tier.local.open(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, st.st_size)  # a hole of the same size, inode and mtime
+            finally:
+                os.close(fd)
+            self.tier.local.utime(path, (st.st_atime_ns, st.st_mtime_ns))
         log.debug("evicted the local copy of checkpoint %s", os.fsdecode(path))
         return True
+
+    def _store_copy_sound(self, path: bytes, st: os.stat_result) -> bool:
+        """The store holds this node's copy of `path` (the identity it recorded) and its
+        bytes pass their sums (without sums: equal the local copy's, extent by extent).
+        A copy removed, replaced or damaged on the store keeps the local one: it may be
+        the last good copy."""
+        row = self.state.tracking(st.st_ino)
+        if row is None or row.relpath != path or row.seen is None:
+            return False
+        store, local = self.tier.store_fs, self.tier.local
+        try:
+            fd = store.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            copy = os.fstat(fd)
+            if not same_identity(copy, row.seen) or copy.st_size != st.st_size:
+                return False
+            check = sums.load(store, copy, os.fsdecode(path))
+            mine = None if check is not None else local.open(path, os.O_RDONLY)
+            try:
+                return _extents_match(fd, check, mine)
+            finally:
+                if mine is not None:
+                    os.close(mine)
+        except OSError as err:
+            log.debug("checkpoint %s kept (its store copy cannot be checked: %s)",
+                      os.fsdecode(path), err)
+            return False
+        finally:
+            os.close(fd)
 
     def _open_files_locked(self):
         if self.open_files is None:
@@ -245,12 +294,17 @@ class Drainer:
     def _remove_stale_temporaries(self) -> None:
         """A drain cut short (daemon killed) leaves its temporary file: remove ours."""
         host = tmp_name(b"x").split(TMP_MARK)[1].rsplit(b"-", 1)[0]
-        store = os.fsencode(self.tier.store)
-        for directory, _, files in os.walk(store):
-            for name in files:
-                if TMP_MARK + host + b"-" in name and name.startswith(b"."):
+        store = self.tier.store_fs
+        try:
+            listing = store.walk()
+        except OSError:
+            return  # no store (yet): nothing of ours on it
+        for directory, entries in listing:
+            for name, st in entries:
+                if TMP_MARK + host + b"-" in name and name.startswith(b".") \
+                        and not stat.S_ISDIR(st.st_mode):
                     with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(directory, name))
+                        store.unlink(os.path.join(directory, name))
 
     # -- draining ----------------------------------------------------------------------------
     def _draining(self) -> None:
@@ -286,12 +340,13 @@ class Drainer:
 
     def _drain(self, ino: int, touched_ns: int) -> None:
         tree = self._tree()
+        local, store = self.tier.local, self.tier.store_fs
         try:
             path = tree.path_of(CKPT_BIT | ino)
         except Exception:
             self.state.drop_pending(ino)  # removed meanwhile
             return
-        st = os.lstat(path)
+        st = local.lstat(path)
         if not stat.S_ISREG(st.st_mode) or self.state.is_evicted(ino):
             self.state.drop_pending(ino)  # an evicted file's local copy is a hole
             return
@@ -300,17 +355,17 @@ class Drainer:
         if self._on_store_already(ino, path, st):
             self.state.settled(ino, touched_ns)
             return
-        target_dir = os.path.dirname(self.tier.store_path(self.tier.relpath(path)))
-        self._makedirs(target_dir)
+        target_dir = os.path.dirname(path)
+        self.tier.makedirs_on_store(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
         copy = None
         try:
-            digest, extents = self._copy(path, tmp, st.st_size)
-            if _changed(path, st):
+            digest, extents = self._copy(path, tmp)
+            if _changed(local, path, st):
                 self.stats.discarded += 1  # written again meanwhile: once it is idle
                 self.state.postpone(ino, time.time_ns() + self.idle_ns)
                 return
-            if _hash_file(tmp) != digest:
+            if _hash_file(store, tmp) != digest:
                 raise OSError(errno.EIO, f"the store's copy of {os.fsdecode(path)} reads "
                                          "back different bytes")
             copy = self._finish_copy(tmp, st, extents)  # outside the lock: store round trips
@@ -321,13 +376,13 @@ class Drainer:
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                sums.remove(self.tier.store_bytes, copy)  # (None: none written)
-                if not os.path.isdir(os.path.dirname(path)):
+                    store.unlink(tmp)
+                sums.remove(store, copy)  # (None: none written)
+                if target_dir and not local.isdir(os.path.dirname(path)):
                     # Its directory was removed meanwhile (`rm -r`, whose rmdir left the
                     # store's directory to us: it held only this temporary then).
                     with contextlib.suppress(OSError):
-                        os.rmdir(target_dir)
+                        store.rmdir(target_dir)
         self.stats.drained(st.st_size)
         if self.stats.failing_since is not None:
             log.info("checkpoint drain to %s works again", self.tier.store)
@@ -336,14 +391,17 @@ class Drainer:
 
     def _on_store_already(self, ino: int, path: bytes, st: os.stat_result) -> bool:
         """The store holds this very version (a file opened for writing and closed
-        unchanged: h5py's "r+", a passthrough open whose writes we cannot see): no copy."""
-        relpath = self.tier.relpath(path)
-        if self.state.drained_as(ino) != (st.st_size, st.st_mtime_ns, relpath):
+        unchanged: h5py's "r+", a passthrough open whose writes we cannot see): no copy.
+        The store's entry must be the copy this node published (its identity)."""
+        row = self.state.tracking(ino)
+        if row is None or (row.size, row.mtime_ns, row.relpath) != (
+                st.st_size, st.st_mtime_ns, path):
             return False
-        try:
-            stored = os.lstat(self.tier.store_path(relpath))
-        except OSError:
+        stored = self.tier.store_fs.lstat_or_none(path)
+        if stored is None:
             return False  # removed from the store by hand: copy it again
+        if row.seen is not None:
+            return same_identity(stored, row.seen)
         return (stored.st_size, stored.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
     def _written_lately(self, ino: int, st: os.stat_result) -> bool:
@@ -360,67 +418,101 @@ class Drainer:
 
     def _finish_copy(self, tmp: bytes, st: os.stat_result, extents: list[int]
                      ) -> os.stat_result:
-        """Give the checked copy its owner and times, and write its sums (`extents`,
-        dlfsd.ckpt.sums) before it is published: a reader never finds it without them.
-        Returns its stat as the store keeps it (timestamps may be coarser), which
-        names its sums and is what `seen` records."""
-        if self.owner is not None:
-            os.chown(tmp, *self.owner)
-        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-        copy = os.lstat(tmp)
+        """Give the checked copy the local file's mode bits and times, and write its
+        sums (`extents`, dlfsd.ckpt.sums) before it is published: a reader never finds
+        it without them. Returns its stat as the store keeps it (timestamps may be
+        coarser), which names its sums."""
+        store = self.tier.store_fs
+        store.chmod(tmp, stat.S_IMODE(st.st_mode))  # a 0600 checkpoint stays 0600
+        store.utime(tmp, (st.st_atime_ns, st.st_mtime_ns))
+        copy = store.lstat(tmp)
         self._write_sums(copy, extents)
         return copy
 
     def _publish(self, tree: CkptTree, ino: int, touched_ns: int, st: os.stat_result,
                  tmp: bytes, copy: os.stat_result) -> bool:
-        """Rename the checked copy into place at the path the file has now; the sums of
-        the copy it replaces there go."""
+        """Rename the checked copy into place at the path the file has now, if the
+        store's entry there is still the one this node last saw (or none): never over
+        another node's newer copy (a requeued job's stale local copy would roll the
+        store back). Otherwise the local file is kept under a conflict name, drained
+        under it next. The sums of the copy it replaces go."""
         try:
             path = tree.path_of(CKPT_BIT | ino)
         except Exception:
             self.state.drop_pending(ino)
             return False
-        if _changed(path, st):
+        if _changed(self.tier.local, path, st):
             self.state.postpone(ino, time.time_ns())
             return False
-        relpath = self.tier.relpath(path)
-        target = self.tier.store_path(relpath)
-        self._makedirs(os.path.dirname(target))
-        replaced = _lstat_or_none(target)
-        os.rename(tmp, target)
-        sums.remove(self.tier.store_bytes, replaced)
-        _fsync_dir(os.path.dirname(target))
-        self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, relpath,
-                        (copy.st_size, copy.st_mtime_ns, copy.st_ino))
+        store = self.tier.store_fs
+        self.tier.makedirs_on_store(os.path.dirname(path))
+        replaced = store.lstat_or_none(path)
+        if replaced is not None and not self._replaceable(ino, path, replaced):
+            self._conflict(tree, ino, path)
+            return False
+        store.rename(tmp, path)
+        sums.remove(store, replaced)
+        with contextlib.suppress(OSError):
+            store.fsync_dir(os.path.dirname(path))
+        published = store.lstat(path)  # the rename may have moved its change time
+        self.state.done(ino, touched_ns, st.st_size, st.st_mtime_ns, path,
+                        identity(published if published.st_ino == copy.st_ino else copy))
         return True
+
+    def _replaceable(self, ino: int, path: bytes, replaced: os.stat_result) -> bool:
+        """The store's entry at `path` is this node's own last copy of `ino`."""
+        if not stat.S_ISREG(replaced.st_mode):
+            return False
+        row = self.state.tracking(ino)
+        if row is None or row.relpath != path:
+            return False
+        if row.seen is not None:
+            return same_identity(replaced, row.seen)
+        return (replaced.st_size, replaced.st_mtime_ns) == (row.size, row.mtime_ns)
+
+    def _conflict(self, tree: CkptTree, ino: int, path: bytes) -> None:
+        """Keep this node's version of `path` beside the store's newer one: rename it to
+        NAME.dlfs-conflict-HOST-TIME here (drained under that name next), say so."""
+        name = os.path.basename(path)
+        keep = os.path.join(os.path.dirname(path), conflict_name(name))
+        parent = self.tier.local.lstat(os.path.dirname(path)).st_ino
+        if self.tier.local.exists(keep):
+            raise OSError(errno.EEXIST, "conflict name taken", keep)
+        self.tier.local.rename(path, keep)
+        self.state.remember(ino, parent, os.path.basename(keep))
+        tree.forget_path(ino)
+        self.state.postpone(ino, 0)
+        self.stats.conflicts.append(os.fsdecode(keep))
+        del self.stats.conflicts[:-SAMPLE_CONFLICTS]
+        self.stats.conflict_count += 1
+        log.warning("checkpoint %s: the store's copy changed since this node last saw it "
+                    "(another node wrote it); this node's version is kept as %s and drained "
+                    "under that name, the store's stays", os.fsdecode(path), os.fsdecode(keep))
 
     def _write_sums(self, copy: os.stat_result, extents: list[int]) -> None:
         """The sums of store copy `copy`; a failure is logged (once at WARNING) and the
         copy published all the same: its reads are then unchecked, not refused."""
         try:
-            sums.write(self.tier.store_bytes, copy, extents, self.owner)
+            sums.write(self.tier.store_fs, copy, extents)
         except (OSError, ValueError) as err:
             level = logging.DEBUG if self._sums_warned else logging.WARNING
             self._sums_warned = True
             log.log(level, "checkpoint checksums cannot be written to %s (%s); the files "
                     "drained meanwhile are read unchecked from the store",
-                    os.fsdecode(os.path.join(self.tier.store_bytes, sums.SUMS_DIR)),
+                    self.tier.store_fs.display(sums.SUMS_DIR),
                     err.strerror if isinstance(err, OSError) else err)
 
-    def _makedirs(self, directory: bytes) -> None:
-        """The store's directories of a file, made (and given to `owner`) if missing."""
-        self.tier.makedirs_on_store(directory)
-
-    def _copy(self, source: bytes, tmp: bytes, size: int) -> tuple[int, list[int]]:
-        """Copy `source` to `tmp` (paced to --drain-bandwidth); returns the xxh3-64 of
-        the bytes read, and that of each of their extents (the sums readers check)."""
+    def _copy(self, source: bytes, tmp: bytes) -> tuple[int, list[int]]:
+        """Copy local `source` to `tmp` on the store (paced to --drain-bandwidth);
+        returns the xxh3-64 of the bytes read, and that of each of their extents (the
+        sums readers check)."""
         hasher = xxhash.xxh3_64()
         extents = sums.ExtentHasher()
         buf = bytearray(BLOCK)
         view = memoryview(buf)
-        src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        src = self.tier.local.open(source, os.O_RDONLY)
         try:
-            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            dst = self.tier.store_fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 offset = 0
                 while True:
@@ -480,13 +572,13 @@ class Drainer:
         for ino, since_ns, _tries, _error in self.state.pending_rows():
             try:
                 path = tree.path_of(CKPT_BIT | ino)
-                size = os.lstat(path).st_size
+                size = self.tier.local.lstat(path).st_size
             except Exception:
                 continue
             queued += 1
             queued_bytes += size
             if oldest is None:
-                oldest, oldest_ns = os.fsdecode(self.tier.relpath(path)), since_ns
+                oldest, oldest_ns = os.fsdecode(path), since_ns
         rate = self.stats.rate()
         return {
             "store": self.tier.store, "local": str(self.tier.tree),
@@ -500,6 +592,8 @@ class Drainer:
             "limit": self.limit, "local_bytes": self.local_bytes if self.limit else None,
             "evicted_files": self.evicted_files, "full": self.tier.full(),
             "failing_since": self.stats.failing_since,
+            "conflicts": self.stats.conflict_count,
+            "conflict_names": list(self.stats.conflicts),
             **self._open_counts(),
         }
 
@@ -526,15 +620,14 @@ def background_priority() -> None:
 
 
 def local_files(tier: Tier) -> list[tuple[bytes, bytes, os.stat_result, int]]:
-    """(path, relpath, stat, bytes on disk) of every regular file of the tree."""
+    """(path, relpath, stat, bytes on disk) of every regular file of the tree (the path
+    is the relative path: the tree is only reached through tier.local)."""
     found = []
-    for directory, _, files in os.walk(tier.tree_bytes):
-        for name in files:
-            path = os.path.join(directory, name)
-            with contextlib.suppress(OSError):
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode):
-                    found.append((path, tier.relpath(path), st, st.st_blocks * 512))
+    for directory, entries in tier.local.walk(skip=is_adopt_temporary):
+        for name, st in entries:
+            if stat.S_ISREG(st.st_mode):
+                rel = os.path.join(directory, name)
+                found.append((rel, rel, st, st.st_blocks * 512))
     return found
 
 
@@ -543,54 +636,50 @@ def newest_entries(tier: Tier, keep: int) -> set[bytes]:
     if keep <= 0:
         return set()
     entries = []
-    for entry in os.scandir(tier.tree_bytes):
+    for name in tier.local.listdir(b""):
         with contextlib.suppress(OSError):
-            entries.append((newest_mtime(entry.path), entry.name))
+            entries.append((newest_mtime(tier, name), name))
     return {name for _, name in sorted(entries, reverse=True)[:keep]}
 
 
-def newest_mtime(path: bytes) -> int:
-    """The newest mtime of `path` and everything under it."""
-    newest = os.lstat(path).st_mtime_ns
-    if os.path.isdir(path) and not os.path.islink(path):
-        for directory, dirs, files in os.walk(path):
-            for name in dirs + files:
-                with contextlib.suppress(OSError):
-                    newest = max(newest, os.lstat(os.path.join(directory, name)).st_mtime_ns)
+def newest_mtime(tier: Tier, rel: bytes) -> int:
+    """The newest mtime of entry `rel` and everything under it."""
+    st = tier.local.lstat(rel)
+    newest = st.st_mtime_ns
+    if stat.S_ISDIR(st.st_mode):
+        for _, entries in tier.local.walk(rel):
+            for _, child in entries:
+                newest = max(newest, child.st_mtime_ns)
     return newest
 
 
 def scan(tier: Tier, under: bytes | None = None, force: bool = False,
          now_ns: int | None = None) -> list[int]:
-    """Record every entry of the tree (under `under`) in the node table, and queue the
-    files whose local bytes are not on the store yet (by the ledger). Returns their
-    inodes. With `force` they are drained now, closed or not (`dlfs flush`; a file
-    that had no pending row gets one pending since `now_ns`, the flush's start). Evicted
-    files and placeholders of the store's entries have no local bytes to drain."""
+    """Record every entry of the tree (under directory `under`, relative) in the node
+    table, and queue the files whose local bytes are not on the store yet (by the
+    ledger). Returns their inodes. With `force` they are drained now, closed or not
+    (`dlfs flush`; a file that had no pending row gets one pending since `now_ns`, the
+    flush's start). Evicted files and placeholders of the store's entries have no local
+    bytes to drain."""
     state = tier.state
     ledger = state.ledger()
     evicted = state.evicted()
-    top = tier.tree_bytes if under is None else os.path.join(tier.tree_bytes, under)
+    top = under or b""
+    inos = {top: tier.local.lstat(top).st_ino}
     rows, dirty, stamps = [], [], []
-    for directory, dirs, files in os.walk(top):
-        try:
-            parent = os.lstat(directory).st_ino
-        except OSError:
+    for directory, entries in tier.local.walk(top, skip=is_adopt_temporary):
+        parent = inos.get(directory)
+        if parent is None:
             continue
-        dirs[:] = [d for d in dirs if not is_adopt_temporary(d)]
-        for name in dirs + files:
-            if is_adopt_temporary(name):
-                continue  # a placeholder being made (dlfsd.ckpt.tree)
-            try:
-                st = os.lstat(os.path.join(directory, name))
-            except OSError:
-                continue
+        for name, st in entries:
+            rel = os.path.join(directory, name) if directory else name
             rows.append((st.st_ino, parent, name))
-            if stat.S_ISREG(st.st_mode) and st.st_ino not in evicted:
-                rel = tier.relpath(os.path.join(directory, name))
-                if ledger.get(st.st_ino) != (st.st_size, st.st_mtime_ns, rel):
-                    dirty.append(st.st_ino)
-                    stamps.append(st.st_mtime_ns)
+            if stat.S_ISDIR(st.st_mode):
+                inos[rel] = st.st_ino
+            elif stat.S_ISREG(st.st_mode) and st.st_ino not in evicted \
+                    and ledger.get(st.st_ino) != (st.st_size, st.st_mtime_ns, rel):
+                dirty.append(st.st_ino)
+                stamps.append(st.st_mtime_ns)
     state.remember_many(rows)
     if force:
         state.force(dirty, now_ns or time.time_ns())
@@ -599,39 +688,51 @@ def scan(tier: Tier, under: bytes | None = None, force: bool = False,
     return dirty
 
 
-def _changed(path: bytes, st: os.stat_result) -> bool:
+def conflict_name(name: bytes) -> bytes:
+    """NAME.dlfs-conflict-HOST-YYYYmmddTHHMMSS: where a node keeps its version of a file
+    whose store copy another node replaced meanwhile (shown in ckpt/, drained)."""
+    host = socket.gethostname().encode(errors="replace").replace(b".", b"_")[:32]
+    return name[:160] + b".dlfs-conflict-" + host + b"-" + \
+        time.strftime("%Y%m%dT%H%M%S").encode()
+
+
+def _extents_match(fd: int, check: sums.ExtentCheck | None, local: int | None) -> bool:
+    """The bytes of `fd` pass `check`'s sums, or (without sums) equal those of `local`."""
+    buf = bytearray(sums.EXTENT)
+    view = memoryview(buf)
+    other = None if local is None else bytearray(sums.EXTENT)
+    offset = index = 0
+    while n := sums.read_full(fd, view, offset):
+        if check is not None:
+            if not check.matches(index, view[:n]):
+                return False
+        else:
+            m = sums.read_full(local, memoryview(other), offset)
+            if m != n or xxhash.xxh3_64_intdigest(view[:n]) != \
+                    xxhash.xxh3_64_intdigest(memoryview(other)[:m]):
+                return False
+        offset += n
+        index += 1
+    return True
+
+
+def _changed(local: Beneath, path: bytes, st: os.stat_result) -> bool:
     try:
-        now = os.lstat(path)
+        now = local.lstat(path)
     except OSError:
         return True
     return (now.st_ino, now.st_size, now.st_mtime_ns) != (st.st_ino, st.st_size,
                                                           st.st_mtime_ns)
 
 
-def _lstat_or_none(path: bytes) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-
-
-def _hash_file(path: bytes) -> int:
+def _hash_file(store: Beneath, rel: bytes) -> int:
     hasher = xxhash.xxh3_64()
     buf = bytearray(BLOCK)
     view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = store.open(rel, os.O_RDONLY)
     try:
         while n := os.readv(fd, [buf]):
             hasher.update(view[:n])
     finally:
         os.close(fd)
     return hasher.intdigest()
-
-
-def _fsync_dir(path: bytes) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -20,10 +20,18 @@ Tables:
                                  what the store holds of each local entry (the ledger:
                                  a file whose size, mtime or path differs is dirty); also
                                  the directories and symlinks mirrored on the store
-  seen(ino, size, mtime_ns, store_ino)
+  seen(ino, size, mtime_ns, store_ino, ctime_ns)
                                  the store's copy as this node last saw it (its own stat:
                                  a store with coarser timestamps, or another node's newer
-                                 copy renamed over it, is told apart from the ledger)
+                                 copy renamed over it, is told apart from the ledger; the
+                                 change time catches a copy rewritten in place with its
+                                 size and mtime put back)
+
+Durability: commits are synchronous=NORMAL (WAL: a crash of the node may lose the last
+ones, never corrupt). The rows that make a local hole stand for the store's bytes (an
+eviction, an adopted placeholder) are written synchronous=FULL before the hole is made
+or named: a lost `evicted` row would make the drain copy the hole over the store's
+copy.
 
 A placeholder of a store entry (dlfsd.ckpt.tree: an entry another node drained, or
 this node's drained and evicted file) is a ledger row, an `evicted` row (files) and a
@@ -51,11 +59,12 @@ CREATE TABLE IF NOT EXISTS drained(ino INTEGER PRIMARY KEY, size INTEGER NOT NUL
                                    mtime_ns INTEGER NOT NULL, relpath BLOB NOT NULL,
                                    drained_ns INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS seen(ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
-                                mtime_ns INTEGER NOT NULL, store_ino INTEGER NOT NULL);
+                                mtime_ns INTEGER NOT NULL, store_ino INTEGER NOT NULL,
+                                ctime_ns INTEGER NOT NULL DEFAULT 0);
 """
 _TABLES = ("nodes", "pending", "drained", "evicted", "seen")
 _TRACKING = ("SELECT d.ino, d.size, d.mtime_ns, d.relpath, e.ino IS NOT NULL, "
-             "p.ino IS NOT NULL, s.size, s.mtime_ns, s.store_ino FROM drained d "
+             "p.ino IS NOT NULL, s.size, s.mtime_ns, s.store_ino, s.ctime_ns FROM drained d "
              "LEFT JOIN evicted e ON e.ino=d.ino LEFT JOIN pending p ON p.ino=d.ino "
              "LEFT JOIN seen s ON s.ino=d.ino WHERE d.ino")
 _MANY = 500  # inodes per query (SQLite bounds the number of parameters)
@@ -69,14 +78,46 @@ class Tracking(NamedTuple):
     relpath: bytes
     evicted: bool
     pending: bool
-    seen: tuple[int, int, int] | None  # the store copy's (size, mtime_ns, st_ino)
+    seen: Identity | None  # the store copy as this node last saw it
+
+
+#: A store copy's identity: (size, mtime_ns, st_ino, ctime_ns).
+Identity = tuple[int, int, int, int]
+
+
+def identity(st: os.stat_result) -> Identity:
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+
+
+def same_identity(st: os.stat_result, seen: Identity) -> bool:
+    """`st` is the copy seen as `seen` (a row from before change times were kept,
+    ctime 0, compares the rest)."""
+    if seen[3] == 0:
+        return (st.st_size, st.st_mtime_ns, st.st_ino) == seen[:3]
+    return identity(st) == seen
 
 
 def _tracking(row) -> Tracking:
     return Tracking(row[1], row[2], bytes(row[3]), bool(row[4]), bool(row[5]),
-                    None if row[6] is None else (row[6], row[7], row[8]))
+                    None if row[6] is None else (row[6], row[7], row[8], row[9]))
 
 BUSY_TIMEOUT_MS = 30_000
+
+
+class _Durable:
+    """`with`: the connection's own transaction context, then synchronous back to NORMAL."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.db.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.db.__exit__(*exc)
+        finally:
+            self.db.execute("PRAGMA synchronous=NORMAL")
 
 
 class CkptState:
@@ -88,6 +129,9 @@ class CkptState:
         db = self.db()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(_SCHEMA)
+        columns = [row[1] for row in db.execute("PRAGMA table_info(seen)")]
+        if "ctime_ns" not in columns:  # a tier from before change times were kept
+            db.execute("ALTER TABLE seen ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0")
 
     def db(self) -> sqlite3.Connection:
         """A connection made by this process and thread (a forked child makes its own:
@@ -96,7 +140,7 @@ class CkptState:
         if getattr(local, "pid", None) != os.getpid():
             conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000,
                                    isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA synchronous=NORMAL")  # see `durable`
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             local.conn, local.pid = conn, os.getpid()
         return local.conn
@@ -159,13 +203,13 @@ class CkptState:
         return found
 
     def adopt(self, ino: int, parent: int, name: bytes, size: int, mtime_ns: int,
-              relpath: bytes, evicted: bool, seen: tuple[int, int, int] | None) -> None:
+              relpath: bytes, evicted: bool, seen: Identity | None) -> None:
         """`ino` (at `name` in directory `parent`) is a copy of the store's entry at
         `relpath`: an adopted placeholder (`evicted`: its bytes are read from the
         store), or a directory or symlink this node mirrored there. Any state an
-        earlier inode of that number left is dropped first."""
+        earlier inode of that number left is dropped first. Durable on return."""
         db = self.db()
-        with db:
+        with self.durable(db):
             db.execute("BEGIN IMMEDIATE")
             for table in _TABLES:
                 db.execute(f"DELETE FROM {table} WHERE ino=?", (ino,))
@@ -175,11 +219,27 @@ class CkptState:
             if evicted:
                 db.execute("INSERT INTO evicted VALUES (?)", (ino,))
             if seen is not None:
-                db.execute("INSERT INTO seen VALUES (?, ?, ?, ?)", (ino, *seen))
+                db.execute("INSERT INTO seen VALUES (?, ?, ?, ?, ?)", (ino, *seen))
+
+    @staticmethod
+    def durable(db: sqlite3.Connection):
+        """A transaction that is on disk when it commits (synchronous=FULL for it)."""
+        db.execute("PRAGMA synchronous=FULL")
+        return _Durable(db)
+
+    def reseen(self, ino: int, seen: Identity) -> None:
+        """This node changed the store's copy of `ino` itself (a rename moves its change
+        time): what it sees now is still its own copy."""
+        self.db().execute("UPDATE seen SET size=?, mtime_ns=?, store_ino=?, ctime_ns=? "
+                          "WHERE ino=?", (*seen, ino))
 
     # -- evicted ---------------------------------------------------------------------
     def mark_evicted(self, ino: int) -> None:
-        self.db().execute("INSERT OR IGNORE INTO evicted VALUES (?)", (ino,))
+        """Durable on return: the local copy is made a hole right after."""
+        db = self.db()
+        with self.durable(db):
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("INSERT OR IGNORE INTO evicted VALUES (?)", (ino,))
 
     def is_evicted(self, ino: int) -> bool:
         return self.db().execute("SELECT 1 FROM evicted WHERE ino=?", (ino,)).fetchone() \
@@ -247,9 +307,9 @@ class CkptState:
             (now_ns, now_ns - idle_ns, limit)).fetchall()
 
     def done(self, ino: int, touched_ns: int, size: int, mtime_ns: int, relpath: bytes,
-             seen: tuple[int, int, int] | None = None) -> None:
+             seen: Identity | None = None) -> None:
         """`ino` as it was when touched last at `touched_ns` is on the store at `relpath`
-        (`seen`: the store copy's size, mtime and inode as its file system keeps them)."""
+        (`seen`: the store copy's identity as its file system keeps it)."""
         db = self.db()
         with db:
             db.execute("BEGIN IMMEDIATE")
@@ -260,7 +320,7 @@ class CkptState:
             if seen is None:
                 db.execute("DELETE FROM seen WHERE ino=?", (ino,))
             else:
-                db.execute("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?)", (ino, *seen))
+                db.execute("INSERT OR REPLACE INTO seen VALUES (?, ?, ?, ?, ?)", (ino, *seen))
 
     def failed(self, ino: int, error: str, retry_ns: int) -> None:
         """A drain of `ino` failed: try again at `retry_ns`."""

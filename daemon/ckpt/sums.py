@@ -33,6 +33,7 @@ import time
 import xxhash
 
 from dlfs.errors import CorruptDataError
+from dlfsd.ckpt.beneath import Beneath
 from dlfsd.ckpt.tier import tmp_name
 
 log = logging.getLogger("dlfsd")
@@ -50,10 +51,10 @@ def extents_of(size: int) -> int:
     return -(-size // EXTENT)
 
 
-def sums_path(store: bytes, st: os.stat_result) -> bytes:
-    """Where the sums of store copy `st` are (its identity: inode, size, mtime)."""
-    name = b"%d-%d-%d" % (st.st_ino, st.st_size, st.st_mtime_ns)
-    return os.path.join(store, SUMS_DIR, name)
+def sums_path(st: os.stat_result) -> bytes:
+    """Where the sums of store copy `st` are, relative to the store (its identity:
+    inode, size, mtime)."""
+    return SUMS_DIR + b"/%d-%d-%d" % (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class ExtentHasher:
@@ -84,46 +85,40 @@ class ExtentHasher:
         return self.digests
 
 
-def write(store: bytes, st: os.stat_result, digests: list[int],
-          owner: tuple[int, int] | None) -> None:
+def write(store: Beneath, st: os.stat_result, digests: list[int]) -> None:
     """Write the sums of store copy `st` (atomically: a hidden temporary beside, fsynced,
     renamed; a drain cut short leaves a temporary the next mount removes, as it does
-    its copies'). Raises OSError; ValueError if `digests` do not cover `st`."""
+    its copies'), as the store's user. Raises OSError; ValueError if `digests` do not
+    cover `st`."""
     if len(digests) != extents_of(st.st_size):
         raise ValueError(f"{len(digests)} checksums for {st.st_size} bytes")
-    target = sums_path(store, st)
-    directory = os.path.dirname(target)
-    if not os.path.isdir(directory):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, 0o755)
-            if owner is not None:
-                os.chown(directory, *owner)
-    tmp = os.path.join(directory, tmp_name(os.path.basename(target)))
+    target = sums_path(st)
+    with contextlib.suppress(FileExistsError):
+        store.mkdir(SUMS_DIR, 0o755)
+    tmp = SUMS_DIR + b"/" + tmp_name(os.path.basename(target))
     data = _HEADER.pack(MAGIC, VERSION, EXTENT, st.st_size) + b"".join(
         d.to_bytes(8, "little") for d in digests)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = store.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)  # a crash must not leave a named file of zeros: false EIOs
-            if owner is not None:
-                os.fchown(fd, *owner)
         finally:
             os.close(fd)
-        os.rename(tmp, target)
+        store.rename(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            store.unlink(tmp)
         raise
 
 
-def remove(store: bytes, st: os.stat_result | None) -> None:
+def remove(store: Beneath, st: os.stat_result | None) -> None:
     """Remove the sums of store copy `st` (removed or replaced), if it has any."""
     if st is not None and (st.st_mode & 0o170000) == 0o100000:
         with contextlib.suppress(OSError):
-            os.unlink(sums_path(store, st))
+            store.unlink(sums_path(st))
 
 
 class ExtentCheck:
@@ -149,15 +144,20 @@ class ExtentCheck:
             self.digests[index * 8:index * 8 + 8], "little")
 
 
-def load(store: bytes, st: os.stat_result, what: str,
+def load(store: Beneath, st: os.stat_result, what: str,
          checked_dir: bytes | None = None) -> ExtentCheck | None:
     """The sums of store copy `st` (fstat of the descriptor it is read through); None
     if it has none (read unchecked). A sums file that is not one (another version,
-    cut short) is logged (WARNING, once per process) and ignored. `checked_dir`: where
-    the extents' states are shared with the other workers (None: this process only)."""
+    cut short, a symlink, larger than any copy's sums could be) is logged (WARNING,
+    once per process) and ignored. `checked_dir`: where the extents' states are shared
+    with the other workers (None: this process only)."""
+    limit = _HEADER.size + 8 * extents_of(st.st_size)
     try:
-        with open(sums_path(store, st), "rb") as f:
-            data = f.read()
+        fd = store.open(sums_path(st), os.O_RDONLY)
+        try:
+            data = os.read(fd, limit + 1)  # the user writes the store: never more
+        finally:
+            os.close(fd)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as err:
@@ -171,7 +171,7 @@ def load(store: bytes, st: os.stat_result, what: str,
             return ExtentCheck(data[_HEADER.size:], size, what,
                                _shared_state(checked_dir, st, extents_of(size)))
     _warn_once(("bad", None), "checkpoint checksums %s are not in a known form; %s is "
-               "read unchecked", os.fsdecode(sums_path(store, st)), what)
+               "read unchecked", store.display(sums_path(st)), what)
     return None
 
 
@@ -181,7 +181,7 @@ def _shared_state(checked_dir: bytes | None, st: os.stat_result, count: int):
     if checked_dir is None or count == 0:
         return bytearray(count)
     try:
-        fd = os.open(os.path.join(checked_dir, os.path.basename(sums_path(b"", st))),
+        fd = os.open(os.path.join(checked_dir, os.path.basename(sums_path(st))),
                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if os.fstat(fd).st_size != count:

@@ -29,6 +29,8 @@ import stat
 from pathlib import Path
 
 from dlfs.errors import DlfsError
+from dlfsd.ckpt.beneath import Beneath
+from dlfsd.ckpt.creds import Creds
 from dlfsd.ckpt.nodelock import NodeLock
 from dlfsd.ckpt.state import CkptState
 
@@ -67,13 +69,17 @@ def tier_path(cache_dir: str, store: str) -> Path:
 class Tier:
     """A checkpoint store and its local tier, opened (and locked) for one mount."""
 
-    def __init__(self, cache_dir: str, store: str) -> None:
+    def __init__(self, cache_dir: str, store: str, creds: Creds | None = None) -> None:
+        """`creds`: the job user's (dlfsd.ckpt.creds); every operation on the local tree
+        and on the store runs with them (None: the daemon's own)."""
         self.store = os.path.realpath(store)
         self.root = tier_path(cache_dir, store)
         self.tree = self.root / "tree"
+        self.creds = creds if creds is not None else Creds.none()
         try:
-            self.tree.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.tree, 0o755)  # the mount's owner sees it as its own (--uid)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)  # the tier's state: the daemon's alone
+            self._make_tree()
             (self.root / "store").write_text(self.store + "\n")
         except OSError as err:
             raise DlfsError(f"cannot create the checkpoint tier {self.root}: {err.strerror}; "
@@ -89,19 +95,59 @@ class Tier:
                             "use another --ckpt-store") from None
         self.tree_bytes = os.fsencode(self.tree)
         self.store_bytes = os.fsencode(self.store)
-        self.root_ino = os.lstat(self.tree).st_ino
+        #: The local tree and the store, reached only through these (dlfsd.ckpt.beneath):
+        #: by descriptors, no symlink followed, as the job's user.
+        self.local = Beneath(self.tree, self.creds,
+                             os.open(self.tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
+                                     | os.O_CLOEXEC))
+        self.store_fs = Beneath(self.store, self.creds)
+        self._check_store()
+        self.root_ino = self.local.lstat(b"").st_ino
         #: Which extents of the store's copies the workers checked (dlfsd.ckpt.sums),
         #: one small file per copy read; emptied at each mount.
         self.checked_bytes: bytes | None = os.fsencode(self.root / "checked")
         self.state = CkptState(str(self.root / "state.db"))
-        #: (uid, gid) the entries made on the store get (a root daemon mounting for a
-        #: job's user, --uid); set by dlfsd.ckpt.drain.Drainer, before the fork.
-        self.owner: tuple[int, int] | None = None
         self._tidy()
         # Bumped whenever an entry is removed or replaced: every process then closes the
         # descriptors it keeps (a new file may reuse a removed one's inode number).
         self.epoch = mmap.mmap(-1, 16)  # [epoch, full: the local copies reached the limit]
         self._mutate = NodeLock(str(self.root / ".mutate"))
+
+    def _check_store(self) -> None:
+        """A store that exists must be one the job's user can list and enter: the tier
+        reaches it only with the user's credentials (a missing one may be mounted or
+        made later; until then `ckpt/` shows this node's files)."""
+        try:
+            with self.store_fs.directory(b"", listing=True):
+                pass
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as err:
+            raise DlfsError(f"checkpoint store {self.store} cannot be used as "
+                            f"{self.creds.describe()}: {err.strerror}; give the job's user "
+                            "a directory of its own there (the Slurm prolog makes it)") from None
+
+    def _make_tree(self) -> None:
+        """`tree/`, owned by the job's user (its entries are made with the user's
+        credentials). One left by a mount for another user is refused: its files are
+        that user's checkpoints. One made by root (a mount without --uid, or before the
+        tier acted as the user) is handed over, entry by entry, never through a link."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.tree, 0o700)
+        fd = os.open(self.tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            owner = os.fstat(fd).st_uid
+            uid, gid = self.creds.uid, self.creds.gid
+            if self.creds.active and owner != uid:
+                if owner != 0:
+                    raise DlfsError(
+                        f"the checkpoint tier {self.root} holds the checkpoints of uid "
+                        f"{owner}, not of uid {uid}: drain them (mount it for that user and "
+                        "run `dlfs flush`) or remove the tier, or use another --ckpt-store")
+                _hand_over(fd, uid, gid)
+            os.fchmod(fd, 0o755)  # the mount's owner sees it as its own (--uid)
+        finally:
+            os.close(fd)
 
     def _tidy(self) -> None:
         """Before any process uses the tier (the lock is ours): remove placeholders a
@@ -109,17 +155,17 @@ class Tier:
         in the tree (a crash between a removal and its bookkeeping), so that a new file
         reusing such an inode number never inherits an old file's state."""
         inos = {self.root_ino}
-        for directory, dirs, files in os.walk(self.tree_bytes):
-            for name in dirs + files:
-                path = os.path.join(directory, name)
+        for directory, entries in self.local.walk():
+            for name, st in entries:
                 if is_adopt_temporary(name):
                     with contextlib.suppress(OSError):
-                        os.rmdir(path) if name in dirs and not os.path.islink(path) \
-                            else os.unlink(path)
-                    continue
-                with contextlib.suppress(OSError):
-                    inos.add(os.lstat(path).st_ino)
-            dirs[:] = [d for d in dirs if not is_adopt_temporary(d)]
+                        rel = os.path.join(directory, name) if directory else name
+                        if stat.S_ISDIR(st.st_mode):
+                            self.local.rmdir(rel)
+                        else:
+                            self.local.unlink(rel)
+                else:
+                    inos.add(st.st_ino)
         self.state.keep_only(inos)
         try:
             os.makedirs(self.checked_bytes, mode=0o700, exist_ok=True)
@@ -130,6 +176,7 @@ class Tier:
             self.checked_bytes = None  # each worker checks for itself
 
     def close(self) -> None:
+        self.local.close()
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
 
@@ -154,27 +201,28 @@ class Tier:
         path it has when the rename is done, never at one a rename just gave up."""
         return self._mutate
 
-    def relpath(self, path: bytes) -> bytes:
-        """`path` (in the tree) relative to the tree's root."""
-        return path[len(self.tree_bytes) + 1:]
-
-    def store_path(self, relpath: bytes) -> bytes:
-        return os.path.join(self.store_bytes, relpath) if relpath else self.store_bytes
-
     def store_reachable(self) -> bool:
         """The store's directory is there: "missing on the store" then means removed,
         not a store file system that is not mounted (whose mount point looks empty)."""
-        try:
-            return stat.S_ISDIR(os.stat(self.store_bytes).st_mode)
-        except OSError:
-            return False
+        return self.store_fs.isdir(b"")
 
     def makedirs_on_store(self, directory: bytes) -> None:
-        """A directory on the store (and those above it), given to `owner` if made."""
-        if os.path.isdir(directory):
-            return
-        self.makedirs_on_store(os.path.dirname(directory))
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, 0o755)
-            if self.owner is not None:
-                os.chown(directory, *self.owner)
+        """Directory `directory` (relative) on the store and those above it, made where
+        missing, as the job's user (so the user owns them)."""
+        self.store_fs.makedirs(directory)
+
+
+def _hand_over(fd: int, uid: int, gid: int) -> None:
+    """Give directory `fd` and everything below it to uid:gid (root's tree of an earlier
+    mount), by descriptors: nothing is followed."""
+    os.fchown(fd, uid, gid)
+    for name in os.listdir(fd):
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                            | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                _hand_over(child, uid, gid)
+            finally:
+                os.close(child)

@@ -49,8 +49,9 @@ from collections import OrderedDict
 
 from dlfs.errors import DlfsError
 from dlfsd.ckpt import sums
+from dlfsd.ckpt.beneath import Beneath
 from dlfsd.ckpt.nodeids import CKPT_BIT
-from dlfsd.ckpt.state import Tracking
+from dlfsd.ckpt.state import Identity, Tracking, identity, same_identity
 from dlfsd.ckpt.tier import Tier, adopt_name, is_adopt_temporary, is_drain_temporary, tmp_name
 from dlfsd.namespace import Attr, StatFs
 
@@ -97,7 +98,9 @@ class CkptTree:
         self.state = tier.state
         self.root_nodeid = CKPT_BIT | tier.root_ino
         self.written = written
-        self._paths: dict[int, bytes] = {tier.root_ino: tier.tree_bytes}
+        self._paths: dict[int, bytes] = {tier.root_ino: b""}  # ino -> path in the tree
+        self.local = tier.local  # the local tree (dlfsd.ckpt.beneath), as the job's user
+        self.store = tier.store_fs  # the checkpoint store, the same way
         self._fds: OrderedDict[int, int] = OrderedDict()  # ino -> descriptor
         self._epoch = tier.current_epoch()
         self._touched: dict[int, int] = {}  # ino -> when its pending row was refreshed
@@ -110,14 +113,14 @@ class CkptTree:
         path = self._paths.get(ino)
         if path is not None:
             try:
-                st = os.lstat(path)
+                st = self.local.lstat(path)
                 if st.st_ino == ino:
                     return path, st
             except OSError:
                 pass
         path = self._walk(ino)
         try:
-            st = os.lstat(path)
+            st = self.local.lstat(path)
         except OSError as err:
             raise PosixError(err.errno or errno.ENOENT, "checkpoint entry gone") from None
         if st.st_ino != ino:
@@ -131,7 +134,7 @@ class CkptTree:
         current = ino
         for _ in range(4096):
             if current == root:
-                return os.path.join(self.tier.tree_bytes, *reversed(parts))
+                return b"/".join(reversed(parts))
             where = self.state.where(current)
             if where is None:
                 break
@@ -140,7 +143,12 @@ class CkptTree:
         raise PosixError(errno.ENOENT, f"checkpoint inode {ino} unknown")
 
     def path_of(self, nodeid: int) -> bytes:
+        """The node's path relative to the tree's root."""
         return self._resolve(nodeid)[0]
+
+    def forget_path(self, ino: int) -> None:
+        """`ino` was renamed behind this cache's back (the drain's conflict name)."""
+        self._paths.pop(ino, None)
 
     def _dir(self, nodeid: int) -> bytes:
         path, st = self._resolve(nodeid)
@@ -186,11 +194,11 @@ class CkptTree:
             self._restore(ino, path)
         self._from_store.discard(ino)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = self.local.open(path, os.O_RDWR)
         except PermissionError:
             if writing:
                 raise PosixError(errno.EACCES, "checkpoint file not writable") from None
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.local.open(path, os.O_RDONLY)
         self._keep(ino, fd)
         return fd
 
@@ -203,7 +211,7 @@ class CkptTree:
         if row is None:
             raise PosixError(errno.EIO, "evicted checkpoint file without a store copy")
         try:
-            fd = os.open(self.tier.store_path(row.relpath), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.store.open(row.relpath, os.O_RDONLY)
         except FileNotFoundError:  # removed on the store (by another node)
             raise PosixError(errno.ESTALE, "the store's copy is gone") from None
         except OSError as err:
@@ -211,11 +219,10 @@ class CkptTree:
                                         f"{err.strerror}") from None
         try:
             st = os.fstat(fd)
-            if check and row.seen is not None \
-                    and (st.st_size, st.st_mtime_ns, st.st_ino) != row.seen:
+            if check and row.seen is not None and not same_identity(st, row.seen):
                 raise PosixError(errno.ESTALE, "the store's copy was replaced")
             # The sums of the very copy this descriptor reads (its fstat names them)
-            return fd, sums.load(self.tier.store_bytes, st, os.fsdecode(row.relpath),
+            return fd, sums.load(self.store, st, os.fsdecode(row.relpath),
                                  self.tier.checked_bytes)
         except BaseException:
             os.close(fd)
@@ -233,7 +240,7 @@ class CkptTree:
             finally:
                 os.close(source)
             if ledger is not None:
-                os.utime(path, ns=(time.time_ns(), ledger[1]))  # still the drained bytes
+                self.local.utime(path, (time.time_ns(), ledger[1]))  # still the drained bytes
             self.state.unevict(ino)
             # Pending before the lock goes: to be written, it no longer follows the store
             # (a lookup elsewhere must not replace it by another node's newer copy).
@@ -244,17 +251,17 @@ class CkptTree:
         """Copy the store's bytes into the placeholder `path`, each extent checked
         against its sums where it has some. A mismatch fails with EIO (CorruptDataError)
         and leaves the placeholder as it was: a hole of its size and times."""
-        before = os.lstat(path)
+        before = self.local.lstat(path)
         buf = bytearray(sums.EXTENT)
         view = memoryview(buf)
-        target = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        target = self.local.open(path, os.O_WRONLY)
         try:
             offset = index = 0
             while n := sums.read_full(source, view, offset):
                 if check is not None and not check.matches(index, view[:n]):
                     os.ftruncate(target, 0)  # the hole again, as eviction leaves it
                     os.ftruncate(target, before.st_size)
-                    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+                    self.local.utime(path, (before.st_atime_ns, before.st_mtime_ns))
                     raise self._checked_reads.mismatch(check, index)
                 done = 0
                 while done < n:
@@ -323,7 +330,7 @@ class CkptTree:
         the store's (to follow it); none for a directory or a file written here."""
         directory, path = self._child(parent, name)
         try:
-            st = os.lstat(path)
+            st = self.local.lstat(path)
         except FileNotFoundError:
             st = None
         except OSError as err:
@@ -341,18 +348,23 @@ class CkptTree:
     def setattr(self, nodeid: int, mode: int | None = None, size: int | None = None,
                 atime_ns: int | None = None, mtime_ns: int | None = None,
                 now_atime: bool = False, now_mtime: bool = False) -> Attr:
-        """chmod, truncate, utimens of a checkpoint entry (owners are the mount's)."""
+        """chmod, truncate, utimens of a checkpoint entry (owners are the mount's). A
+        symlink's mode and size are refused (EPERM, EINVAL): they would be its target's;
+        its times are set on the link itself."""
         path, st = self._resolve(nodeid)
         ino = st.st_ino
+        if stat.S_ISLNK(st.st_mode) and (mode is not None or size is not None):
+            raise PosixError(errno.EPERM if mode is not None else errno.EINVAL,
+                             "chmod or truncate of a symlink")
         try:
             if mode is not None:
-                os.chmod(path, stat.S_IMODE(mode))
+                self.local.chmod(path, stat.S_IMODE(mode))
             if size is not None:
                 if not stat.S_ISREG(st.st_mode):
                     raise PosixError(errno.EISDIR)
                 if self.state.is_evicted(ino):
                     self._restore(ino, path)
-                os.truncate(path, size)
+                self.local.truncate(path, size)
                 self._touch(ino)
             if atime_ns is not None or mtime_ns is not None or now_atime or now_mtime:
                 now = time.time_ns()
@@ -360,14 +372,14 @@ class CkptTree:
                                                 else st.st_atime_ns)
                 mtime = now if now_mtime else (mtime_ns if mtime_ns is not None
                                                 else st.st_mtime_ns)
-                os.utime(path, ns=(atime, mtime), follow_symlinks=False)
-            st = os.lstat(path)
+                self.local.utime(path, (atime, mtime))
+            st = self.local.lstat(path)
         except OSError as err:
             raise PosixError(err.errno or errno.EIO, "setattr") from None
         return _attr(ino, st)
 
     def readlink(self, nodeid: int) -> bytes:
-        return os.readlink(self._resolve(nodeid)[0])
+        return self.local.readlink(self._resolve(nodeid)[0])
 
     def readdir(self, nodeid: int, start: int):
         """(name, Attr, next offset) from offset `start` (names sorted: stable offsets).
@@ -379,13 +391,11 @@ class CkptTree:
             self._merge_store(nodeid, directory)
         parent_ino = nodeid & ~CKPT_BIT
         entries, learned = [], []
-        names = sorted(n for n in os.listdir(directory) if not is_adopt_temporary(n))
+        listing = self.local.entries(directory)
+        names = sorted(n for n in listing if not is_adopt_temporary(n))
         for offset, name in enumerate(names[start:], start + 1):
             path = os.path.join(directory, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
+            st = listing[name]
             learned.append((st.st_ino, parent_ino, name))
             self._paths[st.st_ino] = path
             entries.append((name, _attr(st.st_ino, st), offset))
@@ -399,7 +409,7 @@ class CkptTree:
         store's: the store's adopted where this node has none, a copy brought up to
         date (or gone) where the store's changed (or went). Returns its stat; None:
         neither has it. The checks cost one lstat on the store, no lock."""
-        relpath = self.tier.relpath(os.path.join(directory, name))
+        relpath = os.path.join(directory, name)
         row = None
         if st is not None:
             row = self.state.tracking(st.st_ino)
@@ -434,10 +444,12 @@ class CkptTree:
         """(the store's entry at `relpath`, None if there is none; False: the store
         cannot be asked now, and `ckpt/` shows this node's entries alone meanwhile)."""
         try:
-            return os.lstat(self.tier.store_path(relpath)), True
+            return self.store.lstat(relpath), True
         except (FileNotFoundError, NotADirectoryError):
             return None, True
         except OSError as err:
+            if err.errno == errno.ELOOP:
+                return None, True  # a symlink on the way: no entry there (none followed)
             self._store_trouble("read", err, f"checkpoint store {self.tier.store} cannot be "
                                 "read; ckpt/ shows this node's files only meanwhile")
             return None, False
@@ -453,8 +465,8 @@ class CkptTree:
         other adoptions hold too), with everything looked at again: make local entry
         `name` agree with the store's. Returns the local entry's stat (None: none)."""
         path = os.path.join(directory, name)
-        relpath = self.tier.relpath(path)
-        st = _lstat_or_none(path)
+        relpath = path
+        st = self.local.lstat_or_none(path)
         store_st, ok = self._store_entry(relpath)
         if not ok:
             return st
@@ -474,7 +486,7 @@ class CkptTree:
                 return self._adopt(parent & ~CKPT_BIT, directory, name, relpath, store_st,
                                    replacing=st)
             self._remove_copy(path, st)  # gone on the store, or another kind now
-            st = _lstat_or_none(path)
+            st = self.local.lstat_or_none(path)
             if st is not None:
                 return st  # a directory still holding this node's own files
         if store_st is None or not _adoptable(name, store_st):
@@ -494,41 +506,40 @@ class CkptTree:
         kind = stat.S_IFMT(store_st.st_mode)
         times = (store_st.st_atime_ns, store_st.st_mtime_ns)
         if kind == stat.S_IFREG:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                         stat.S_IMODE(store_st.st_mode))
+            fd = self.local.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                 stat.S_IMODE(store_st.st_mode))
             try:
                 os.ftruncate(fd, store_st.st_size)  # a hole: no local bytes
             finally:
                 os.close(fd)
-            os.utime(tmp, ns=times)
         elif kind == stat.S_IFDIR:
-            os.mkdir(tmp, stat.S_IMODE(store_st.st_mode) | 0o700)  # we add entries to it
-            os.utime(tmp, ns=times)
+            self.local.mkdir(tmp, stat.S_IMODE(store_st.st_mode) | 0o700)  # we add entries
         else:
-            os.symlink(os.readlink(self.tier.store_path(relpath)), tmp)
-            os.utime(tmp, ns=times, follow_symlinks=False)
-        st = os.lstat(tmp)
+            self.local.symlink(self.store.readlink(relpath), tmp)
+        self.local.utime(tmp, times)
+        st = self.local.lstat(tmp)
         try:
+            # Durable before the hole gets its name: a crash must never leave a named
+            # hole the ledger does not know (the drain would copy it over the store's).
             self.state.adopt(st.st_ino, parent_ino, name, st.st_size, st.st_mtime_ns, relpath,
-                             kind == stat.S_IFREG,
-                             (store_st.st_size, store_st.st_mtime_ns, store_st.st_ino))
+                             kind == stat.S_IFREG, identity(store_st))
             if replacing is None:
-                _link_into_place(tmp, path, kind == stat.S_IFDIR)
+                _link_into_place(self.local, tmp, path, kind == stat.S_IFDIR)
             else:
-                os.rename(tmp, path)
+                self.local.rename(tmp, path)
         except BaseException as err:
             with contextlib.suppress(OSError):
-                os.rmdir(tmp) if kind == stat.S_IFDIR else os.unlink(tmp)
+                self.local.rmdir(tmp) if kind == stat.S_IFDIR else self.local.unlink(tmp)
             self.state.forget(st.st_ino)
             if isinstance(err, FileExistsError):
-                return _lstat_or_none(path)  # made here meanwhile: it wins
+                return self.local.lstat_or_none(path)  # made here meanwhile: it wins
             raise
         self._paths[st.st_ino] = path
         if replacing is not None:
             self.state.forget(replacing.st_ino)
             self.tier.bump_epoch()  # every process drops its descriptors of the old one
             self._drop_fd(replacing.st_ino)
-        return os.lstat(path)
+        return self.local.lstat(path)
 
     def _remove_copy(self, path: bytes, st: os.stat_result) -> None:
         """Remove local copy `path` (its store entry changed or went); a directory keeps
@@ -536,22 +547,19 @@ class CkptTree:
         if stat.S_ISDIR(st.st_mode):
             self._prune_inside(path)
             try:
-                os.rmdir(path)
+                self.local.rmdir(path)
             except OSError:
                 return
         else:
-            os.unlink(path)
+            self.local.unlink(path)
         self.state.forget(st.st_ino)
         self.tier.bump_epoch()  # every process drops its descriptors of it
         self._drop_fd(st.st_ino)
 
     def _prune_inside(self, directory: bytes) -> None:
-        for name in os.listdir(directory):
+        for name, st in self.local.entries(directory).items():
             path = os.path.join(directory, name)
-            st = _lstat_or_none(path)
-            if st is None:
-                continue
-            if self._follows_store(self.state.tracking(st.st_ino), st, self.tier.relpath(path)):
+            if self._follows_store(self.state.tracking(st.st_ino), st, path):
                 self._remove_copy(path, st)
             elif stat.S_ISDIR(st.st_mode):
                 self._prune_inside(path)
@@ -561,22 +569,18 @@ class CkptTree:
         this one lacks, and bring the copies in it up to date. Costs one listing of the
         store's directory and one lstat per store entry that is new here or a copy of a
         file or symlink; changes take the mutating lock, nothing else does."""
-        relpath = self.tier.relpath(directory)
+        relpath = directory
         try:
-            with os.scandir(self.tier.store_path(relpath)) as listing:
-                on_store = {e.name: e for e in listing if not _hidden(e.name)}
+            on_store = {name: st for name, st in self.store.entries(relpath).items()
+                        if not _hidden(name)}
         except (FileNotFoundError, NotADirectoryError):
             on_store = {}
         except OSError as err:
             self._store_trouble("read", err, f"checkpoint store {self.tier.store} cannot be "
                                 "read; ckpt/ shows this node's files only meanwhile")
             return
-        local = {}
-        for name in os.listdir(directory):
-            st = None if is_adopt_temporary(name) else \
-                _lstat_or_none(os.path.join(directory, name))
-            if st is not None:
-                local[name] = st
+        local = {name: st for name, st in self.local.entries(directory).items()
+                 if not is_adopt_temporary(name)}
         rows = self.state.tracking_many([st.st_ino for st in local.values()])
         todo = []
         for name, st in local.items():
@@ -587,17 +591,12 @@ class CkptTree:
             if entry is None:
                 todo.append(name)
             elif stat.S_ISDIR(st.st_mode):
-                if not entry.is_dir(follow_symlinks=False):
+                if not stat.S_ISDIR(entry.st_mode):
                     todo.append(name)
-            else:
-                try:
-                    if not _same_copy(row, st.st_mode, entry.stat(follow_symlinks=False)):
-                        todo.append(name)
-                except OSError:
-                    todo.append(name)  # gone meanwhile (_reconcile looks again)
+            elif not _same_copy(row, st.st_mode, entry):
+                todo.append(name)
         todo += [name for name, entry in on_store.items() if name not in local and
-                 (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)
-                  or entry.is_symlink())]
+                 stat.S_IFMT(entry.st_mode) in _ADOPTABLE]
         if not todo:
             return
         with self.tier.mutating():
@@ -609,7 +608,7 @@ class CkptTree:
                                 os.fsdecode(os.path.join(relpath, name)), err.strerror)
 
     def statfs(self) -> StatFs:
-        s = os.statvfs(self.tier.tree)
+        s = self.local.statvfs()
         return StatFs(blocks=s.f_blocks * s.f_frsize // 4096, files=s.f_files,
                       bfree=s.f_bfree * s.f_frsize // 4096,
                       bavail=s.f_bavail * s.f_frsize // 4096, ffree=s.f_ffree)
@@ -621,7 +620,7 @@ class CkptTree:
         directory, path = self._child(parent, name)
         flags = (flags & (os.O_EXCL | os.O_TRUNC)) | os.O_CREAT | os.O_RDWR | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags, stat.S_IMODE(mode) or 0o644)
+            fd = self.local.open(path, flags, stat.S_IMODE(mode) or 0o644)
             st = os.fstat(fd)
         except OSError as err:
             raise PosixError(err.errno or errno.EIO, "create") from None
@@ -632,7 +631,7 @@ class CkptTree:
                 self._unevict_truncated(attr.ino)
             else:
                 self._restore(st.st_ino, path)
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = self.local.open(path, os.O_RDWR)
         self._keep(st.st_ino, fd)
         self._touch(st.st_ino)
         return attr
@@ -650,17 +649,14 @@ class CkptTree:
         directory, path = self._child(parent, name)
         with self.tier.mutating():
             try:
-                os.mkdir(path, stat.S_IMODE(mode) or 0o755)
-                st = os.lstat(path)
+                self.local.mkdir(path, stat.S_IMODE(mode) or 0o755)
+                st = self.local.lstat(path)
             except OSError as err:
                 raise PosixError(err.errno or errno.EIO, "mkdir") from None
             attr = self._learn(parent, directory, name, st)
-            relpath = self.tier.relpath(path)
-            target = self.tier.store_path(relpath)
+            relpath = path
             try:
-                self.tier.makedirs_on_store(target)
-                if not stat.S_ISDIR(os.lstat(target).st_mode):
-                    raise FileExistsError(errno.EEXIST, "not a directory", target)
+                self.tier.makedirs_on_store(relpath)
             except OSError as err:
                 self._store_trouble("mkdir", err, f"checkpoint directory {os.fsdecode(relpath)} "
                                     "made here but not on the store; it appears there when "
@@ -676,12 +672,12 @@ class CkptTree:
         directory, path = self._child(parent, name)
         with self.tier.mutating():
             try:
-                os.symlink(target, path)
-                st = os.lstat(path)
+                self.local.symlink(target, path)
+                st = self.local.lstat(path)
             except OSError as err:
                 raise PosixError(err.errno or errno.EIO, "symlink") from None
             attr = self._learn(parent, directory, name, st)
-            relpath = self.tier.relpath(path)
+            relpath = path
             try:
                 seen = self._symlink_on_store(relpath, target)
             except OSError as err:
@@ -692,21 +688,17 @@ class CkptTree:
                              st.st_mtime_ns, relpath, False, seen)
         return attr
 
-    def _symlink_on_store(self, relpath: bytes, target: bytes) -> tuple[int, int, int]:
-        dest = self.tier.store_path(relpath)
-        self.tier.makedirs_on_store(os.path.dirname(dest))
-        tmp = os.path.join(os.path.dirname(dest), tmp_name(os.path.basename(dest)))
-        os.symlink(target, tmp)
+    def _symlink_on_store(self, relpath: bytes, target: bytes) -> Identity:
+        self.tier.makedirs_on_store(os.path.dirname(relpath))
+        tmp = os.path.join(os.path.dirname(relpath), tmp_name(os.path.basename(relpath)))
+        self.store.symlink(target, tmp)
         try:
-            if self.tier.owner is not None:
-                os.lchown(tmp, *self.tier.owner)
-            os.rename(tmp, dest)
+            self.store.rename(tmp, relpath)
         except OSError:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                self.store.unlink(tmp)
             raise
-        copy = os.lstat(dest)
-        return copy.st_size, copy.st_mtime_ns, copy.st_ino
+        return identity(self.store.lstat(relpath))
 
     def unlink(self, parent: int, name: bytes) -> None:
         self._remove(parent, name, directory=False)
@@ -719,18 +711,18 @@ class CkptTree:
         copy too: the store mirrors the tree (a program deleting old checkpoints means
         the store's)."""
         _, path = self._child(parent, name)
-        relpath = self.tier.relpath(path)
+        relpath = path
         with self.tier.mutating():
             try:
-                st = os.lstat(path)
+                st = self.local.lstat(path)
                 if directory:
                     # The store's directory first: one holding entries this node has not
                     # adopted yet is not empty in `ckpt/` either (ENOTEMPTY, nothing done).
-                    if stat.S_ISDIR(st.st_mode) and not os.listdir(path):
+                    if stat.S_ISDIR(st.st_mode) and not self.local.listdir(path):
                         _rmdir_on_store(self.tier, relpath)
-                    os.rmdir(path)
+                    self.local.rmdir(path)
                 else:
-                    os.unlink(path)
+                    self.local.unlink(path)
             except OSError as err:
                 raise PosixError(err.errno or errno.EIO, "remove") from None
             self.tier.bump_epoch()
@@ -749,17 +741,17 @@ class CkptTree:
         _, new = self._child(new_parent, new_name)
         with self.tier.mutating():
             try:
-                st = os.lstat(old)
-                replaced = _lstat_or_none(new)
+                st = self.local.lstat(old)
+                replaced = self.local.lstat_or_none(new)
                 if flags & RENAME_EXCHANGE:
                     raise PosixError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
                 if flags & RENAME_NOREPLACE and replaced is not None:
                     raise PosixError(errno.EEXIST, "rename")
                 if replaced is not None and stat.S_ISDIR(replaced.st_mode) \
-                        and _store_holds_entries(self.tier, self.tier.relpath(new)):
+                        and _store_holds_entries(self.tier, new):
                     raise PosixError(errno.ENOTEMPTY, "rename over a directory the "
                                                       "checkpoint store holds entries in")
-                os.rename(old, new)
+                self.local.rename(old, new)
             except OSError as err:
                 raise PosixError(err.errno or errno.EIO, "rename") from None
             if replaced is not None:
@@ -768,9 +760,12 @@ class CkptTree:
                     self.state.forget(replaced.st_ino)
             self.state.remember(st.st_ino, new_parent & ~CKPT_BIT, new_name)
             self._paths[st.st_ino] = new
-            old_rel, new_rel = self.tier.relpath(old), self.tier.relpath(new)
-            if _rename_on_store(self.tier, old_rel, new_rel):
+            old_rel, new_rel = old, new
+            moved = _rename_on_store(self.tier, old_rel, new_rel)
+            if moved is not False:
                 self.state.moved(old_rel, new_rel)
+                if moved is not None:  # a rename changes the copy's ctime: seen anew
+                    self.state.reseen(st.st_ino, moved)
 
     # -- data ----------------------------------------------------------------------------
     def open(self, nodeid: int, flags: int) -> None:
@@ -800,7 +795,7 @@ class CkptTree:
         path, st = self._resolve(nodeid)
         if not stat.S_ISREG(st.st_mode):
             return
-        relpath = self.tier.relpath(path)
+        relpath = path
         row = self.state.tracking(st.st_ino)
         if not self._follows_store(row, st, relpath):
             return
@@ -816,7 +811,7 @@ class CkptTree:
         path, st = self._resolve(nodeid)
         if self.state.is_evicted(st.st_ino):
             with self.tier.mutating():
-                os.truncate(path, 0)
+                self.local.truncate(path, 0)
                 self.state.unevict(st.st_ino)
                 self._mark_pending(st.st_ino)
                 self.tier.bump_epoch()
@@ -845,11 +840,7 @@ class CkptTree:
         """Durable on this node: the local copy is on the cache disk (docs/CKPT.md)."""
         path, st = self._resolve(nodeid)
         if stat.S_ISDIR(st.st_mode):
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self.local.fsync_dir(path)
             return
         fd = self._fd(nodeid, writing=False)
         os.fdatasync(fd) if datasync else os.fsync(fd)
@@ -875,13 +866,6 @@ class CkptTree:
             raise PosixError(errno.EOPNOTSUPP, "fallocate mode")
         os.posix_fallocate(self._fd(nodeid, writing=True), offset, length)
         self._touch(nodeid & ~CKPT_BIT)
-
-
-def _lstat_or_none(path: bytes) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
 
 
 _ADOPTABLE = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK)
@@ -913,42 +897,43 @@ def _is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
 
 def _same_copy(row: Tracking, local_mode: int, store_st: os.stat_result) -> bool:
     """The store's entry is still the one the local copy was made of (the same kind;
-    for files and symlinks the same size, mtime and inode as seen then: another node's
-    drain renames a new inode into place)."""
+    for files and symlinks the same size, mtime, inode and change time as seen then:
+    another node's drain renames a new inode into place, and a copy rewritten in place
+    with its old size and mtime put back still changes its ctime)."""
     if stat.S_IFMT(store_st.st_mode) != stat.S_IFMT(local_mode):
         return False
     if stat.S_ISDIR(local_mode):
         return True
     if row.seen is not None:
-        return (store_st.st_size, store_st.st_mtime_ns, store_st.st_ino) == row.seen
+        return same_identity(store_st, row.seen)
     return (store_st.st_size, store_st.st_mtime_ns) == (row.size, row.mtime_ns)
 
 
-def _link_into_place(tmp: bytes, path: bytes, directory: bool) -> None:
+def _link_into_place(local: Beneath, tmp: bytes, path: bytes, directory: bool) -> None:
     """Give the made placeholder `tmp` its name `path`, never replacing an entry made
     meanwhile (FileExistsError): a hard link for files and symlinks; a directory is
     renamed (mkdir and symlink hold the mutating lock we hold, and a rename of a
     directory never replaces a file)."""
     if not directory:
         try:
-            os.link(tmp, path, follow_symlinks=False)
+            local.link(tmp, path)
         except FileExistsError:
             raise
         except OSError as err:
             if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
                 raise
         else:
-            os.unlink(tmp)
+            local.unlink(tmp)
             return
-    if os.path.lexists(path):
+    if local.exists(path):
         raise FileExistsError(errno.EEXIST, "made meanwhile", path)
-    os.rename(tmp, path)
+    local.rename(tmp, path)
 
 
 def _store_holds_entries(tier: Tier, relpath: bytes) -> bool:
     """The store's directory at `relpath` holds entries (copies in progress aside)."""
     try:
-        return any(not is_drain_temporary(n) for n in os.listdir(tier.store_path(relpath)))
+        return any(not is_drain_temporary(n) for n in tier.store_fs.listdir(relpath))
     except OSError:
         return False
 
@@ -957,9 +942,8 @@ def _rmdir_on_store(tier: Tier, relpath: bytes) -> None:
     """rmdir of an empty local directory, on the store first: ENOTEMPTY when the store's
     holds entries (not adopted here yet); one holding only copies in progress is left
     to the drain, which removes it with its temporary."""
-    target = tier.store_path(relpath)
     try:
-        os.rmdir(target)
+        tier.store_fs.rmdir(relpath)
     except FileNotFoundError:
         pass
     except OSError as err:
@@ -970,44 +954,44 @@ def _rmdir_on_store(tier: Tier, relpath: bytes) -> None:
             return
         log.warning(
             "checkpoint %s removed here but not on the store (%s): remove %s by hand",
-            os.fsdecode(relpath), err.strerror, os.fsdecode(target))
+            os.fsdecode(relpath), err.strerror, tier.store_fs.display(relpath))
 
 
 def _remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:
     """Remove the store's copy at `relpath` (and a file's sums with it)."""
-    target = tier.store_path(relpath)
     try:
         if directory:
-            os.rmdir(target)
+            tier.store_fs.rmdir(relpath)
         else:
-            gone = os.lstat(target)
-            os.unlink(target)
-            sums.remove(tier.store_bytes, gone)
+            gone = tier.store_fs.lstat(relpath)
+            tier.store_fs.unlink(relpath)
+            sums.remove(tier.store_fs, gone)
     except FileNotFoundError:
         pass
     except OSError as err:
         log.warning(
             "checkpoint %s removed here but not on the store (%s): remove %s by hand",
-            os.fsdecode(relpath), err.strerror, os.fsdecode(target))
+            os.fsdecode(relpath), err.strerror, tier.store_fs.display(relpath))
 
 
-def _rename_on_store(tier: Tier, old: bytes, new: bytes) -> bool:
-    """Move the store's copy of `old` to `new` if there is one; False if it could not
-    (the drain then copies the file again under its new name)."""
-    source, target = tier.store_path(old), tier.store_path(new)
-    if not os.path.lexists(source):
-        return True
+def _rename_on_store(tier: Tier, old: bytes, new: bytes) -> Identity | bool | None:
+    """Move the store's copy of `old` to `new` if there is one. Returns the moved copy's
+    identity (its change time moved with it), None if the store had nothing at `old`,
+    False if it could not (the drain then copies the file again under its new name)."""
+    store = tier.store_fs
     try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        replaced = _lstat_or_none(target)
-        if replaced is not None and replaced.st_ino == os.lstat(source).st_ino:
+        source = store.lstat_or_none(old)
+        if source is None:
+            return None
+        tier.makedirs_on_store(os.path.dirname(new))
+        replaced = store.lstat_or_none(new)
+        if replaced is not None and replaced.st_ino == source.st_ino:
             replaced = None  # the same file (a rename onto itself): its sums stay
-        os.rename(source, target)
-        sums.remove(tier.store_bytes, replaced)  # (the moved copy keeps its own)
-        return True
+        store.rename(old, new)
+        sums.remove(store, replaced)  # (the moved copy keeps its own)
+        return identity(store.lstat(new))
     except OSError as err:
         log.warning(
             "checkpoint %s renamed to %s here but not on the store (%s); it is drained "
             "again under its new name", os.fsdecode(old), os.fsdecode(new), err.strerror)
         return False
-

@@ -197,11 +197,16 @@ class CkptWorker(RequestLoop):
 
     def _register(self, node: int) -> int:
         """A backing id for `node`'s local copy; 0 (served here) if the kernel refuses
-        one (logged once per process: e.g. a cache dir on a stacked file system)."""
-        fd = os.open(self.tree.path_of(node), os.O_RDONLY | os.O_CLOEXEC)
+        one (logged once per process: e.g. a cache dir on a stacked file system). The
+        kernel keeps the credentials of the registering thread for the backing file's
+        I/O: the job user's (CAP_SYS_ADMIN, which the ioctl needs, is no file capability
+        and stays)."""
+        local = self.tree.local
+        fd = local.open(self.tree.path_of(node), os.O_RDONLY)
         try:
-            return fcntl.ioctl(self.fd, BACKING_OPEN, bytearray(BACKING_MAP.pack(fd, 0, 0)),
-                               True)
+            with local.creds:
+                return fcntl.ioctl(self.fd, BACKING_OPEN,
+                                   bytearray(BACKING_MAP.pack(fd, 0, 0)), True)
         except OSError as err:
             if not self._register_warned:
                 self._register_warned = True

@@ -168,6 +168,10 @@ def ckpt_lines(c: dict | None) -> list[str]:
     if c.get("error"):
         lines.append(f"  drain failing: {c['error']} (local copies kept in {c['local']}, "
                      "retried with back-off)")
+    if c.get("conflicts"):
+        lines.append(f"  {c['conflicts']} files kept under a conflict name (another node "
+                     f"replaced the store's copy meanwhile): "
+                     f"{', '.join(c.get('conflict_names') or [])}")
     return lines
 
 
