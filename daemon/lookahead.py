@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlfs.errors import DlfsError
+from dlfs.sizes import format_size
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfsd.namespace import Namespace
 from dlfsd.pool.peershare import extent_key
@@ -74,7 +75,7 @@ NOT_ON_PEERS_SECONDS = 1.0  # a chunk no owner had staged is read from the store
 # registration costs 10 B per sample, a stream 26 B, and one job's samplers hold
 # about one registration and one epoch per dataset: room for four of each.
 HELD_BYTES_PER_ENTRY = 160
-MIN_HELD_BYTES = 16 << 20
+MIN_HELD_BYTES = 256 << 10  # a small mount still follows a few dozen epochs
 
 # Counters (int64, written by the control process only; read by `.dlfs/` renders).
 (ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
@@ -231,8 +232,8 @@ class LookAhead:
                 del self._streams[stream.key]
                 self.counters[DROPPED_FULL] += 1
                 log.info("look-ahead: dropped epoch %d of registration %d (the look-ahead's "
-                         "memory limit of %d MiB is reached)", stream.key[1], stream.key[0],
-                         self.memory_limit >> 20)
+                         "memory limit of %s is reached)", stream.key[1], stream.key[0],
+                         format_size(self.memory_limit))
             else:
                 mine = keep.key[0] if isinstance(keep, _Stream) else None
                 handle = next((h for h, r in self._registrations.items()
@@ -241,7 +242,7 @@ class LookAhead:
                     return  # `keep` alone: the body limits keep it far below the limit
                 del self._registrations[handle]
                 log.info("look-ahead: forgot registration %d (the look-ahead's memory limit "
-                         "of %d MiB is reached)", handle, self.memory_limit >> 20)
+                         "of %s is reached)", handle, format_size(self.memory_limit))
             held = self.held_bytes()
 
     def register(self, paths: list[bytes], digest: bytes = b"") -> tuple[int, Registration]:
@@ -293,8 +294,7 @@ class LookAhead:
         with self._lock:
             registration = self._registrations.get(handle)
         if registration is None:
-            raise DlfsError(f"unknown registration {handle} (the daemon was restarted, or "
-                            f"more than {MAX_REGISTRATIONS} samplers registered since)")
+            raise DlfsError(unknown_registration(handle))
         if order.size and (order.min() < 0 or order.max() >= registration.rows.size):
             raise DlfsError(f"announced sample index out of range 0..{registration.rows.size - 1}")
         rows = registration.rows[order]
@@ -505,6 +505,13 @@ class LookAhead:
                 fd = open_chunk(reader.dataset.chunk_path(chunk), chunk, reader.dataset.uuid)
                 self._fds[(ds, chunk)] = fd
             return fd
+
+
+def unknown_registration(handle) -> str:
+    """The one line for an announcement of a registration the look-ahead does not hold."""
+    return (f"unknown registration {handle!r} (the daemon was restarted, or more than "
+            f"{MAX_REGISTRATIONS} samplers registered since, or the look-ahead's memory "
+            "limit dropped it); register again")
 
 
 def _extents_of(ext_start: np.ndarray, rows: np.ndarray) -> np.ndarray:

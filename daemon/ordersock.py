@@ -42,7 +42,7 @@ from dlfs.orderwire import (
     send_message,
 )
 from dlfs.sizes import format_size
-from dlfsd.lookahead import LookAhead
+from dlfsd.lookahead import LookAhead, unknown_registration
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class OrderService:
         if op == "announce":
             samples = self.lookahead.registered_samples(header.get("handle"))
             if samples is None:
-                return f"unknown registration {header.get('handle')!r}; register again"
+                return unknown_registration(header.get("handle"))
             if size <= 4 * samples:
                 return None
             return (f"an announcement of {size // 4} samples is longer than its "

@@ -174,3 +174,22 @@ def test_a_squatted_socket_name_does_not_capture_a_sampler(mounted, small_store)
     assert locality.sample_chunk.min() >= 0
     assert "connected" not in seen
     assert "cannot listen" not in mount.log_text()
+
+
+def test_what_all_clients_announce_together_stays_within_the_memory_limit(
+        mounted, small_store):
+    """Many samplers each announcing a long epoch: the look-ahead keeps what they hold
+    within its limit (160 B per entry of the mount, at least 256 KiB) by dropping the
+    oldest streams, and the newest announcement is followed."""
+    mount = mounted(small_store)
+    paths = mount_paths(mount) * 27  # 1080 samples: each a file of the mount, repeated
+    clients = [connect(paths) for _ in range(20)]  # one resolution, 20 handles
+    for client in clients:
+        client.announce(0, np.arange(len(paths)))  # ~28 KB held per stream
+    status = clients[-1].status()
+    handles = [s["handle"] for s in status["streams"]]
+    assert clients[-1].handle in handles and clients[0].handle not in handles
+    assert status["memory_limit"] == 256 << 10
+    assert status["held_bytes"] <= status["memory_limit"], status["held_bytes"]
+    assert status["counters"]["streams_dropped_full"] >= 20 - 256 * 1024 // (1080 * 26)
+    assert "memory limit of" in mount.log_text()
