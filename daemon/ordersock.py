@@ -1,8 +1,8 @@
 """The order socket: samplers register their paths and announce each epoch's order.
 
 Served by the control process next to the trace socket (dlfsd.obs.controlsock
-calls `handle` for each connection; one at a time, each bounded by
-REQUEST_TIMEOUT per receive). The wire format is dlfs.orderwire. A request the
+calls `handle` for each connection; one at a time, each message bounded by
+REQUEST_TIMEOUT). The wire format is dlfs.orderwire. A request the
 daemon cannot take is answered with one line saying why; a client that breaks
 the protocol is disconnected. Only root, the daemon's user and the mount's
 `--uid` user are answered.
