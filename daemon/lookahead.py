@@ -30,9 +30,14 @@ Readers mark the extents they read TAKEN while any announcement is active
 (one shared flag byte: without announcements the read path tests one byte).
 The look-ahead moves its window by those marks; a stream whose readers take
 nothing for `stale_seconds` (a killed job, an abandoned epoch) is dropped,
-and so is the oldest one beyond MAX_STREAMS: memory stays bounded whatever
-clients do. Registrations are kept per connection-independent handle, at
-most MAX_REGISTRATIONS (oldest dropped).
+and so is the oldest one beyond MAX_STREAMS. Registrations are kept per
+connection-independent handle, at most MAX_REGISTRATIONS (oldest dropped).
+Memory stays bounded whatever clients do: besides those counts, what the
+registrations and streams hold together (`held_bytes`) stays within
+`memory_limit` (HELD_BYTES_PER_ENTRY per entry of the mount, at least
+MIN_HELD_BYTES): past it the oldest streams, then the oldest registrations, are
+dropped. The order socket's body limits (dlfsd.ordersock) keep any one of them
+far below that limit.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlfs.errors import DlfsError
+from dlfs.sizes import format_size
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfsd.namespace import Namespace
 from dlfsd.pool.peershare import extent_key
@@ -65,6 +71,11 @@ STALE_SECONDS = 60.0
 _TICK = 0.002  # seconds between scheduler passes when nothing changed
 _BATCH = 8  # samples per fetch task beyond the front of the window
 NOT_ON_PEERS_SECONDS = 1.0  # a chunk no owner had staged is read from the store this long
+# What registrations and streams may hold together, per entry of the mount: a
+# registration costs 10 B per sample, a stream 26 B, and one job's samplers hold
+# about one registration and one epoch per dataset: room for four of each.
+HELD_BYTES_PER_ENTRY = 160
+MIN_HELD_BYTES = 256 << 10  # a small mount still follows a few dozen epochs
 
 # Counters (int64, written by the control process only; read by `.dlfs/` renders).
 (ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
@@ -127,6 +138,8 @@ class LookAhead:
         self._not_on_peers: dict[tuple[int, int], float] = {}
         self._peer_lock = threading.Lock()  # this process's peer clients: one at a time
         self._by_name = {r.dataset.name.encode(): k for k, r in enumerate(namespace.readers)}
+        entries = sum(int(r.directory.arrays["mode"].size) for r in namespace.readers)
+        self.memory_limit = max(MIN_HELD_BYTES, HELD_BYTES_PER_ENTRY * entries)
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._stopping = False
@@ -181,15 +194,56 @@ class LookAhead:
                          None)
             return None if known is None or not digest else self._add(known)
 
+    def registered_samples(self, handle) -> int | None:
+        """How many samples registration `handle` has (None: no such registration):
+        the order socket bounds an announcement by it before reading one."""
+        with self._lock:
+            registration = self._registrations.get(handle) if isinstance(handle, int) \
+                else None
+            return None if registration is None else int(registration.rows.size)
+
     def _add(self, registration: Registration) -> tuple[int, Registration]:
-        """A handle for `registration`; the oldest are forgotten past MAX_REGISTRATIONS.
-        Called with the lock held."""
+        """A handle for `registration`; the oldest are forgotten past MAX_REGISTRATIONS
+        or the memory limit. Called with the lock held."""
         handle = self._next_handle
         self._next_handle += 1
         self._registrations[handle] = registration
         while len(self._registrations) > MAX_REGISTRATIONS:
             self._registrations.popitem(last=False)
+        self._fit(keep=registration)
         return handle, registration
+
+    def held_bytes(self) -> int:
+        """What the registrations (each resolution once, however many handles share it)
+        and the streams hold. Called with the lock held."""
+        distinct = {id(r): r for r in self._registrations.values()}
+        return (sum(r.ds.nbytes + r.rows.nbytes for r in distinct.values())
+                + sum(s.ds.nbytes + s.rows.nbytes + s.first.nbytes + s.ends.nbytes
+                      for s in self._streams.values()))
+
+    def _fit(self, keep: object) -> None:
+        """Drop the oldest streams, then the oldest registrations, until what they hold
+        is within `memory_limit`; never `keep` (the one just added). Called with the
+        lock held."""
+        held = self.held_bytes()
+        while held > self.memory_limit:
+            stream = next((s for s in self._streams.values() if s is not keep), None)
+            if stream is not None:
+                del self._streams[stream.key]
+                self.counters[DROPPED_FULL] += 1
+                log.info("look-ahead: dropped epoch %d of registration %d (the look-ahead's "
+                         "memory limit of %s is reached)", stream.key[1], stream.key[0],
+                         format_size(self.memory_limit))
+            else:
+                mine = keep.key[0] if isinstance(keep, _Stream) else None
+                handle = next((h for h, r in self._registrations.items()
+                               if r is not keep and h != mine), None)
+                if handle is None:
+                    return  # `keep` alone: the body limits keep it far below the limit
+                del self._registrations[handle]
+                log.info("look-ahead: forgot registration %d (the look-ahead's memory limit "
+                         "of %s is reached)", handle, format_size(self.memory_limit))
+            held = self.held_bytes()
 
     def register(self, paths: list[bytes], digest: bytes = b"") -> tuple[int, Registration]:
         """Resolve relative paths ("dataset/rel/path") to (dataset, row); paths that are
@@ -240,8 +294,7 @@ class LookAhead:
         with self._lock:
             registration = self._registrations.get(handle)
         if registration is None:
-            raise DlfsError(f"unknown registration {handle} (the daemon was restarted, or "
-                            f"more than {MAX_REGISTRATIONS} samplers registered since)")
+            raise DlfsError(unknown_registration(handle))
         if order.size and (order.min() < 0 or order.max() >= registration.rows.size):
             raise DlfsError(f"announced sample index out of range 0..{registration.rows.size - 1}")
         rows = registration.rows[order]
@@ -255,6 +308,7 @@ class LookAhead:
             while len(self._streams) > MAX_STREAMS:
                 self._streams.popitem(last=False)
                 self.counters[DROPPED_FULL] += 1
+            self._fit(keep=stream)
             self.counters[ANNOUNCED] += 1
             self._demanded.clear()
             self._not_on_peers.clear()  # copies come and go between epochs
@@ -282,7 +336,9 @@ class LookAhead:
         with self._lock:
             streams = [{"handle": s.key[0], "epoch": s.key[1], "samples": int(s.rows.size),
                         "taken": s.low, "fetched": s.next} for s in self._streams.values()]
-        return {"streams": streams, "counters": self.counter_dict()}
+            held = self.held_bytes()
+        return {"streams": streams, "counters": self.counter_dict(), "held_bytes": held,
+                "memory_limit": self.memory_limit}
 
     def counter_dict(self) -> dict:
         return {name: int(v) for name, v in zip(COUNTER_NAMES, self.counters, strict=True)}
@@ -449,6 +505,13 @@ class LookAhead:
                 fd = open_chunk(reader.dataset.chunk_path(chunk), chunk, reader.dataset.uuid)
                 self._fds[(ds, chunk)] = fd
             return fd
+
+
+def unknown_registration(handle) -> str:
+    """The one line for an announcement of a registration the look-ahead does not hold."""
+    return (f"unknown registration {handle!r} (the daemon was restarted, or more than "
+            f"{MAX_REGISTRATIONS} samplers registered since, or the look-ahead's memory "
+            "limit dropped it); register again")
 
 
 def _extents_of(ext_start: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -46,6 +46,7 @@ from dlfs.sizes import format_size
 from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
+from dlfsd.access import served_to_user
 from dlfsd.ckpt.nodeids import CKPT_NAME
 from dlfsd.commit import LaunchCommit, discard_launch_secret
 from dlfsd.fuse import fusewire as fw
@@ -102,6 +103,8 @@ def load_datasets(config: MountConfig) -> list[Dataset]:
     names = list(config.datasets) or store.dataset_names()
     if not names:
         raise DlfsError(f"store {config.store} has no datasets (populate one with `dlfs populate`)")
+    # A root daemon mounting for a user serves only what that user may read.
+    names = served_to_user(names, store.path, config.uid, config.gid, bool(config.datasets))
     return sorted((store.open(name) for name in names), key=lambda d: d.name)
 
 

@@ -318,13 +318,14 @@ def test_the_mounts_user_flushes_a_root_mount_made_for_it_and_no_other_user_may(
     daemon's SO_PEERCRED check."""
     base = Path(tempfile.mkdtemp(prefix="dlfs-ckptuser-", dir="/tmp"))
     base.chmod(0o755)  # users must reach the mountpoint (pytest's tmp dirs are 0700)
+    store = shutil.copytree(small_store, base / "store")  # and read the datasets
     mounter = Mounter(base)
     try:
         with temp_user() as owner, temp_user() as other:
             ckstore = base / "ckstore"  # the user's, as the prolog makes it
             ckstore.mkdir(mode=0o700)
             os.chown(ckstore, owner.uid, owner.gid)
-            m = mounter(small_store, "--uid", str(owner.uid), "--gid", str(owner.gid),
+            m = mounter(store, "--uid", str(owner.uid), "--gid", str(owner.gid),
                         "--workers", "1", "--cache-dir", str(tmp_path / "cache"),
                         "--ckpt-store", str(ckstore), "--drain-bandwidth", "1M")
             m.path.parent.chmod(0o755)

@@ -540,3 +540,39 @@ def test_the_report_budget_allows_a_burst_then_its_rate():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert not bucket.take()
+
+
+def test_a_flood_of_failed_handshakes_is_logged_as_summaries(server, caplog):
+    """Anyone reaching the peer port can fail handshakes as fast as they connect: the
+    log gets the first failure of each cause, then one summary per cause (10 s)."""
+    caplog.set_level("WARNING", logger="dlfsd.pool.peer")
+    attempts = 30
+    for _ in range(attempts):
+        client = BlockingPeerClient(b"another-jobs-secret-0123456789", "bad", "127.0.0.1",
+                                    server.port)
+        with pytest.raises(PeerUnavailable):
+            client.read(DATASET, 0, 0, 10)
+        client.close()
+        sock = raw(server)
+        sock.sendall(b"\x00\x00\x00\x05hello, this is not msgpack")
+        until_closed(sock)
+    assert counter_reaches(server, "auth_failures", attempts)
+    assert counter_reaches(server, "protocol_errors", attempts)
+    good_read(server)  # the flood did not stop the server
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "dlfsd.pool.peer"]
+
+    assert sum("different job secrets" in line for line in lines()) == 1, lines()
+    assert sum("protocol error" in line for line in lines()) == 1, lines()
+    deadline = time.monotonic() + 15
+    while sum("failed peer handshakes from" in line for line in lines()) < 2:
+        assert time.monotonic() < deadline, lines()
+        time.sleep(0.1)
+    summaries = sorted(line for line in lines() if "failed peer handshakes from" in line)
+    assert summaries[0].startswith(f"peer server: {attempts - 1} failed peer handshakes "
+                                   "from 1 addresses in the last 1"), summaries
+    assert summaries[0].endswith("s: our proof rejected (different job secrets) "
+                                 "(e.g. 127.0.0.1)")
+    assert "protocol error before the handshake" in summaries[1]
+    assert len(lines()) == 4, lines()  # nothing else: not a line per attempt

@@ -22,13 +22,14 @@ pytestmark = pytest.mark.usefixtures("daemon_guard")
 
 @pytest.fixture(scope="module")
 def private(tmp_path_factory, store_with):
-    """(mount, source, owner, other): the mount lives under a 0755 dir in /tmp so that
-    other users can reach the mountpoint at all (pytest's tmp dirs are 0700)."""
+    """(mount, source, owner, other): the mount and the store live under a 0755 dir in
+    /tmp so that other users can reach the mountpoint at all (pytest's tmp dirs are
+    0700), and the owner may read the store (a root daemon serves it only that)."""
     src = tmp_path_factory.mktemp("private") / "src"
     make_small_tree(src, files=6)
-    store = store_with(src, "ds")
     base = Path(tempfile.mkdtemp(prefix="dlfs-private-", dir="/tmp"))
     base.chmod(0o755)
+    store = store_with(src, "ds", "256K", base / "store")  # the user must read it too
     mounter = Mounter(base)
     try:
         with temp_user() as owner, temp_user() as other:

@@ -372,7 +372,8 @@ def test_stats_json_and_metrics_parse(mounted, stats_store):
 def test_control_dir_is_hidden_and_read_only(mounted, stats_store):
     m = mounted(stats_store)
     assert os.listdir(m.path) == ["ds"]
-    assert sorted(os.listdir(m.path / ".dlfs")) == ["metrics", "stats.json"]
+    # "order": the look-ahead's socket name (docs/ORDER.md)
+    assert sorted(os.listdir(m.path / ".dlfs")) == ["metrics", "order", "stats.json"]
     for attempt in (lambda: os.open(m.path / ".dlfs" / "stats.json", os.O_WRONLY),
                     lambda: os.open(m.path / ".dlfs" / "new", os.O_WRONLY | os.O_CREAT),
                     lambda: os.unlink(m.path / ".dlfs" / "metrics")):

@@ -83,11 +83,9 @@ class ControlFiles:
     """The `.dlfs/` directory over a set of renderers (file name -> bytes at open)."""
 
     def __init__(self, renderers: dict[bytes, Callable[[], bytes]], slot: ProcessSlot) -> None:
-        self.names = sorted(renderers)
-        self._renderers = renderers
-        self._inode = {name: CONTROL_DIR_INODE + 1 + i for i, name in enumerate(self.names)}
-        self._name = {ino: name for name, ino in self._inode.items()}
-        assert CONTROL_DIR_INODE + len(self.names) <= LAST_CONTROL_INODE
+        self._renderers: dict[bytes, Callable[[], bytes]] = {}
+        for name, render in renderers.items():
+            self.add(name, render)
         self.slot = slot
         self.created_ns = time.time_ns()
         parent = _content_parent() or tempfile.gettempdir()
@@ -96,6 +94,15 @@ class ControlFiles:
         # Removed by close(), or when this object goes away, in the creating process only.
         self._remove_dir = weakref.finalize(self, _remove_dir, self._dir, os.getpid())
         self._opened = 0
+
+    def add(self, name: bytes, render: Callable[[], bytes]) -> None:
+        """One more file, e.g. the order socket's name (dlfsd.ordersock); before the
+        mount (inodes are renumbered)."""
+        self._renderers[name] = render
+        self.names = sorted(self._renderers)
+        self._inode = {n: CONTROL_DIR_INODE + 1 + i for i, n in enumerate(self.names)}
+        self._name = {ino: n for n, ino in self._inode.items()}
+        assert CONTROL_DIR_INODE + len(self.names) <= LAST_CONTROL_INODE
 
     def close(self) -> None:
         """Remove the rendered files (a no-op in forked workers)."""

@@ -18,7 +18,10 @@ The node list says who the peers are, so:
 - once a connection has proven the secret, it is a peer wherever it comes from.
 
 Refusals are logged once per reason as they start and then summed up once a
-minute (RefusalLog): a flood must not become a flood of log lines.
+minute (RefusalLog): a flood must not become a flood of log lines. Failed
+handshakes (a wrong secret, no handshake in time, garbage before it) likewise:
+the first of a cause with its detail, then at most one summary line per cause
+every 10 s (HandshakeFailureLog).
 
 Sans-I/O: the server asks and reports; tests drive it directly.
 """
@@ -123,3 +126,49 @@ class RefusalLog:
                 log.warning("peer server: refused %d more connections from %d addresses "
                             "in %.0f s (%s); e.g. %s", count, len(sources), now - since,
                             reason, ", ".join(sorted(sources)[:3]))
+
+
+class HandshakeFailureLog:
+    """Failed peer handshakes, logged as rate-limited summaries per cause.
+
+    Why: anyone who can reach the peer port can fail a handshake as fast as they can
+    connect; one line each filled the log. The first failure of a cause is logged at
+    once with its detail (a misconfigured node says what is wrong right away); the
+    ones after it are counted and summed up when `interval` has passed since the
+    last line of that cause: at most one line per cause per `interval`.
+    """
+
+    def __init__(self, interval: float = 10.0, clock=time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._since: dict[str, float] = {}  # cause -> when its last line was logged
+        self._counts: dict[str, int] = {}  # failures since that line
+        self._sources: dict[str, set[str]] = {}
+
+    def failed(self, ip: str, cause: str, detail: str) -> None:
+        """A handshake from `ip` failed for `cause` (a short, fixed text); `detail`
+        names the connection and what happened."""
+        if cause not in self._since:
+            self._since[cause] = self._clock()
+            self._counts[cause], self._sources[cause] = 0, set()
+            log.warning("peer server: failed peer handshake: %s (further failures of this "
+                        "kind are summed up every %.0f s)", detail, self.interval)
+            return
+        self._counts[cause] += 1
+        self._sources[cause].add(ip)
+
+    def flush(self) -> None:
+        """Log the sums of causes whose interval is over (called from the server's
+        sweep); a cause with none since its last line is forgotten."""
+        now = self._clock()
+        for cause, since in list(self._since.items()):
+            if now - since < self.interval:
+                continue
+            count, sources = self._counts[cause], self._sources[cause]
+            if not count:
+                del self._since[cause], self._counts[cause], self._sources[cause]
+                continue
+            log.warning("peer server: %d failed peer handshakes from %d addresses in the "
+                        "last %.0f s: %s (e.g. %s)", count, len(sources), now - since, cause,
+                        ", ".join(sorted(sources)[:3]))
+            self._since[cause], self._counts[cause], self._sources[cause] = now, 0, set()

@@ -51,7 +51,7 @@ from typing import Protocol
 from dlfs.store.format import checksum
 from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
 from dlfsd.pool import protocol
-from dlfsd.pool.admission import Admission, RefusalLog, plain_ip
+from dlfsd.pool.admission import Admission, HandshakeFailureLog, RefusalLog, plain_ip
 from dlfsd.pool.protocol import BadRange, FrameDecoder, Message, ProtocolError
 from dlfsd.throttle import TokenBucket
 
@@ -155,6 +155,7 @@ class PeerLoopServer:
         self.max_connections = max_connections
         self.admission = Admission(trusted, max_connections)
         self._refusals = RefusalLog()
+        self.handshake_failures = HandshakeFailureLog()  # summed up, not a line each
         self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
         self._conns: dict[socket.socket, _Conn] = {}
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
@@ -272,11 +273,14 @@ class PeerLoopServer:
 
     def _sweep(self, now: float) -> None:
         self._refusals.flush()
+        self.handshake_failures.flush()
         for conn in [c for c in self._conns.values() if now > c.deadline]:
             if conn.state != "ready" and not conn.closing:  # never proved the secret
                 self._count("protocol_errors")
-                log.warning("peer %s: no handshake within %.1f s; closing the connection",
-                            conn.peer, self.handshake_timeout)
+                self.handshake_failures.failed(
+                    conn.ip, f"no handshake within {self.handshake_timeout:.1f} s",
+                    f"peer {conn.peer}: no handshake within {self.handshake_timeout:.1f} s; "
+                    "closing the connection")
             elif not conn.closing:  # (a goodbye not taken in time was logged when sent)
                 log.info("peer %s: idle for %.0f s; closing the connection", conn.peer,
                          self.idle_timeout)
@@ -301,7 +305,13 @@ class PeerLoopServer:
             handler(*args)
         except ProtocolError as error:
             self._count("protocol_errors")
-            log.warning("peer %s: protocol error: %s; closing the connection", conn.peer, error)
+            if conn.state == "ready":  # a peer that proved the secret: worth a line each
+                log.warning("peer %s: protocol error: %s; closing the connection",
+                            conn.peer, error)
+            else:
+                self.handshake_failures.failed(
+                    conn.ip, "protocol error before the handshake",
+                    f"peer {conn.peer}: protocol error: {error}; closing the connection")
             self._goodbye(conn, protocol.err(protocol.ERR_PROTOCOL, str(error)))
         except OSError as error:
             if not self._stopping:
@@ -357,8 +367,9 @@ class PeerLoopServer:
                 self._send(conn, protocol.encode(reply))
         except protocol.HandshakeRefused as refused:
             self._count(refused.counter)
-            log.warning("peer %s (node %r): %s; closing the connection", conn.peer,
-                        conn.handshake.client_node, refused.why)
+            self.handshake_failures.failed(
+                conn.ip, refused.cause, f"peer {conn.peer} (node "
+                f"{conn.handshake.client_node!r}): {refused.why}; closing the connection")
             if refused.reply is None:
                 self._close(conn)
             else:

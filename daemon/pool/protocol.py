@@ -281,11 +281,14 @@ def proof_matches(expected: bytes, got: bytes) -> bool:
 
 class HandshakeRefused(Exception):
     """The server ends the handshake: count it under `counter`, log `why`, send `reply`
-    (an ERR, or None when the client already said why) and close."""
+    (an ERR, or None when the client already said why) and close. `cause`: the kind of
+    failure, a fixed text under which failures are summed up in the log."""
 
-    def __init__(self, counter: str, why: str, reply: Message | None) -> None:
+    def __init__(self, counter: str, why: str, reply: Message | None,
+                 cause: str = "") -> None:
         super().__init__(why)
         self.counter, self.why, self.reply = counter, why, reply
+        self.cause = cause or why
 
 
 class ServerHandshake:
@@ -316,7 +319,8 @@ class ServerHandshake:
                 "protocol_errors",
                 f"protocol version {hello_msg['v']}, this daemon speaks {spoken}",
                 err(ERR_VERSION, f"node {self.node_name} speaks protocol versions "
-                                 f"{spoken}, not {hello_msg['v']}"))
+                                 f"{spoken}, not {hello_msg['v']}"),
+                "unsupported protocol version")
         self.version = hello_msg["v"]
         self._client_nonce, self._nonce = hello_msg["nonce"], new_nonce()
         return challenge(self._nonce, server_proof(self._secret, self._client_nonce,
@@ -327,13 +331,15 @@ class ServerHandshake:
         if answer["t"] == ERR:  # the client found our proof wrong
             raise HandshakeRefused(
                 "auth_failures", f"rejected this server's proof ({answer['msg']}): the two "
-                "daemons have different job secrets", None)
+                "daemons have different job secrets", None,
+                "our proof rejected (different job secrets)")
         if answer["t"] != AUTH:
             raise ProtocolError(f"expected auth, got {answer['t']}")
         expected = client_proof(self._secret, self._nonce, self._client_nonce)
         if not proof_matches(expected, answer["proof"]):
             raise HandshakeRefused("auth_failures", "authentication failed (wrong job secret)",
-                                   err(ERR_AUTH, "authentication failed"))
+                                   err(ERR_AUTH, "authentication failed"),
+                                   "bad proof (wrong job secret)")
         return ok()
 
     def check_report(self, msg: Message) -> BadRange:
