@@ -384,6 +384,7 @@ async def supervise(config: MountConfig, workers: dict[int, int], services,
             nursery.start_soon(watch_commit)
         if not await watch_workers(workers):
             must_unmount = True
+            services.connection_lost = True
         nursery.cancel_scope.cancel()
     return must_unmount
 
@@ -426,6 +427,7 @@ class Services:
 
                 self.scrubber = Scrubber(pool, config.scrub_rate)
         self.drainer = None  # the checkpoint tier's drain (attach_ckpt)
+        self.connection_lost = False  # a connection aborted or its workers died
         self.ckpt_passthrough: str | None = None  # "on", or "off (why)"
         self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
                                   observe.health, observe.peer_marks, pool, self.stager)
@@ -496,6 +498,8 @@ class Services:
             if self.replicas is not None:
                 self.replicas.close()
             if self.drainer is not None:
+                if self.connection_lost:
+                    self.drainer.finish(drain_on_loss())
                 self.drainer.stop()
 
 
@@ -624,6 +628,19 @@ def ckpt_creds(config: MountConfig):
     if config.uid is None:
         return Creds.none()
     return Creds.for_user(config.uid, config.gid if config.gid is not None else config.uid)
+
+
+DRAIN_ON_LOSS_VAR = "DLFS_CKPT_DRAIN_ON_LOSS"  # seconds; default DRAIN_ON_LOSS
+DRAIN_ON_LOSS = 120.0
+
+
+def drain_on_loss() -> float:
+    """How long a daemon whose connection was lost keeps draining checkpoints before it
+    exits (the epilog's flush cannot reach it then)."""
+    try:
+        return max(0.0, float(os.environ.get(DRAIN_ON_LOSS_VAR, DRAIN_ON_LOSS)))
+    except ValueError:
+        return DRAIN_ON_LOSS
 
 
 PASSTHROUGH_VAR = "DLFS_CKPT_PASSTHROUGH"  # 0: checkpoint bytes through the daemon

@@ -35,7 +35,7 @@ import xxhash
 from dlfsd.ckpt import sums
 from dlfsd.ckpt.beneath import Beneath
 from dlfsd.ckpt.nodeids import CKPT_BIT
-from dlfsd.ckpt.state import identity, same_identity
+from dlfsd.ckpt.state import identity, same_file, same_identity
 from dlfsd.ckpt.tier import TMP_MARK, Tier, is_adopt_temporary, tmp_name
 from dlfsd.ckpt.tree import CkptTree
 
@@ -174,6 +174,31 @@ class Drainer:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def finish(self, timeout: float) -> int:
+        """The connection is gone (aborted, its workers dead): nobody can write ckpt/ or
+        run `dlfs flush` any more, and the epilog will find no mount to flush. Drain
+        every file the store lacks now, closed or not, for at most `timeout` seconds;
+        what is left stays in the tier (the epilog keeps an undrained tier, the next
+        mount drains it). Returns the number of files left."""
+        left = scan(self.tier, force=True)
+        if not left:
+            return 0
+        log.warning("checkpoint connection lost: draining %d files to %s before the daemon "
+                    "exits (at most %g s)", len(left), self.tier.store, timeout)
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pending = len(self.state.pending_rows())
+            if not pending:
+                log.info("checkpoint connection lost: every file is on %s", self.tier.store)
+                return 0
+            time.sleep(0.2)
+        pending = len(self.state.pending_rows())
+        log.error("checkpoint connection lost: %d files not drained to %s after %g s; they "
+                  "stay in %s and the next mount of this store on this node drains them",
+                  pending, self.tier.store, timeout, self.tier.tree)
+        return pending
 
     # -- scanning --------------------------------------------------------------------------
     def _scanning(self) -> None:
@@ -460,14 +485,16 @@ class Drainer:
         return True
 
     def _replaceable(self, ino: int, path: bytes, replaced: os.stat_result) -> bool:
-        """The store's entry at `path` is this node's own last copy of `ino`."""
+        """The store's entry at `path` is the file this node last saw there for `ino`
+        (another node's drain renames a new inode into place; a copy changed in place,
+        its change time moved, is still that file: a newer version may replace it)."""
         if not stat.S_ISREG(replaced.st_mode):
             return False
         row = self.state.tracking(ino)
         if row is None or row.relpath != path:
             return False
         if row.seen is not None:
-            return same_identity(replaced, row.seen)
+            return same_file(replaced, row.seen)
         return (replaced.st_size, replaced.st_mtime_ns) == (row.size, row.mtime_ns)
 
     def _conflict(self, tree: CkptTree, ino: int, path: bytes) -> None:

@@ -97,6 +97,12 @@ def same_identity(st: os.stat_result, seen: Identity) -> bool:
     return identity(st) == seen
 
 
+def same_file(st: os.stat_result, seen: Identity) -> bool:
+    """`st` is the same store file as `seen`, its change time aside (what a reader or
+    the union asks: is this still the version the local copy was made of)."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino) == seen[:3]
+
+
 def _tracking(row) -> Tracking:
     return Tracking(row[1], row[2], bytes(row[3]), bool(row[4]), bool(row[5]),
                     None if row[6] is None else (row[6], row[7], row[8], row[9]))

@@ -51,7 +51,7 @@ from dlfs.errors import DlfsError
 from dlfsd.ckpt import sums
 from dlfsd.ckpt.beneath import Beneath
 from dlfsd.ckpt.nodeids import CKPT_BIT
-from dlfsd.ckpt.state import Identity, Tracking, identity, same_identity
+from dlfsd.ckpt.state import Identity, Tracking, identity, same_file
 from dlfsd.ckpt.tier import Tier, adopt_name, is_adopt_temporary, is_drain_temporary, tmp_name
 from dlfsd.namespace import Attr, StatFs
 
@@ -219,7 +219,7 @@ class CkptTree:
                                         f"{err.strerror}") from None
         try:
             st = os.fstat(fd)
-            if check and row.seen is not None and not same_identity(st, row.seen):
+            if check and row.seen is not None and not same_file(st, row.seen):
                 raise PosixError(errno.ESTALE, "the store's copy was replaced")
             # The sums of the very copy this descriptor reads (its fstat names them)
             return fd, sums.load(self.store, st, os.fsdecode(row.relpath),
@@ -897,15 +897,16 @@ def _is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
 
 def _same_copy(row: Tracking, local_mode: int, store_st: os.stat_result) -> bool:
     """The store's entry is still the one the local copy was made of (the same kind;
-    for files and symlinks the same size, mtime, inode and change time as seen then:
-    another node's drain renames a new inode into place, and a copy rewritten in place
-    with its old size and mtime put back still changes its ctime)."""
+    for files and symlinks the same size, mtime and inode as seen then: another node's
+    drain renames a new inode into place). A change time moved alone (a chmod, an
+    in-place write with the mtime put back) is not a new version to follow: the local
+    copy stays, and the drain's decisions (evict, replace) see the difference."""
     if stat.S_IFMT(store_st.st_mode) != stat.S_IFMT(local_mode):
         return False
     if stat.S_ISDIR(local_mode):
         return True
     if row.seen is not None:
-        return same_identity(store_st, row.seen)
+        return same_file(store_st, row.seen)
     return (store_st.st_size, store_st.st_mtime_ns) == (row.size, row.mtime_ns)
 
 

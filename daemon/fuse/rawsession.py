@@ -45,8 +45,11 @@ MINOR = 40  # the protocol minor we speak (passthrough came with 7.40)
 ASYNC_READ, ATOMIC_O_TRUNC, BIG_WRITES = 1 << 0, 1 << 3, 1 << 5
 AUTO_INVAL_DATA, DO_READDIRPLUS, READDIRPLUS_AUTO = 1 << 12, 1 << 13, 1 << 14
 PARALLEL_DIROPS, MAX_PAGES, INIT_EXT = 1 << 18, 1 << 22, 1 << 30
+# ABORT_ERROR: an aborted connection (fusectl, umount -f) reads ECONNABORTED, not the
+# ENODEV of an unmount, so the workers tell the daemon (which then drains and exits)
+ABORT_ERROR = 1 << 21
 FLAGS = (ASYNC_READ | ATOMIC_O_TRUNC | BIG_WRITES | AUTO_INVAL_DATA | DO_READDIRPLUS
-         | READDIRPLUS_AUTO | PARALLEL_DIROPS | MAX_PAGES | INIT_EXT)
+         | READDIRPLUS_AUTO | PARALLEL_DIROPS | ABORT_ERROR | MAX_PAGES | INIT_EXT)
 FLAGS2_PASSTHROUGH = 1 << (37 - 32)
 MAX_WRITE = 1 << 20  # 256 pages: the largest WRITE request (dlfsd.fuse.fusewire)
 MAX_STACK_DEPTH = 2  # backing files may sit on an overlay (a container's /tmp)
