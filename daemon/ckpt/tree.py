@@ -25,21 +25,15 @@ and process); the close of a file the daemon opened (RELEASE) marks it closed.
 dlfsd.ckpt.drain does the rest.
 
 The store's entries (restart on another node): `ckpt/` shows the union of the local
-tree and the checkpoint store. A LOOKUP of a name the local tree lacks, or a READDIR
-from offset 0, adopts what the store has there as a local placeholder in the state an
-eviction leaves (a sparse file of the store copy's size and mtime, recorded drained
-and evicted; a directory; a symlink), so the existing machinery serves it: reads go to
-the store's copy, a write copies it back first, rename and unlink mirror on the store.
-A local entry that is only a copy of the store's (a placeholder, or a drained file
-unchanged since) follows the store: when the store's copy changes or goes, the local
-one is replaced or goes too; a file written here and not drained yet always wins.
-mkdir and symlink are mirrored on the store at once (rmdir already was), so the
-store holds the whole tree, empty directories and "latest" links included.
+tree and the checkpoint store; which version of a name it shows is decided by
+dlfsd.ckpt.union (adoption of the store's entries, copies that follow the store, the
+store-side mirror of mkdir, symlink, rename, unlink, rmdir). Every operation goes
+through tier.local / tier.store_fs (dlfsd.ckpt.beneath): by descriptors, never
+through a symlink, as the job's user.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -49,10 +43,18 @@ from collections import OrderedDict
 
 from dlfs.errors import DlfsError
 from dlfsd.ckpt import sums
-from dlfsd.ckpt.beneath import Beneath
 from dlfsd.ckpt.nodeids import CKPT_BIT
-from dlfsd.ckpt.state import Identity, Tracking, identity, same_file
-from dlfsd.ckpt.tier import Tier, adopt_name, is_adopt_temporary, is_drain_temporary, tmp_name
+from dlfsd.ckpt.state import same_file
+from dlfsd.ckpt.tier import Tier, is_adopt_temporary
+from dlfsd.ckpt.union import (
+    StoreUnion,
+    hidden,
+    remove_on_store,
+    rename_on_store,
+    rmdir_on_store,
+    store_holds_entries,
+    symlink_on_store,
+)
 from dlfsd.namespace import Attr, StatFs
 
 OPEN_FDS = 128  # descriptors kept per process
@@ -78,7 +80,7 @@ def _attr(ino: int, st: os.stat_result) -> Attr:
 def _checked_name(name: bytes) -> bytes:
     """A name of one entry, not one of the tier's hidden temporaries (reserved: the
     store's are never shown, the local ones are removed at the next mount)."""
-    if not name or b"/" in name or name in (b".", b"..") or _hidden(name):
+    if not name or b"/" in name or name in (b".", b"..") or hidden(name):
         raise PosixError(errno.EINVAL, repr(name))
     return name
 
@@ -104,8 +106,17 @@ class CkptTree:
         self._fds: OrderedDict[int, int] = OrderedDict()  # ino -> descriptor
         self._epoch = tier.current_epoch()
         self._touched: dict[int, int] = {}  # ino -> when its pending row was refreshed
-        self._warned: set[str] = set()  # store troubles logged at WARNING (once each)
-        self.open_files = None  # dlfsd.ckpt.openfiles.OpenFiles, once the mount has it
+        #: Which version of each name ckpt/ shows (dlfsd.ckpt.union): it decides
+        self.union = StoreUnion(tier, self._paths, self._drop_fd)
+
+    @property
+    def open_files(self):
+        """dlfsd.ckpt.openfiles.OpenFiles, once the mount has it (the union asks it)."""
+        return self.union.open_files
+
+    @open_files.setter
+    def open_files(self, table) -> None:
+        self.union.open_files = table
 
     # -- node ids -> paths ------------------------------------------------------------
     def _resolve(self, nodeid: int) -> tuple[bytes, os.stat_result]:
@@ -336,7 +347,11 @@ class CkptTree:
         except OSError as err:
             raise PosixError(err.errno or errno.ENOENT, "lookup") from None
         if st is None or not stat.S_ISDIR(st.st_mode):
-            st = self._beside_store(parent, directory, name, st)
+            try:
+                st = self.union.beside(parent, directory, name, st)
+            except OSError as err:
+                raise PosixError(err.errno or errno.EIO, "checkpoint entry from the store") \
+                    from None
             if st is None:
                 raise PosixError(errno.ENOENT, "lookup")
         return self._learn(parent, directory, name, st)
@@ -388,7 +403,7 @@ class CkptTree:
         from its start merges the store's directory in first (_merge_store)."""
         directory = self._dir(nodeid)
         if start == 0:
-            self._merge_store(nodeid, directory)
+            self.union.merge(nodeid, directory)
         parent_ino = nodeid & ~CKPT_BIT
         entries, learned = [], []
         listing = self.local.entries(directory)
@@ -401,211 +416,6 @@ class CkptTree:
             entries.append((name, _attr(st.st_ino, st), offset))
         self.state.remember_many(learned)
         return iter(entries)
-
-    # -- the store's entries (restart on another node) ------------------------------------
-    def _beside_store(self, parent: int, directory: bytes, name: bytes,
-                      st: os.stat_result | None) -> os.stat_result | None:
-        """Local entry `name` (`st`; None: missing here) as `ckpt/` shows it beside the
-        store's: the store's adopted where this node has none, a copy brought up to
-        date (or gone) where the store's changed (or went). Returns its stat; None:
-        neither has it. The checks cost one lstat on the store, no lock."""
-        relpath = os.path.join(directory, name)
-        row = None
-        if st is not None:
-            row = self.state.tracking(st.st_ino)
-            if not self._follows_store(row, st, relpath):
-                return st  # written here (or never on the store): it wins
-        store_st, ok = self._store_entry(relpath)
-        if not ok:
-            return st
-        if st is None:
-            if store_st is None or not _adoptable(name, store_st):
-                return None
-        elif store_st is not None and _same_copy(row, st.st_mode, store_st):
-            return st
-        try:
-            with self.tier.mutating():
-                return self._reconcile(parent, directory, name)
-        except OSError as err:
-            raise PosixError(err.errno or errno.EIO, "checkpoint entry from the store") \
-                from None
-
-    def _follows_store(self, row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
-        """Local entry `st` is only a copy of the store's (`_is_copy`) and no process has
-        it open for writing: the open-files table knows that even when the pending row
-        does not (passthrough writes never reach the daemon; a drain of the idle-but-open
-        file removed the row). Replacing such a file would leave its writer writing an
-        unlinked inode, whose bytes no drain would ever see."""
-        if not _is_copy(row, st, relpath):
-            return False
-        return self.open_files is None or not self.open_files.written(st.st_ino)
-
-    def _store_entry(self, relpath: bytes) -> tuple[os.stat_result | None, bool]:
-        """(the store's entry at `relpath`, None if there is none; False: the store
-        cannot be asked now, and `ckpt/` shows this node's entries alone meanwhile)."""
-        try:
-            return self.store.lstat(relpath), True
-        except (FileNotFoundError, NotADirectoryError):
-            return None, True
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                return None, True  # a symlink on the way: no entry there (none followed)
-            self._store_trouble("read", err, f"checkpoint store {self.tier.store} cannot be "
-                                "read; ckpt/ shows this node's files only meanwhile")
-            return None, False
-
-    def _store_trouble(self, kind: str, err: OSError, what: str) -> None:
-        """Log a store trouble once per kind and process (WARNING), later ones at DEBUG."""
-        level = logging.DEBUG if kind in self._warned else logging.WARNING
-        self._warned.add(kind)
-        log.log(level, "%s (%s)", what, err.strerror or err)
-
-    def _reconcile(self, parent: int, directory: bytes, name: bytes) -> os.stat_result | None:
-        """Under the tier's mutating lock (which name changes, the drain's publish and
-        other adoptions hold too), with everything looked at again: make local entry
-        `name` agree with the store's. Returns the local entry's stat (None: none)."""
-        path = os.path.join(directory, name)
-        relpath = path
-        st = self.local.lstat_or_none(path)
-        store_st, ok = self._store_entry(relpath)
-        if not ok:
-            return st
-        if st is not None:
-            row = self.state.tracking(st.st_ino)
-            if not self._follows_store(row, st, relpath):
-                return st
-            if store_st is not None and _same_copy(row, st.st_mode, store_st):
-                return st
-            if store_st is None and not self.tier.store_reachable():
-                return st  # a store not mounted looks empty: not a removal
-            if store_st is not None and not stat.S_ISDIR(st.st_mode) \
-                    and stat.S_IFMT(store_st.st_mode) == stat.S_IFMT(st.st_mode):
-                # A new version: its placeholder is made before the old copy goes, so
-                # it has another inode number (another node id: nothing the kernel
-                # cached, nor a descriptor open on the old one, reads it as the old).
-                return self._adopt(parent & ~CKPT_BIT, directory, name, relpath, store_st,
-                                   replacing=st)
-            self._remove_copy(path, st)  # gone on the store, or another kind now
-            st = self.local.lstat_or_none(path)
-            if st is not None:
-                return st  # a directory still holding this node's own files
-        if store_st is None or not _adoptable(name, store_st):
-            return None
-        return self._adopt(parent & ~CKPT_BIT, directory, name, relpath, store_st)
-
-    def _adopt(self, parent_ino: int, directory: bytes, name: bytes, relpath: bytes,
-               store_st: os.stat_result,
-               replacing: os.stat_result | None = None) -> os.stat_result | None:
-        """A placeholder of the store's entry at `relpath`: made under a hidden name,
-        recorded (drained; a file also evicted), then linked to `name` (or renamed over
-        `replacing`, the local copy of an older version). In that order, a crash never
-        leaves a named hole the state does not know (the drain would copy it over the
-        store's bytes). A directory's entries are adopted when looked up."""
-        tmp = os.path.join(directory, adopt_name())
-        path = os.path.join(directory, name)
-        kind = stat.S_IFMT(store_st.st_mode)
-        times = (store_st.st_atime_ns, store_st.st_mtime_ns)
-        if kind == stat.S_IFREG:
-            fd = self.local.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                                 stat.S_IMODE(store_st.st_mode))
-            try:
-                os.ftruncate(fd, store_st.st_size)  # a hole: no local bytes
-            finally:
-                os.close(fd)
-        elif kind == stat.S_IFDIR:
-            self.local.mkdir(tmp, stat.S_IMODE(store_st.st_mode) | 0o700)  # we add entries
-        else:
-            self.local.symlink(self.store.readlink(relpath), tmp)
-        self.local.utime(tmp, times)
-        st = self.local.lstat(tmp)
-        try:
-            # Durable before the hole gets its name: a crash must never leave a named
-            # hole the ledger does not know (the drain would copy it over the store's).
-            self.state.adopt(st.st_ino, parent_ino, name, st.st_size, st.st_mtime_ns, relpath,
-                             kind == stat.S_IFREG, identity(store_st))
-            if replacing is None:
-                _link_into_place(self.local, tmp, path, kind == stat.S_IFDIR)
-            else:
-                self.local.rename(tmp, path)
-        except BaseException as err:
-            with contextlib.suppress(OSError):
-                self.local.rmdir(tmp) if kind == stat.S_IFDIR else self.local.unlink(tmp)
-            self.state.forget(st.st_ino)
-            if isinstance(err, FileExistsError):
-                return self.local.lstat_or_none(path)  # made here meanwhile: it wins
-            raise
-        self._paths[st.st_ino] = path
-        if replacing is not None:
-            self.state.forget(replacing.st_ino)
-            self.tier.bump_epoch()  # every process drops its descriptors of the old one
-            self._drop_fd(replacing.st_ino)
-        return self.local.lstat(path)
-
-    def _remove_copy(self, path: bytes, st: os.stat_result) -> None:
-        """Remove local copy `path` (its store entry changed or went); a directory keeps
-        what in it was written here and not drained, and then stays itself."""
-        if stat.S_ISDIR(st.st_mode):
-            self._prune_inside(path)
-            try:
-                self.local.rmdir(path)
-            except OSError:
-                return
-        else:
-            self.local.unlink(path)
-        self.state.forget(st.st_ino)
-        self.tier.bump_epoch()  # every process drops its descriptors of it
-        self._drop_fd(st.st_ino)
-
-    def _prune_inside(self, directory: bytes) -> None:
-        for name, st in self.local.entries(directory).items():
-            path = os.path.join(directory, name)
-            if self._follows_store(self.state.tracking(st.st_ino), st, path):
-                self._remove_copy(path, st)
-            elif stat.S_ISDIR(st.st_mode):
-                self._prune_inside(path)
-
-    def _merge_store(self, nodeid: int, directory: bytes) -> None:
-        """Before a listing from its start: adopt what the store's directory holds and
-        this one lacks, and bring the copies in it up to date. Costs one listing of the
-        store's directory and one lstat per store entry that is new here or a copy of a
-        file or symlink; changes take the mutating lock, nothing else does."""
-        relpath = directory
-        try:
-            on_store = {name: st for name, st in self.store.entries(relpath).items()
-                        if not _hidden(name)}
-        except (FileNotFoundError, NotADirectoryError):
-            on_store = {}
-        except OSError as err:
-            self._store_trouble("read", err, f"checkpoint store {self.tier.store} cannot be "
-                                "read; ckpt/ shows this node's files only meanwhile")
-            return
-        local = {name: st for name, st in self.local.entries(directory).items()
-                 if not is_adopt_temporary(name)}
-        rows = self.state.tracking_many([st.st_ino for st in local.values()])
-        todo = []
-        for name, st in local.items():
-            row = rows.get(st.st_ino)
-            if not self._follows_store(row, st, os.path.join(relpath, name)):
-                continue
-            entry = on_store.get(name)
-            if entry is None:
-                todo.append(name)
-            elif stat.S_ISDIR(st.st_mode):
-                if not stat.S_ISDIR(entry.st_mode):
-                    todo.append(name)
-            elif not _same_copy(row, st.st_mode, entry):
-                todo.append(name)
-        todo += [name for name, entry in on_store.items() if name not in local and
-                 stat.S_IFMT(entry.st_mode) in _ADOPTABLE]
-        if not todo:
-            return
-        with self.tier.mutating():
-            for name in todo:
-                try:
-                    self._reconcile(nodeid, directory, name)
-                except OSError as err:
-                    log.warning("checkpoint entry %s of the store not shown in ckpt/ (%s)",
-                                os.fsdecode(os.path.join(relpath, name)), err.strerror)
 
     def statfs(self) -> StatFs:
         s = self.local.statvfs()
@@ -658,7 +468,7 @@ class CkptTree:
             try:
                 self.tier.makedirs_on_store(relpath)
             except OSError as err:
-                self._store_trouble("mkdir", err, f"checkpoint directory {os.fsdecode(relpath)} "
+                self.union.trouble("mkdir", err, f"checkpoint directory {os.fsdecode(relpath)} "
                                     "made here but not on the store; it appears there when "
                                     "a file in it is drained")
                 return attr
@@ -679,26 +489,14 @@ class CkptTree:
             attr = self._learn(parent, directory, name, st)
             relpath = path
             try:
-                seen = self._symlink_on_store(relpath, target)
+                seen = symlink_on_store(self.tier, relpath, target)
             except OSError as err:
-                self._store_trouble("symlink", err, f"checkpoint symlink "
+                self.union.trouble("symlink", err, f"checkpoint symlink "
                                     f"{os.fsdecode(relpath)} made here but not on the store")
                 return attr
             self.state.adopt(st.st_ino, parent & ~CKPT_BIT, name, st.st_size,
                              st.st_mtime_ns, relpath, False, seen)
         return attr
-
-    def _symlink_on_store(self, relpath: bytes, target: bytes) -> Identity:
-        self.tier.makedirs_on_store(os.path.dirname(relpath))
-        tmp = os.path.join(os.path.dirname(relpath), tmp_name(os.path.basename(relpath)))
-        self.store.symlink(target, tmp)
-        try:
-            self.store.rename(tmp, relpath)
-        except OSError:
-            with contextlib.suppress(OSError):
-                self.store.unlink(tmp)
-            raise
-        return identity(self.store.lstat(relpath))
 
     def unlink(self, parent: int, name: bytes) -> None:
         self._remove(parent, name, directory=False)
@@ -719,7 +517,7 @@ class CkptTree:
                     # The store's directory first: one holding entries this node has not
                     # adopted yet is not empty in `ckpt/` either (ENOTEMPTY, nothing done).
                     if stat.S_ISDIR(st.st_mode) and not self.local.listdir(path):
-                        _rmdir_on_store(self.tier, relpath)
+                        rmdir_on_store(self.tier, relpath)
                     self.local.rmdir(path)
                 else:
                     self.local.unlink(path)
@@ -728,7 +526,7 @@ class CkptTree:
             self.tier.bump_epoch()
             self._drop_fd(st.st_ino)
             if not directory and self.state.drained_at(st.st_ino) == relpath:
-                _remove_on_store(self.tier, relpath, directory)
+                remove_on_store(self.tier, relpath, directory)
             if directory or st.st_nlink <= 1:
                 self.state.forget(st.st_ino)
 
@@ -748,7 +546,7 @@ class CkptTree:
                 if flags & RENAME_NOREPLACE and replaced is not None:
                     raise PosixError(errno.EEXIST, "rename")
                 if replaced is not None and stat.S_ISDIR(replaced.st_mode) \
-                        and _store_holds_entries(self.tier, new):
+                        and store_holds_entries(self.tier, new):
                     raise PosixError(errno.ENOTEMPTY, "rename over a directory the "
                                                       "checkpoint store holds entries in")
                 self.local.rename(old, new)
@@ -761,7 +559,7 @@ class CkptTree:
             self.state.remember(st.st_ino, new_parent & ~CKPT_BIT, new_name)
             self._paths[st.st_ino] = new
             old_rel, new_rel = old, new
-            moved = _rename_on_store(self.tier, old_rel, new_rel)
+            moved = rename_on_store(self.tier, old_rel, new_rel)
             if moved is not False:
                 self.state.moved(old_rel, new_rel)
                 if moved is not None:  # a rename changes the copy's ctime: seen anew
@@ -793,18 +591,8 @@ class CkptTree:
         adopts the new version under a new inode) and opens that. Without it an open
         within the kernel's entry timeout would get the old version."""
         path, st = self._resolve(nodeid)
-        if not stat.S_ISREG(st.st_mode):
-            return
-        relpath = path
-        row = self.state.tracking(st.st_ino)
-        if not self._follows_store(row, st, relpath):
-            return
-        store_st, ok = self._store_entry(relpath)
-        if not ok or (store_st is not None and _same_copy(row, st.st_mode, store_st)):
-            return
-        if store_st is None and not self.tier.store_reachable():
-            return
-        raise PosixError(errno.ESTALE, "the store's copy changed")
+        if stat.S_ISREG(st.st_mode) and self.union.changed_since_seen(path, st):
+            raise PosixError(errno.ESTALE, "the store's copy changed")
 
     def _unevict_truncated(self, nodeid: int) -> None:
         """An evicted file opened with O_TRUNC: nothing to copy back."""
@@ -866,133 +654,3 @@ class CkptTree:
             raise PosixError(errno.EOPNOTSUPP, "fallocate mode")
         os.posix_fallocate(self._fd(nodeid, writing=True), offset, length)
         self._touch(nodeid & ~CKPT_BIT)
-
-
-_ADOPTABLE = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK)
-
-
-def _adoptable(name: bytes, store_st: os.stat_result) -> bool:
-    """A store entry `ckpt/` shows: files, directories, symlinks; never a copy in
-    progress (a drain's hidden temporary) nor a special file."""
-    return stat.S_IFMT(store_st.st_mode) in _ADOPTABLE and not _hidden(name)
-
-
-def _hidden(name: bytes) -> bool:
-    """A store name `ckpt/` never shows: a drain's temporary, one it would take for a
-    placeholder being made, or the sums directory (dlfsd.ckpt.sums; only ever at the
-    store's root, reserved in every directory: one rule is simpler to state)."""
-    return is_drain_temporary(name) or is_adopt_temporary(name) or name == sums.SUMS_DIR
-
-
-def _is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
-    """Local entry `st` at `relpath` is only a copy of the store's entry there, unchanged
-    here since it was made (it follows the store): a placeholder, a drained file not
-    written since, a directory or symlink mirrored on (or adopted from) the store."""
-    if row is None or row.relpath != relpath or row.pending:
-        return False
-    if stat.S_ISREG(st.st_mode):
-        return row.evicted or (row.size, row.mtime_ns) == (st.st_size, st.st_mtime_ns)
-    return True
-
-
-def _same_copy(row: Tracking, local_mode: int, store_st: os.stat_result) -> bool:
-    """The store's entry is still the one the local copy was made of (the same kind;
-    for files and symlinks the same size, mtime and inode as seen then: another node's
-    drain renames a new inode into place). A change time moved alone (a chmod, an
-    in-place write with the mtime put back) is not a new version to follow: the local
-    copy stays, and the drain's decisions (evict, replace) see the difference."""
-    if stat.S_IFMT(store_st.st_mode) != stat.S_IFMT(local_mode):
-        return False
-    if stat.S_ISDIR(local_mode):
-        return True
-    if row.seen is not None:
-        return same_file(store_st, row.seen)
-    return (store_st.st_size, store_st.st_mtime_ns) == (row.size, row.mtime_ns)
-
-
-def _link_into_place(local: Beneath, tmp: bytes, path: bytes, directory: bool) -> None:
-    """Give the made placeholder `tmp` its name `path`, never replacing an entry made
-    meanwhile (FileExistsError): a hard link for files and symlinks; a directory is
-    renamed (mkdir and symlink hold the mutating lock we hold, and a rename of a
-    directory never replaces a file)."""
-    if not directory:
-        try:
-            local.link(tmp, path)
-        except FileExistsError:
-            raise
-        except OSError as err:
-            if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
-                raise
-        else:
-            local.unlink(tmp)
-            return
-    if local.exists(path):
-        raise FileExistsError(errno.EEXIST, "made meanwhile", path)
-    local.rename(tmp, path)
-
-
-def _store_holds_entries(tier: Tier, relpath: bytes) -> bool:
-    """The store's directory at `relpath` holds entries (copies in progress aside)."""
-    try:
-        return any(not is_drain_temporary(n) for n in tier.store_fs.listdir(relpath))
-    except OSError:
-        return False
-
-
-def _rmdir_on_store(tier: Tier, relpath: bytes) -> None:
-    """rmdir of an empty local directory, on the store first: ENOTEMPTY when the store's
-    holds entries (not adopted here yet); one holding only copies in progress is left
-    to the drain, which removes it with its temporary."""
-    try:
-        tier.store_fs.rmdir(relpath)
-    except FileNotFoundError:
-        pass
-    except OSError as err:
-        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            if _store_holds_entries(tier, relpath):
-                raise PosixError(errno.ENOTEMPTY, "the checkpoint store's directory holds "
-                                                  "entries") from None
-            return
-        log.warning(
-            "checkpoint %s removed here but not on the store (%s): remove %s by hand",
-            os.fsdecode(relpath), err.strerror, tier.store_fs.display(relpath))
-
-
-def _remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:
-    """Remove the store's copy at `relpath` (and a file's sums with it)."""
-    try:
-        if directory:
-            tier.store_fs.rmdir(relpath)
-        else:
-            gone = tier.store_fs.lstat(relpath)
-            tier.store_fs.unlink(relpath)
-            sums.remove(tier.store_fs, gone)
-    except FileNotFoundError:
-        pass
-    except OSError as err:
-        log.warning(
-            "checkpoint %s removed here but not on the store (%s): remove %s by hand",
-            os.fsdecode(relpath), err.strerror, tier.store_fs.display(relpath))
-
-
-def _rename_on_store(tier: Tier, old: bytes, new: bytes) -> Identity | bool | None:
-    """Move the store's copy of `old` to `new` if there is one. Returns the moved copy's
-    identity (its change time moved with it), None if the store had nothing at `old`,
-    False if it could not (the drain then copies the file again under its new name)."""
-    store = tier.store_fs
-    try:
-        source = store.lstat_or_none(old)
-        if source is None:
-            return None
-        tier.makedirs_on_store(os.path.dirname(new))
-        replaced = store.lstat_or_none(new)
-        if replaced is not None and replaced.st_ino == source.st_ino:
-            replaced = None  # the same file (a rename onto itself): its sums stay
-        store.rename(old, new)
-        sums.remove(store, replaced)  # (the moved copy keeps its own)
-        return identity(store.lstat(new))
-    except OSError as err:
-        log.warning(
-            "checkpoint %s renamed to %s here but not on the store (%s); it is drained "
-            "again under its new name", os.fsdecode(old), os.fsdecode(new), err.strerror)
-        return False
