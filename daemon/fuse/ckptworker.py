@@ -23,6 +23,7 @@ import time
 
 from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.openfiles import OpenFiles
+from dlfsd.ckpt.opens import Opens
 from dlfsd.ckpt.tree import CkptTree
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.requestloop import HEADER, Errno, RequestLoop
@@ -62,7 +63,8 @@ class CkptWorker(RequestLoop):
                  open_files: OpenFiles, passthrough: bool = False) -> None:
         super().__init__(fd)
         self.ns, self.tree = namespace, tree
-        self.open_files, self.passthrough = open_files, passthrough
+        self.passthrough = passthrough
+        self.opens = Opens(tree, open_files, passthrough)  # what opens and closes mean
         self._opened = 0  # the inode the OPEN/CREATE being answered counted (_reply_lost)
         self._opened_writing = False  # and whether that open may write
         self._register_warned = False
@@ -171,12 +173,7 @@ class CkptWorker(RequestLoop):
         pid 0, and must count and trace the writes) and whether it was counted."""
         ino = node & ~CKPT_BIT
         writing = bool(flags & WRITE_FLAGS)
-        with self.open_files.locked():
-            local = self.passthrough and not self.tree.state.is_evicted(ino)
-            backing_id = self.open_files.acquire(
-                ino, (lambda: self._register(node)) if local else (lambda: 0), writing)
-            if writing:  # pending again: a RELEASE of an earlier open may have marked
-                self.tree.state.touch(ino)  # it closed since CkptTree.open did
+        backing_id = self.opens.opened(node, writing, lambda: self._register(node))
         self._opened = ino if backing_id >= 0 else 0
         self._opened_writing = writing
         fh = (self.caller.pid << 32 | (int(time.time()) & 0x7FFFFFFF) << 1
@@ -191,8 +188,7 @@ class CkptWorker(RequestLoop):
         """The opener was interrupted before our answer to OPEN/CREATE arrived: the
         kernel will send no RELEASE for it, so it must not stay counted."""
         if opcode in (fw.OPEN, fw.CREATE) and self._opened:
-            with self.open_files.locked():
-                self.open_files.release(self._opened, self._unregister, self._opened_writing)
+            self.opens.lost(self._opened, self._opened_writing, self._unregister)
             self._opened = 0
 
     def _register(self, node: int) -> int:
@@ -234,24 +230,12 @@ class CkptWorker(RequestLoop):
         return fw.WRITE_OUT.pack(written, 0)
 
     def release(self, nodeid: int, n: int) -> None:
-        """The kernel closed an open: the file is closed for the drain only when it was
-        the last open of it. RELEASE is asynchronous: a reader's may arrive after another
-        process opened the file for writing, which (through passthrough, unseen) it may
-        still be doing. Decided under the open-files lock, which the opens take too."""
+        """The kernel closed an open (dlfsd.ckpt.opens decides what that means)."""
         fh, flags, _ = fw.RELEASE_IN.unpack_from(self._buf, HEADER)
-        ino = nodeid & ~CKPT_BIT
         writing = bool(flags & WRITE_FLAGS)
-        passed = False
-        if fh & 1:  # counted at its open (see _open_reply)
-            with self.open_files.locked():
-                passed = self.open_files.passthrough(ino)
-                if self.open_files.release(ino, self._unregister, writing):
-                    self.tree.closed(ino, writing)
-        else:
-            self.tree.closed(ino, writing)
-        if passed and writing:
+        passed = self.opens.released(nodeid, bool(fh & 1), writing, self._unregister)
+        if passed and writing:  # counted at its open (fh bit 0, see _open_reply)
             self._count_passthrough_write(nodeid, fh >> 32, fh >> 1 & 0x7FFFFFFF)
-        self.tree.release(nodeid)
 
     def _count_passthrough_write(self, nodeid: int, pid: int, opened_s: int) -> None:
         """The daemon saw none of the writes: a file changed since it was opened counts
