@@ -60,7 +60,7 @@ FAMILIES: tuple[Callable[[Subparsers], None], ...] = (
     order_cmds.register,  # order
     cache_cmds.register,  # cache
     warmup_cmds.register,  # warmup
-    ckpt_cmds.register,  # flush
+    ckpt_cmds.register,  # flush ckpt-audit
 )
 
 
