@@ -35,6 +35,7 @@ from dlfs.runtime import (
     DaemonRecord,
     ckpt_mount_path,
     control_socket_path,
+    open_log_file,
     read_record,
     remove_record,
     start_time,
@@ -86,6 +87,7 @@ def mount_options(config: MountConfig) -> set[str]:
 def configure_logging(config: MountConfig) -> None:
     handler: logging.Handler
     if config.log_file:
+        os.close(open_log_file(config.log_file))  # made 0640 (a foreground mount's too)
         handler = logging.FileHandler(config.log_file, errors="backslashreplace")
     else:
         handler = logging.StreamHandler(sys.stderr)

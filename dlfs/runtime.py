@@ -180,6 +180,28 @@ def trusted_user_socket_dir() -> bool:
     return stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and not info.st_mode & 0o022
 
 
+#: Daemon logs and summaries: a root daemon's land in /var/log/dlfs for every job, and
+#: may name users' paths and files: readable by the admin group, not by every user.
+LOG_MODE = 0o640
+
+
+def open_log_file(path: str, flags: int = os.O_WRONLY | os.O_APPEND | os.O_CREAT) -> int:
+    """A descriptor of daemon log (or summary) file `path`, made LOG_MODE whatever the
+    umask; a file there already is narrowed to LOG_MODE (never widened), if it is ours.
+    A symlink at the name is refused (O_NOFOLLOW): root must not append to, or chmod,
+    whatever a link in a log directory points to."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, LOG_MODE)
+    try:
+        info = os.fstat(fd)
+        mode = stat.S_IMODE(info.st_mode)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and mode & ~LOG_MODE:
+            os.fchmod(fd, mode & LOG_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_record(record: DaemonRecord) -> None:
     path = record_path(record.mountpoint)
     tmp = path.with_suffix(".tmp")

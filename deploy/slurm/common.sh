@@ -18,8 +18,9 @@ say() { echo "dlfs $DLFS_SCRIPT: job $JOB on $NODE: $*"; }
 # log $LOG (in its format), and to syslog when there is one.
 warn() {
     say "$*"
-    [ -d "$(dirname -- "$LOG")" ] && printf '%s dlfs.%s WARNING job %s on %s: %s\n' \
-        "$(date '+%F %T,%3N')" "$DLFS_SCRIPT" "$JOB" "$NODE" "$*" >> "$LOG"
+    # 0640 like the daemon's own lines (dlfs.runtime.LOG_MODE), whatever slurmd's umask.
+    [ -d "$(dirname -- "$LOG")" ] && (umask 027; printf '%s dlfs.%s WARNING job %s on %s: %s\n' \
+        "$(date '+%F %T,%3N')" "$DLFS_SCRIPT" "$JOB" "$NODE" "$*" >> "$LOG")
     command -v logger >/dev/null && logger -t dlfs -p user.warning -- \
         "dlfs $DLFS_SCRIPT: job $JOB on $NODE: $*" 2>/dev/null
     return 0

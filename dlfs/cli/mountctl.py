@@ -30,6 +30,7 @@ from dlfs.runtime import (
     default_log_path,
     lock_path,
     mountpoint_path,
+    open_log_file,
     pid_alive,
     read_record,
     remove_record,
@@ -213,7 +214,7 @@ def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None =
         # `proc` set, or nothing would stop that daemon: hold it until it is.
         # (The log opens first: on a hung file system it may block, and must not
         # block with the signals held.)
-        with open(config.log_file, "ab") as log, signals_deferred():
+        with _open_log(config.log_file) as log, signals_deferred():
             proc = _spawn_daemon(config, log, write_end, commit_fd)
         os.close(write_end)
         write_end = -1
@@ -237,6 +238,17 @@ def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None =
         for fd in (read_end, write_end):
             if fd >= 0:
                 os.close(fd)
+
+
+def _open_log(path: str) -> BinaryIO:
+    """The daemon's log file for appending, 0640 (dlfs.runtime.open_log_file); a link
+    at its name fails in one line."""
+    try:
+        return os.fdopen(open_log_file(path), "ab")
+    except OSError as err:
+        why = "it is a symlink" if err.errno == errno.ELOOP else err.strerror
+        raise DlfsError(f"cannot open the log file {path}: {why} (give a plain file path "
+                        "with --log-file)") from None
 
 
 def _spawn_daemon(config: MountConfig, log: BinaryIO, ready_fd: int,

@@ -11,6 +11,8 @@ never start Python.)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import hmac
 import os
@@ -242,3 +244,83 @@ def write_secret_file(path: str, secret: str, uid: int | None, gid: int | None) 
         raise
     os.close(fd)
     os.replace(tmp, path)
+
+
+# -- the per-job checkpoint directory --------------------------------------------------
+def split_job_pattern(pattern: str) -> tuple[str, list[str]]:
+    """A per-job path pattern -> (its fixed prefix, the components from the first one
+    with a % code on). The prefix is the admin's (dlfs.conf); the rest is made per job.
+    A pattern without codes: the parent is the prefix, the last name is made."""
+    parts = [p for p in pattern.split("/") if p not in ("", ".")]
+    if not pattern.startswith("/") or not parts or ".." in parts:
+        raise UsageError(f"checkpoint dir pattern {pattern!r} must be an absolute path "
+                         "without '..' (e.g. /lustre/dlfs-ckpt/%j)")
+    first = next((i for i, p in enumerate(parts) if "%" in p), len(parts) - 1)
+    return "/" + "/".join(parts[:first]), parts[first:]
+
+
+def make_job_dir(pattern: str, job_id: str, node: str, uid: int, gid: int) -> str:
+    """Create the job's directory of `pattern` (%j, %n) for uid:gid, 0700, and return it.
+
+    Root does this for a job's user, below a prefix that user may be able to write to
+    (a PFS directory): by path, `mkdir -p` + `chown` would follow a symlink the user
+    planted at any name and hand the link's target to the user. So everything after
+    the admin's prefix (resolved once: it is the site's) goes by descriptors: each
+    component is made with mkdirat(parent, name, 0700), opened with O_NOFOLLOW and
+    O_DIRECTORY (a link or a file there fails), checked by fstat to be owned by root
+    (made now, or earlier by a prolog) or by the user, and given to the user by fchown;
+    each parent must be owned by root or the user too. Nothing is ever done by path
+    below the prefix, so a swap after a check cannot redirect a later call."""
+    prefix, parts = split_job_pattern(pattern)
+    names = [expand_pattern(part, job_id, node) for part in parts]
+    if any(n in ("", ".", "..") or "/" in n for n in names):
+        raise UsageError(f"checkpoint dir pattern {pattern!r} expands to a bad name")
+    try:
+        os.makedirs(prefix, mode=0o755, exist_ok=True)  # the site's own directory
+        real = os.path.realpath(prefix)
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise DlfsError(f"cannot open the checkpoint dir prefix {prefix}: {err.strerror}; "
+                        "create it (root-owned) or fix DLFS_CKPT_STORE") from None
+    path = real
+    try:
+        _owned_by(fd, path, uid, "its parent")
+        for name in names:
+            path = os.path.join(path, name)
+            child = _make_owned_dir(fd, name, path, uid, gid)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    return path
+
+
+def _make_owned_dir(parent_fd: int, name: str, path: str, uid: int, gid: int) -> int:
+    """mkdirat + openat(O_NOFOLLOW) + fstat + fchown/fchmod: a descriptor of `name` in
+    `parent_fd`, a directory of root's or the user's, now the user's and 0700."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent_fd)
+    except OSError as err:
+        what = "a symlink or not a directory" if err.errno in (errno.ELOOP, errno.ENOTDIR) \
+            else err.strerror
+        raise DlfsError(f"refusing the checkpoint dir {path}: {what} (remove it; the "
+                        "prolog makes it)") from None
+    try:
+        _owned_by(fd, path, uid, "it")
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _owned_by(fd: int, path: str, uid: int, what: str) -> None:
+    owner = os.fstat(fd).st_uid
+    if owner not in (0, uid):
+        raise DlfsError(f"refusing the checkpoint dir {path}: {what} is owned by uid {owner}, "
+                        f"neither root nor the job's user {uid} (remove it, or fix "
+                        "DLFS_CKPT_STORE)")
