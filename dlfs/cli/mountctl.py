@@ -27,6 +27,7 @@ from dlfs.launch import COMMIT, COMMIT_FD_ENV, ERROR_PREFIX, READY, READY_FD_ENV
 from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount, mountpoints_of_type
 from dlfs.runtime import (
     ckpt_mount_name,
+    daemon_session,
     default_log_path,
     lock_path,
     mountpoint_path,
@@ -351,6 +352,34 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     remove_stale_files(path)  # a killed daemon's (a live one removes its own)
     remove_record(path)
     return 0
+
+
+def stop_daemon(mountpoint: str, timeout: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL after `timeout`, to every process of the daemon of canonical
+    `mountpoint` (dlfs.runtime.daemon_session: by its record, owner and session, never by
+    command line). Returns the pids signalled; DlfsError if one survives SIGKILL. Once
+    none is left and nothing is mounted there, the record and a dead daemon's files go."""
+    found: list[int] = []
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        pids = daemon_session(mountpoint)
+        if not pids:
+            break
+        found.extend(pid for pid in pids if pid not in found)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while daemon_session(mountpoint) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    left = daemon_session(mountpoint)
+    if left:
+        raise DlfsError(f"the daemon of {mountpoint} survived SIGKILL: pids "
+                        f"{' '.join(map(str, left))} (stuck in the kernel? see "
+                        f"`ps -o pid,stat,wchan -p {left[0]}`)")
+    if mounted_fstype(mountpoint) is None:
+        remove_stale_files(mountpoint)
+        remove_record(mountpoint)
+    return found
 
 
 def _wait_until_unserved(mountpoint: str, timeout: float) -> None:
