@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from slurmcluster import SIM_NODES, SlurmCluster, SlurmUnavailable
 from sysusers import temp_user
 from trees import make_small_tree
 
-from dlfs.cluster.slurm import derive_job_secret, expand_hostlist
+from dlfs.cluster.slurm import SHARED_HOST_STRIDE, derive_job_secret, expand_hostlist
 from dlfs.store.store import Store
 
 pytestmark = pytest.mark.timeout(240)
@@ -628,3 +629,42 @@ def test_a_crashed_jobs_undrained_checkpoint_and_a_daemon_imitator_survive_the_e
                     force_unmount(Path(mp))
                 shutil.rmtree(site.base / "mnt" / job, ignore_errors=True)
             shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_a_taken_peer_port_leads_to_the_jobs_next_port_on_every_node(site):
+    """Something holds node2's port of the next job (bound, as by a daemon not yet gone
+    or another service). node2's prolog mounts on the job's next port of the span, and
+    node1 and node3 find it there by the same rule: the job completes, reads right,
+    and no node gives up on node2."""
+    cache = _node_cache_conf(site)
+    squatter = socket.socket()
+    job = None
+    try:
+        job = site.cluster.sbatch("-N3", "--hold", "--comment=dlfs",
+                                  f"--output={site.out('%j.out')}",
+                                  str(_read_script(site, "taken.sh", _wait_staged_step(site))))
+        slots = 6400 // SHARED_HOST_STRIDE
+        first = PORT_BASE + (int(job) % slots) * SHARED_HOST_STRIDE + 1  # node2: position 1
+        squatter.bind(("127.0.0.1", first))
+        site.cluster.scontrol("release", job)
+        assert site.cluster.wait_finished(job) == "COMPLETED", \
+            site.out(f"{job}.out").read_text()
+        expected = _source_sums(site.source)
+        for node in SIM_NODES:
+            assert site.out(f"{job}-{node}.sums").read_text() == expected, node
+        nxt = PORT_BASE + ((int(job) + 1) % slots) * SHARED_HOST_STRIDE + 1
+        log2 = site.log(job, "node2").read_text()
+        assert f"peer port 127.0.0.1:{first} is taken" in log2, log2[-3000:]
+        assert f"peer port 127.0.0.1:{nxt}" in log2 and "listening on the job's next port" \
+            in log2, log2[-3000:]
+        for node in ("node1", "node3"):
+            log = site.log(job, node).read_text()
+            assert "peer node2" not in log, log[-3000:]  # never marked down
+        _assert_cleaned(site, job, SIM_NODES)
+    finally:
+        squatter.close()
+        site.conf()
+        if job is not None:
+            site.cluster.cmd("scancel", job, check=False)
+            site.cluster.wait_finished(job)
+        shutil.rmtree(cache, ignore_errors=True)

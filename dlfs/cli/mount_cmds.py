@@ -288,8 +288,10 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port-span", type=_positive, default=1, metavar="N",
                    help="with --slurm: N ports from PORT_BASE are DLFS's, and each job "
                         "takes its own by job id (job id mod N), so several jobs can "
-                        "share a node (default 1: every job on PORT_BASE; the shipped "
-                        "dlfs.conf sets 10000; deploy/slurm/README.md)")
+                        "share a node; a node whose port is taken listens on the job's "
+                        "next one, where its peers look next (default 1: every job on "
+                        "PORT_BASE, no fallback; the shipped dlfs.conf sets 10000; "
+                        "deploy/slurm/README.md)")
     g.add_argument("--node-host", default="%n", metavar="PATTERN",
                    help="with --slurm/--mpi: address of each node, %%n = its host name "
                         "(default %%n; 127.0.0.1 for simulated nodes on one host)")

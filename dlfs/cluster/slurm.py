@@ -101,9 +101,10 @@ class PeerNode:
     name: str
     host: str
     port: int
+    alt_ports: tuple[int, ...] = ()  # if `port` is taken on the node (see peer_nodes)
 
     def spec(self) -> str:
-        return f"{self.name}={self.host}:{self.port}"
+        return f"{self.name}={self.host}:{'/'.join(map(str, (self.port, *self.alt_ports)))}"
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ def _int_or_none(text: str | None) -> int | None:
 #: Nodes sharing one host (simulated nodes) get ports PORT + i; a job's block of ports
 #: is this wide then, so jobs in different slots never overlap.
 SHARED_HOST_STRIDE = 64
+#: A node whose port is taken listens on the job's next slot of the span instead,
+#: and the next, this many slots in all (its peers try them in the same order).
+PORT_TRIES = 4
 
 
 def peer_nodes(job: SlurmJob, port_base: int, host_pattern: str = "%n",
@@ -162,20 +166,33 @@ def peer_nodes(job: SlurmJob, port_base: int, host_pattern: str = "%n",
     sharing a host (a pattern without %n, e.g. 127.0.0.1) listen on the job's
     port + their position in the node list, in slots SHARED_HOST_STRIDE wide.
     `port_span` 1: every job uses `port_base` (+ position): one DLFS job per node.
+
+    A port taken on a node (by anything: a slow-to-exit daemon of an old job, another
+    service) must not fail the job. Nodes cannot ask each other in a prolog, so the
+    fallback is a rule every node computes alike: after the job's slot come the next
+    slots of the span, wrapping around, PORT_TRIES slots in all (`alt_ports`). A node
+    listens on the first of its ports it can bind; a peer tries them in that order
+    and keeps the first that answers with the job's secret (another job's daemon on
+    a port fails the handshake; a port nothing listens on refuses at once).
     """
     shared_host = "%n" not in host_pattern
     stride = SHARED_HOST_STRIDE if shared_host and port_span > 1 else 1
     if shared_host and port_span > 1 and len(job.nodes) > stride:
         raise UsageError(f"{len(job.nodes)} nodes share one host ({host_pattern}); with "
                          f"--port-span at most {stride} can")
-    first = port_base + (int(job.job_id) % max(1, port_span // stride)) * stride
+    slots = max(1, port_span // stride)
+    firsts = [port_base + ((int(job.job_id) + k) % slots) * stride
+              for k in range(min(PORT_TRIES, slots))]
     top = port_base + max(port_span, len(job.nodes) if shared_host else 1) - 1
     if port_base < 1 or top > MAX_PORT:
         raise UsageError(f"ports {port_base}-{top} are out of range (lower --port-base or "
                          f"--port-span: the highest port is {MAX_PORT})")
-    return [PeerNode(name, expand_pattern(host_pattern, job.job_id, name),
-                     first + (i if shared_host else 0))
-            for i, name in enumerate(job.nodes)]
+    peers = []
+    for i, name in enumerate(job.nodes):
+        ports = [first + (i if shared_host else 0) for first in firsts]
+        peers.append(PeerNode(name, expand_pattern(host_pattern, job.job_id, name),
+                              ports[0], tuple(ports[1:])))
+    return peers
 
 
 def expand_pattern(pattern: str, job_id: str, node: str) -> str:
