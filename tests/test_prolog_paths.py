@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_dlfs
+from conftest import DLFS, run_dlfs
 from sysusers import temp_user
 
 from dlfs.cluster.slurm import make_job_dir
 from dlfs.errors import DlfsError
 
+DLFS_BIN = DLFS[0]  # the venv's entry point, as dlfs.conf names it
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the prolog runs as root")
 
 
@@ -181,3 +182,52 @@ def test_logs_and_summaries_are_0640(mounted, store_with, base):
     refused = mounted.try_mount(store, "--log-file", str(linked))
     assert refused.returncode == 1 and "it is a symlink" in refused.stderr, refused.stderr
     assert not (base / "elsewhere.log").exists()
+
+
+def test_the_prolog_warns_about_a_shared_ckpt_dir_and_refuses_anothers(base):
+    """The real prolog.sh, run as slurmd would (no Slurm needed: it fails before the
+    mount): a DLFS_CKPT_STORE without %j gets a warning in the job's log, and the
+    directory, already another user's, is refused in one line; nothing is left."""
+    repo = Path(__file__).resolve().parent.parent
+    site = base / "site"
+    site.mkdir()
+    for name in ("prolog.sh", "common.sh"):
+        shutil.copy2(repo / "deploy" / "slurm" / name, site / name)
+    key = site / "site.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    (base / "store").mkdir()
+    with temp_user() as user, temp_user() as other:
+        shared = base / "ckpt" / "shared"
+        shared.mkdir(parents=True)
+        os.chown(shared, other.uid, other.gid)
+        conf = {"DLFS_BIN": DLFS_BIN, "DLFS_STORE": str(base / "store"),
+                "DLFS_MOUNT": f"{base}/mnt/%j", "DLFS_CACHE": f"{base}/cache/%j",
+                "DLFS_RUN_DIR": f"{base}/run/%j", "DLFS_LOG": f"{base}/log/%j-%n.log",
+                "DLFS_SITE_KEY": str(key), "DLFS_PORT_BASE": "7000",
+                "DLFS_NODE_HOST": "127.0.0.1", "DLFS_OPT_IN": "comment",
+                "DLFS_MOUNT_ARGS": "", "DLFS_MOUNT_TIMEOUT": "10",
+                "DLFS_CKPT_STORE": str(shared)}
+        (site / "dlfs.conf").write_text("".join(f"{k}='{v}'\n" for k, v in conf.items()))
+        env = {"SLURM_JOB_ID": "77", "SLURM_JOB_UID": str(user.uid),
+               "SLURM_JOB_GID": str(user.gid), "SLURMD_NODENAME": "n1",
+               "SLURM_JOB_COMMENT": "dlfs", "SLURM_NODELIST": "n1"}
+        old = os.umask(0o022)
+        try:
+            ran = subprocess.run(["bash", str(site / "prolog.sh")], env=env,
+                                 capture_output=True, text=True, timeout=60)
+        finally:
+            os.umask(old)
+        assert ran.returncode == 1, ran.stdout + ran.stderr
+        last = ran.stdout.strip().splitlines()[-1]
+        assert last == (f"dlfs prolog: job 77 on n1: cannot create the checkpoint dir: dlfs: "
+                        f"error: refusing the checkpoint dir {shared}: it is owned by uid "
+                        f"{other.uid}, neither root nor the job's user {user.uid} (remove "
+                        f"it, or fix DLFS_CKPT_STORE) (DLFS_CKPT_STORE in {site}/dlfs.conf)")
+        log = base / "log" / "77-n1.log"
+        warning = [ln for ln in log.read_text().splitlines() if "dlfs.prolog WARNING" in ln]
+        assert len(warning) == 1 and f"DLFS_CKPT_STORE={shared} has no %j" in warning[0]
+        assert stat.S_IMODE(log.stat().st_mode) == 0o640
+        assert shared.stat().st_uid == other.uid
+        for left in ("mnt/77", "cache/77", "run/77"):
+            assert not (base / left).exists(), left
