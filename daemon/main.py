@@ -19,13 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
-from dlfs.cluster.nodes import node_addresses, resolve_cluster
+from dlfs.cluster.nodes import ClusterView, Node, node_addresses, resolve_cluster
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.launch import CONFIG_FLAG, ERROR_PREFIX, READY, READY_FD_ENV
@@ -35,6 +35,7 @@ from dlfs.runtime import (
     DaemonRecord,
     ckpt_mount_path,
     control_socket_path,
+    open_log_file,
     read_record,
     remove_record,
     start_time,
@@ -87,6 +88,7 @@ def mount_options(config: MountConfig) -> set[str]:
 def configure_logging(config: MountConfig) -> None:
     handler: logging.Handler
     if config.log_file:
+        os.close(open_log_file(config.log_file))  # made 0640 (a foreground mount's too)
         handler = logging.FileHandler(config.log_file, errors="backslashreplace")
     else:
         handler = logging.StreamHandler(sys.stderr)
@@ -125,7 +127,7 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
 
     view = resolve_cluster(config.nodes, config.node, config.replicas, config.secret_file)
     if len(view.nodes) > 1:
-        check_port_free(view.me.host, view.me.port)
+        view = take_free_port(view)
     cache_root = Path(config.cache_dir)
     try:
         cache_root.mkdir(parents=True, exist_ok=True)
@@ -195,6 +197,30 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as err:
             raise DlfsError(f"cannot listen for peers on {host}:{port}: {err.strerror}; "
                             f"{PICK_ANOTHER_PORT}") from None
+
+
+def take_free_port(view: ClusterView) -> ClusterView:
+    """The view with this node on the first of its ports that is free (its peers try
+    them in the same order: dlfs.cluster.nodes.Node.alt_ports); the ones after it stay
+    as fallbacks for listen(). DlfsError naming every port if none is free."""
+    me = view.me
+    errors = []
+    for index, port in enumerate(me.ports):
+        try:
+            check_port_free(me.host, port)
+        except DlfsError as err:
+            errors.append(str(err).split(";")[0])
+            continue
+        if index:
+            log.warning("peer port %s:%d is taken (%s); listening on the job's next port "
+                        "%d, where the other nodes look next", me.host, me.port,
+                        "; ".join(errors), port)
+        chosen = Node(me.name, me.host, port, me.ports[index + 1:])
+        nodes = tuple(chosen if i == view.self_index else n for i, n in enumerate(view.nodes))
+        return replace(view, nodes=nodes)
+    ports = ", ".join(map(str, me.ports))
+    raise DlfsError(f"cannot listen for peers on {me.host}: ports {ports} are all taken "
+                    f"({'; '.join(errors)}); {PICK_ANOTHER_PORT}")
 
 
 def set_read_ahead(mountpoint: str, kb: int) -> None:
@@ -471,11 +497,14 @@ class Services:
         if self.server is None:
             return
         me = self.pool.view.me
-        try:
-            self.server.start(me.host, me.port)
-        except OSError as err:
-            raise DlfsError(f"cannot listen for peers on {me.host}:{me.port}: "
-                            f"{err.strerror}; {PICK_ANOTHER_PORT}") from None
+        for port in me.ports:  # taken since take_free_port looked: the next one
+            try:
+                self.server.start(me.host, port)
+                return
+            except OSError as err:
+                error = err
+        raise DlfsError(f"cannot listen for peers on {me.host}:{'/'.join(map(str, me.ports))}: "
+                        f"{error.strerror}; {PICK_ANOTHER_PORT}") from None
 
     def stop_listening(self) -> None:
         if self.server is not None:

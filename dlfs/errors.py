@@ -14,6 +14,10 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
+# `dlfs ckpt-audit`: a checkpoint tier the epilog must keep, and why.
+EXIT_CKPT_UNDRAINED = 4
+EXIT_CKPT_IN_USE = 5
+EXIT_CKPT_UNKNOWN = 6
 EXIT_INTERRUPTED = 130
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell shows for a tool its pipe ended
 

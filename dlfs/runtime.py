@@ -180,6 +180,28 @@ def trusted_user_socket_dir() -> bool:
     return stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and not info.st_mode & 0o022
 
 
+#: Daemon logs and summaries: a root daemon's land in /var/log/dlfs for every job, and
+#: may name users' paths and files: readable by the admin group, not by every user.
+LOG_MODE = 0o640
+
+
+def open_log_file(path: str, flags: int = os.O_WRONLY | os.O_APPEND | os.O_CREAT) -> int:
+    """A descriptor of daemon log (or summary) file `path`, made LOG_MODE whatever the
+    umask; a file there already is narrowed to LOG_MODE (never widened), if it is ours.
+    A symlink at the name is refused (O_NOFOLLOW): root must not append to, or chmod,
+    whatever a link in a log directory points to."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, LOG_MODE)
+    try:
+        info = os.fstat(fd)
+        mode = stat.S_IMODE(info.st_mode)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and mode & ~LOG_MODE:
+            os.fchmod(fd, mode & LOG_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_record(record: DaemonRecord) -> None:
     path = record_path(record.mountpoint)
     tmp = path.with_suffix(".tmp")
@@ -339,6 +361,55 @@ def _is_dlfs(pid: int) -> bool:
             return b"dlfs" in f.read() and pid_alive(pid)
     except OSError:
         return False
+
+
+def daemon_session(mountpoint: str) -> list[int]:
+    """Every process of the daemon of canonical `mountpoint` (main, workers, what they
+    started), found from its runtime record, never from a command line (any user can
+    start a process whose command line reads like a daemon's).
+
+    The record is in our own runtime directory (root's /run/dlfs for the Slurm
+    epilog), so its pid is the daemon's as it was written. The daemon runs in a session
+    of its own (dlfs.cli.mountctl starts it with start_new_session) whose id is that
+    pid, and no process can join a session it did not start. So: if the recorded pid
+    still runs as recorded (same start time, our uid in every uid field, its own
+    session's leader), its session's processes; if it is gone, the processes left in
+    its session that are ours (its orphaned workers: Linux reuses no pid while a
+    session still bears it as its id); if the pid now belongs to another process,
+    nothing (that session is not the daemon's)."""
+    record = read_record(mountpoint)
+    if record is None:
+        return []
+    leader = record.pid
+    if pid_alive(leader):
+        if record.started and start_time(leader) != record.started:
+            return []
+        if not _ours(leader) or _session(leader) != leader:
+            return []
+        return [pid for pid in _all_pids() if _session(pid) == leader]
+    return [pid for pid in _all_pids() if _session(pid) == leader and _ours(pid)
+            and pid_alive(pid)]
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _session(pid: int) -> int | None:
+    """Process `pid`'s session id (/proc/PID/stat field 6), None if it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[3]) if len(fields) > 3 else None
+
+
+def _ours(pid: int) -> bool:
+    """Every uid of `pid` (real, effective, saved, fs) is ours: not a setuid program a
+    user started (its real uid is the user's), not a user's process."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            line = next(row for row in f if row.startswith(b"Uid:"))
+    except (OSError, StopIteration):
+        return False
+    return all(int(uid) == os.geteuid() for uid in line.split()[1:])
 
 
 def pid_alive(pid: int) -> bool:

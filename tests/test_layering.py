@@ -48,7 +48,10 @@ LAYERS: list[tuple[str, list[str]]] = [
 # (dlfs.launch); the one import across is `mount --foreground` becoming the daemon.
 LAUNCHER_MAY_IMPORT = {("dlfs.cli.mountctl", "dlfsd.main"),
                        # `dlfs warmup` runs the daemon's stager in the foreground, no mount
-                       ("dlfs.cli.warmup_cmds", "dlfsd.warmup")}
+                       ("dlfs.cli.warmup_cmds", "dlfsd.warmup"),
+                       # `dlfs ckpt-audit` reads a checkpoint tier's ledger (the Slurm
+                       # epilog asks it before deleting a tier), no mount, no daemon
+                       ("dlfs.cli.ckpt_cmds", "dlfsd.ckpt.audit")}
 
 
 def _module_name(package: str, path: Path) -> str:

@@ -16,6 +16,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -39,7 +41,7 @@ from slurmcluster import SIM_NODES, SlurmCluster, SlurmUnavailable
 from sysusers import temp_user
 from trees import make_small_tree
 
-from dlfs.cluster.slurm import derive_job_secret, expand_hostlist
+from dlfs.cluster.slurm import SHARED_HOST_STRIDE, derive_job_secret, expand_hostlist
 from dlfs.store.store import Store
 
 pytestmark = pytest.mark.timeout(240)
@@ -524,3 +526,145 @@ def test_checkpoints_the_epilog_cannot_drain_stay_in_the_node_cache_until_draine
             shutil.rmtree(site.base / "cache" / job, ignore_errors=True)
             shutil.rmtree(site.base / "mnt" / job, ignore_errors=True)
             shutil.rmtree(site.base / "mnt" / f"{job}-by-hand", ignore_errors=True)
+
+
+def _record_pid(mount: Path) -> int:
+    """The daemon's pid from its runtime record (root's /run/dlfs, dlfs.runtime)."""
+    key = hashlib.sha1(os.fsencode(str(mount))).hexdigest()[:16]
+    return json.loads(Path(f"/run/dlfs/{key}.json").read_text())["pid"]
+
+
+def test_a_crashed_jobs_undrained_checkpoint_and_a_daemon_imitator_survive_the_epilog(site):
+    """The job's daemon dies mid-job and its mount goes (SIGKILL, then a lazy unmount: a
+    crash an admin cleaned up), with a checkpoint the read-only store never took. The
+    site wipes the node cache after each job (DLFS_CACHE_AFTER_JOB=wipe), and the job's
+    user runs a process whose command line reads like the daemon's (pgrep -f '-m dlfsd
+    --config' and the mountpoint in it). The epilog must decide from the tier's ledger,
+    not from the mount: the checkpoint stays byte-exact in the node cache with a
+    warning, the rest of the cache goes; and it must find daemons by their runtime
+    record, owner and session: the user's imitation lives on. The per-job checkpoint
+    dir was made 0700 for the user, and the daemon log is 0640."""
+    node, job, store, imitator = site.cluster.host, None, None, None
+    cache = site.base / "nodecache"
+    site.conf(DLFS_CACHE=f"{cache}/%n", DLFS_CACHE_AFTER_JOB="wipe", DLFS_PORT_SPAN="6400",
+              DLFS_REPLICAS="1", DLFS_CKPT_STORE=f"{site.base}/ckstore/%j",
+              DLFS_CKPT_FLUSH_TIMEOUT="2")
+    payloads = {"step-5/model.pt": os.urandom(1_200_000), "meta.json": b'{"step": 5}'}
+    for rel, data in payloads.items():
+        site.out(f"crash-{rel.replace('/', '-')}").write_bytes(data)
+    ck = f"{site.base}/mnt/$SLURM_JOB_ID/$SLURMD_NODENAME/ckpt"
+    flag = f"{site.base}/out/crash"
+    with temp_user() as user:
+        try:
+            job = site.cluster.sbatch(
+                "-p", "one", "-N1", "--comment=dlfs", f"--chdir={site.base / 'out'}",
+                f"--output={site.out('%j.out')}", "--wrap",
+                f"touch {flag}-ready.$SLURM_JOB_ID; "
+                f"while [ ! -e {flag}-go.$SLURM_JOB_ID ]; do sleep 0.1; done; "
+                f"mkdir {ck}/step-5 && "
+                + " && ".join(f"cp {site.out('crash-' + rel.replace('/', '-'))} {ck}/{rel}"
+                              for rel in payloads)
+                + f" && touch {flag}-written.$SLURM_JOB_ID; "
+                f"while [ ! -e {flag}-end.$SLURM_JOB_ID ]; do sleep 0.1; done",
+                user=user.name)
+            _wait_for(site.out(f"crash-ready.{job}"), site, job)
+            store = site.base / "ckstore" / job  # the prolog made it, 0700, the user's
+            st = store.lstat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, user.uid)
+            for argv in (["mount", "--bind", str(store), str(store)],
+                         ["mount", "-o", "remount,bind,ro", str(store)]):
+                made = subprocess.run(argv, capture_output=True, text=True)
+                if made.returncode:
+                    pytest.skip(f"cannot make the checkpoint dir read-only here "
+                                f"({' '.join(argv)}: {made.stderr.strip()})")
+            site.out(f"crash-go.{job}").touch()
+            _wait_for(site.out(f"crash-written.{job}"), site, job)
+
+            mount = site.mount(job, node)
+            imitator = subprocess.Popen(
+                ["bash", "-c", "sleep 600; :", "-m", "dlfsd", "--config",
+                 json.dumps({"mountpoint": str(mount)})],
+                user=user.uid, group=user.gid, extra_groups=[], start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            daemon = _record_pid(mount)
+            os.killpg(daemon, signal.SIGKILL)  # the daemon's session: main and workers
+            deadline = time.monotonic() + 30
+            while [p for p, mp in daemons_under(site.base).items()
+                   if mp == str(mount) and p != imitator.pid]:
+                assert time.monotonic() < deadline, "the killed daemon did not go"
+                time.sleep(0.1)
+            subprocess.run(["umount", "-l", str(mount)], check=True)
+            site.out(f"crash-end.{job}").touch()
+            site.cluster.wait_finished(job)
+
+            trees = list((cache / node / "ckpt").glob("*/tree"))
+            assert len(trees) == 1, "the epilog deleted the undrained checkpoint tier"
+            tree = trees[0]
+            local = {p.relative_to(tree).as_posix(): p.read_bytes()
+                     for p in tree.rglob("*") if p.is_file()}
+            assert local == payloads, "the epilog deleted undrained checkpoint bytes"
+            assert sorted(p.name for p in (cache / node).iterdir()) == ["ckpt"], \
+                "the wipe left the chunk copies"
+            said = site.log(job, node).read_text()
+            line = next((ln for ln in said.splitlines() if "dlfs.epilog WARNING" in ln), "")
+            assert f"job {job} on {node}: checkpoints kept in the node cache: undrained " \
+                   f"{tree.parent.name}: " in line, said[-3000:]
+            assert stat.S_IMODE(site.log(job, node).stat().st_mode) == 0o640
+            assert imitator.poll() is None, "the epilog killed the user's process"
+            assert not mount.exists() and not site.job_dirs(job, node)[1].exists()
+            assert [d for p, d in daemons_under(site.base).items() if p != imitator.pid] == []
+        finally:
+            site.conf()
+            if imitator is not None:
+                os.killpg(imitator.pid, signal.SIGKILL)
+                imitator.wait()
+            if job is not None:
+                site.cluster.cmd("scancel", job, check=False)
+                site.cluster.wait_finished(job)
+                if store is not None:
+                    while any(mp == str(store) for mp in mounts_by_path()):
+                        subprocess.run(["umount", str(store)], capture_output=True)
+                for mp in [mp for mp in mounts_by_path() if f"/mnt/{job}" in mp]:
+                    force_unmount(Path(mp))
+                shutil.rmtree(site.base / "mnt" / job, ignore_errors=True)
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+def test_a_taken_peer_port_leads_to_the_jobs_next_port_on_every_node(site):
+    """Something holds node2's port of the next job (bound, as by a daemon not yet gone
+    or another service). node2's prolog mounts on the job's next port of the span, and
+    node1 and node3 find it there by the same rule: the job completes, reads right,
+    and no node gives up on node2."""
+    cache = _node_cache_conf(site)
+    squatter = socket.socket()
+    job = None
+    try:
+        job = site.cluster.sbatch("-N3", "--hold", "--comment=dlfs",
+                                  f"--output={site.out('%j.out')}",
+                                  str(_read_script(site, "taken.sh", _wait_staged_step(site))))
+        slots = 6400 // SHARED_HOST_STRIDE
+        first = PORT_BASE + (int(job) % slots) * SHARED_HOST_STRIDE + 1  # node2: position 1
+        squatter.bind(("127.0.0.1", first))
+        site.cluster.scontrol("release", job)
+        assert site.cluster.wait_finished(job) == "COMPLETED", \
+            site.out(f"{job}.out").read_text()
+        expected = _source_sums(site.source)
+        for node in SIM_NODES:
+            assert site.out(f"{job}-{node}.sums").read_text() == expected, node
+        nxt = PORT_BASE + ((int(job) + 1) % slots) * SHARED_HOST_STRIDE + 1
+        log2 = site.log(job, "node2").read_text()
+        assert f"peer port 127.0.0.1:{first} is taken" in log2, log2[-3000:]
+        assert f"peer port 127.0.0.1:{nxt}" in log2 and "listening on the job's next port" \
+            in log2, log2[-3000:]
+        for node in ("node1", "node3"):
+            log = site.log(job, node).read_text()
+            assert "peer node2" not in log, log[-3000:]  # never marked down
+        _assert_cleaned(site, job, SIM_NODES)
+    finally:
+        squatter.close()
+        site.conf()
+        if job is not None:
+            site.cluster.cmd("scancel", job, check=False)
+            site.cluster.wait_finished(job)
+        shutil.rmtree(cache, ignore_errors=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from dlfs.config import MountConfig
 from dlfs.obs.statsview import text_summary
+from dlfs.runtime import open_log_file
 from dlfs.store.store import Dataset
 from dlfsd.kernel import workers_answer_opens
 from dlfsd.obs.control import ControlFiles
@@ -152,7 +153,8 @@ class Observability:
         snapshot["summary"] = lines
         tmp = f"{path}.tmp{os.getpid()}"
         try:
-            with open(tmp, "w") as f:
+            fd = open_log_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # 0640
+            with os.fdopen(fd, "w") as f:
                 json.dump(snapshot, f, indent=1)
                 f.write("\n")
             os.replace(tmp, path)

@@ -59,14 +59,19 @@ class BlockingPeerClient:
     """Reads byte ranges from one peer; one connection, opened lazily, reopened after errors."""
 
     def __init__(self, secret: bytes, node_name: str, host: str, port: int, *,
-                 timeout: float = 5.0, own_buffer: bool = False) -> None:
+                 timeout: float = 5.0, own_buffer: bool = False,
+                 alt_ports: tuple[int, ...] = ()) -> None:
         """`own_buffer`: receive into a buffer of this client's own rather than the
         process's shared one, for a client used by a thread beside others (the
-        stager's copy threads, dlfsd.pool.replicate)."""
+        stager's copy threads, dlfsd.pool.replicate). `alt_ports`: where the peer
+        listens if `port` was taken on its host (dlfs.cluster.nodes.Node.alt_ports),
+        tried in order when `port` refuses or fails the handshake."""
         self._secret = protocol.check_secret(secret)
         self.node_name = node_name
-        self.host, self.port, self.timeout = host, port, timeout
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.ports = (port, *alt_ports)
+        self._port_index = 0  # the port to try first: the one that last worked
+        self.host, self.timeout = host, timeout
+        self._use_port(0)
         self._sock: socket.socket | None = None
         self._session: protocol.ClientHandshake | None = None  # of the open connection
         self._version = protocol.PROTOCOL_VERSION  # lowered for a server that refused it
@@ -176,10 +181,42 @@ class BlockingPeerClient:
             self._session = None
 
     # -- connection ------------------------------------------------------------------
+    def _use_port(self, index: int) -> None:
+        self.port = self.ports[index]
+        host, port = self.host, self.port
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def _connect(self, deadline: float | None = None) -> socket.socket:
-        """Connect and shake hands by `deadline` (default: `timeout` from now), in the
-        oldest version we speak if the server refuses ours."""
+        """Connect and shake hands by `deadline` (default: `timeout` from now), on the
+        peer's port, or the first of its other ports that takes us: a port taken on its
+        host by something else (a process that refuses us, another job's daemon that
+        fails our secret) makes the peer listen on the next one (dlfs.cluster.slurm).
+        The port that worked is tried first next time; after a failure, the next one
+        is. Unreachable (PeerUnreachable) if any port refused the connection, else the
+        first failure."""
         self._deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        failures: list[PeerUnavailable] = []
+        count = len(self.ports)
+        for step in range(count):
+            index = (self._port_index + step) % count
+            self._use_port(index)
+            try:
+                sock = self._connect_any_version()
+            except PeerUnavailable as failure:
+                failures.append(failure)
+                continue
+            self._port_index = index
+            return sock
+        self._port_index = (self._port_index + 1) % count
+        if count == 1:
+            raise failures[0]
+        unreachable = any(isinstance(f, PeerUnreachable) for f in failures)
+        message = "; ".join(str(f) for f in failures)
+        raise (PeerUnreachable if unreachable else PeerUnavailable)(message)
+
+    def _connect_any_version(self) -> socket.socket:
+        """Connect to `self.port`, in the oldest version we speak if the server refuses
+        ours."""
         try:
             return self._connect_speaking(self._version)
         except protocol.VersionRefused as refused:

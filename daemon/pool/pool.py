@@ -270,7 +270,8 @@ class ChunkPool:
         if client is None:
             peer = self.view.nodes[node]
             client = BlockingPeerClient(self.view.secret, self.view.me.name, peer.host,
-                                        peer.port, timeout=self.peer_timeout)
+                                        peer.port, timeout=self.peer_timeout,
+                                        alt_ports=peer.alt_ports)
             self._clients[node] = client
         return client
 

@@ -226,7 +226,8 @@ class ReplicaSource:
                 return idle.pop()
         peer = self.view.nodes[node]
         return BlockingPeerClient(self.view.secret, self.view.me.name, peer.host, peer.port,
-                                  timeout=self.peer_timeout, own_buffer=True)
+                                  timeout=self.peer_timeout, own_buffer=True,
+                                  alt_ports=peer.alt_ports)
 
     def _give_back(self, node: int, client: BlockingPeerClient) -> None:
         with self._lock:

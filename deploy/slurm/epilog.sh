@@ -14,11 +14,10 @@ DLFS_SCRIPT=epilog
 
 [ -n "$JOB" ] || exit 0
 if ! is_mounted && [ ! -e "$RUN_DIR" ] && { ! cache_is_per_job || [ ! -e "$CACHE" ]; } \
-        && [ -z "$(daemon_pids)" ]; then
+        && [ ! -e "$(daemon_record)" ]; then
     rmdir -- "$MOUNT" 2>/dev/null
     exit 0  # not a DLFS job (the common case): nothing to do
 fi
-keep_ckpt=""
-flush_checkpoints || keep_ckpt=keep-ckpt
-cleanup_job $keep_ckpt || exit 1
+flush_checkpoints  # what it cannot drain, cleanup_job keeps (by the tier's ledger)
+cleanup_job || exit 1
 exit 0

@@ -34,8 +34,16 @@ out=$("$DLFS_BIN" slurm-secret --key-file "$DLFS_SITE_KEY" --job-id "$JOB" \
 
 ckpt=()
 if [ -n "$CKPT" ]; then
-    mkdir -p -- "$CKPT" && chown "$SLURM_JOB_UID:${SLURM_JOB_GID:-$SLURM_JOB_UID}" -- "$CKPT" \
-        || fail "cannot create the checkpoint dir $CKPT (DLFS_CKPT_STORE in $DLFS_CONF)"
+    case $DLFS_CKPT_STORE in
+        *%j*) ;;
+        *) warn "DLFS_CKPT_STORE=$DLFS_CKPT_STORE has no %j: every job shares one checkpoint dir, which belongs to the first job's user (refused to others); add %j in $DLFS_CONF" ;;
+    esac
+    # Made 0700 for the job's user by descriptors, never following a link the user
+    # may have planted below the site's prefix (dlfs.cluster.slurm.make_job_dir).
+    out=$("$DLFS_BIN" slurm-ckpt-dir "$DLFS_CKPT_STORE" --job-id "$JOB" --node "$NODE" \
+          --uid "$SLURM_JOB_UID" --gid "${SLURM_JOB_GID:-$SLURM_JOB_UID}" </dev/null 2>&1) \
+        || fail "cannot create the checkpoint dir: $(printf '%s' "$out" | tail -n 1) (DLFS_CKPT_STORE in $DLFS_CONF)"
+    CKPT=$(printf '%s' "$out" | tail -n 1)
     # shellcheck disable=SC2206
     ckpt=(--ckpt-store "$CKPT" ${DLFS_CKPT_ARGS:-})
 fi

@@ -1,10 +1,15 @@
-"""`dlfs flush`: wait until checkpoints written so far are on the checkpoint store.
+"""`dlfs flush`: wait until checkpoints written so far are on the checkpoint store;
+`dlfs ckpt-audit`: may a node's checkpoint tier be deleted (the Slurm epilog asks).
 
 The daemon (dlfsd.ckpt.control) queues what is not drained yet at once, closed or
 not; this command then asks every half second how much is left, shows it, and
 returns once nothing written before it started is missing from the store, or
 fails in one line after --timeout naming what is not drained (it stays in the
 node cache; nothing is deleted).
+
+ckpt-audit reads a tier's ledger (dlfsd.ckpt.audit) without a mount or a daemon: the
+epilog, the prolog's failure path and DLFS_CACHE_AFTER_JOB=wipe delete a tier only
+when it says drained and not in use, whatever became of the mount.
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ import sys
 import time
 
 from dlfs.cli.common import Subparsers, _path, _seconds, add_command
-from dlfs.errors import EXIT_OK, DlfsError, UsageError
+from dlfs.errors import (
+    EXIT_CKPT_IN_USE,
+    EXIT_CKPT_UNDRAINED,
+    EXIT_CKPT_UNKNOWN,
+    EXIT_OK,
+    DlfsError,
+    UsageError,
+)
 from dlfs.runtime import mountpoint_path
 from dlfs.sizes import format_size
 
@@ -38,6 +50,49 @@ def register(subs: Subparsers) -> None:
                    help="give up after this many seconds (exit 1, naming what is left); "
                         "default: wait as long as it takes")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    _add_audit(subs)
+
+
+def _add_audit(subs: Subparsers) -> None:
+    p = add_command(
+        subs, "ckpt-audit", cmd_ckpt_audit,
+        "say whether a node cache's checkpoint tiers may be deleted (drained, not in use)",
+        "examples (as root, e.g. in the Slurm epilog):\n"
+        "  dlfs ckpt-audit --cache-dir /local/dlfs-cache\n"
+        "  dlfs ckpt-audit --cache-dir /local/dlfs-cache --ckpt-store /lustre/ckpt/1234\n"
+        "\nOne line per tier (CACHE/ckpt/KEY/): `drained KEY: ...`, `undrained KEY: ...`\n"
+        "(files not on the checkpoint store, by the tier's ledger), `in-use KEY: ...` (a\n"
+        "mount holds it) or `unknown KEY: ...` (its ledger cannot be read). Exit 0 only if\n"
+        "every tier is drained and not in use (then it may be deleted); else 5 (in use),\n"
+        "6 (unknown) or 4 (undrained), in that order. Reads only: changes nothing.")
+    p.add_argument("--cache-dir", type=_path, required=True,
+                   help="the node cache (dlfs mount --cache-dir) holding CACHE/ckpt/")
+    p.add_argument("--ckpt-store", type=_path,
+                   help="only the tier of this checkpoint store (dlfs mount --ckpt-store)")
+    p.add_argument("--json", action="store_true", help="one JSON object per tier, per line")
+
+
+def cmd_ckpt_audit(args: argparse.Namespace) -> int:
+    """Thin: dlfsd.ckpt.audit does the reading (lazy import: only this command loads it)."""
+    import json
+
+    from dlfsd.ckpt.audit import DRAINED, IN_USE, UNKNOWN, audit_cache
+
+    if not os.path.isdir(args.cache_dir):
+        raise DlfsError(f"cache dir not found: {args.cache_dir} (give the --cache-dir of "
+                        "the mounts whose checkpoint tiers to audit)")
+    audits = audit_cache(args.cache_dir, args.ckpt_store)
+    for audit in audits:
+        print(json.dumps(audit.as_dict()) if args.json else audit.line())
+    if not audits and not args.json:
+        which = f" for checkpoint store {args.ckpt_store}" if args.ckpt_store else ""
+        print(f"no checkpoint tier{which} in {os.path.join(args.cache_dir, 'ckpt')}")
+    verdicts = {audit.verdict for audit in audits}
+    if IN_USE in verdicts:
+        return EXIT_CKPT_IN_USE
+    if UNKNOWN in verdicts:
+        return EXIT_CKPT_UNKNOWN
+    return EXIT_OK if verdicts <= {DRAINED} else EXIT_CKPT_UNDRAINED
 
 
 def cmd_flush(args: argparse.Namespace) -> int:

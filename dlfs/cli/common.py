@@ -26,6 +26,9 @@ EXIT_CODES = """exit codes:
   1    error (missing or unreadable path, store problem, mount failed)
   2    usage error (bad flag or value)
   3    verify found corrupt data
+  4    ckpt-audit: a checkpoint tier holds files not on the checkpoint store
+  5    ckpt-audit: a checkpoint tier is in use by a mount
+  6    ckpt-audit: a checkpoint tier's ledger cannot be read (drained or not: unknown)
   130  interrupted
   141  stopped: its output pipe was closed (e.g. `| head`)
 """

@@ -56,11 +56,11 @@ FAMILIES: tuple[Callable[[Subparsers], None], ...] = (
     store_cmds.register,  # populate ls info verify rm
     mount_cmds.register,  # mount placement status umount
     obs_cmds.register,  # stats trace report
-    setup_cmds.register,  # slurm-secret doctor demo
+    setup_cmds.register,  # slurm-secret slurm-ckpt-dir doctor demo
     order_cmds.register,  # order
     cache_cmds.register,  # cache
     warmup_cmds.register,  # warmup
-    ckpt_cmds.register,  # flush
+    ckpt_cmds.register,  # flush ckpt-audit
 )
 
 

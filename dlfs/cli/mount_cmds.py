@@ -1,4 +1,4 @@
-"""`dlfs mount|placement|status|umount`: a mount's life, from the flags that set
+"""`dlfs mount|placement|status|umount|stop-daemon`: a mount's life, from the flags that set
 up its daemon (and chunk pool) to taking it down again.
 
 The flags are checked here, before any daemon starts, so a mistake fails in one
@@ -49,6 +49,7 @@ def register(subs: Subparsers) -> None:
     _add_placement(subs)
     _add_status(subs)
     _add_umount(subs)
+    _add_stop_daemon(subs)
 
 
 def _add_mount(subs: Subparsers) -> None:
@@ -287,8 +288,10 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port-span", type=_positive, default=1, metavar="N",
                    help="with --slurm: N ports from PORT_BASE are DLFS's, and each job "
                         "takes its own by job id (job id mod N), so several jobs can "
-                        "share a node (default 1: every job on PORT_BASE; the shipped "
-                        "dlfs.conf sets 10000; deploy/slurm/README.md)")
+                        "share a node; a node whose port is taken listens on the job's "
+                        "next one, where its peers look next (default 1: every job on "
+                        "PORT_BASE, no fallback; the shipped dlfs.conf sets 10000; "
+                        "deploy/slurm/README.md)")
     g.add_argument("--node-host", default="%n", metavar="PATTERN",
                    help="with --slurm/--mpi: address of each node, %%n = its host name "
                         "(default %%n; 127.0.0.1 for simulated nodes on one host)")
@@ -568,3 +571,30 @@ def cmd_umount(args: argparse.Namespace) -> int:
         return all_or_nothing(world, step, lambda: None)
     except ReportedElsewhere:
         return EXIT_ERROR
+
+
+def _add_stop_daemon(subs: Subparsers) -> None:
+    p = add_command(
+        subs, "stop-daemon", cmd_stop_daemon,
+        "stop what is left of a mount's daemon, found by its runtime record (epilog)",
+        "example (in the Slurm epilog, as root, after `dlfs umount`):\n"
+        "  dlfs stop-daemon /mnt/dlfs/1234\n"
+        "\nThe daemon is the pid its runtime record names (root's /run/dlfs for a root\n"
+        "mount), checked to be ours and its own session's leader; its processes are that\n"
+        "session's (a dead daemon's workers too), never any process whose command line\n"
+        "merely looks like a daemon's. TERM, then KILL after --timeout; exit 1 if one\n"
+        "survives. The mount itself is `dlfs umount`'s.")
+    p.add_argument("mountpoint", type=_path)
+    p.add_argument("--timeout", type=_seconds, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL (default 5)")
+
+
+def cmd_stop_daemon(args: argparse.Namespace) -> int:
+    """Thin: dlfs.cli.mountctl.stop_daemon."""
+    from dlfs.cli.mountctl import stop_daemon
+
+    path = mountpoint_path(args.mountpoint)
+    stopped = stop_daemon(path, args.timeout)
+    print(f"stopped the daemon of {path}: pids {' '.join(map(str, stopped))}" if stopped
+          else f"no daemon of {path} left")
+    return EXIT_OK

@@ -27,9 +27,11 @@ from dlfs.launch import COMMIT, COMMIT_FD_ENV, ERROR_PREFIX, READY, READY_FD_ENV
 from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount, mountpoints_of_type
 from dlfs.runtime import (
     ckpt_mount_name,
+    daemon_session,
     default_log_path,
     lock_path,
     mountpoint_path,
+    open_log_file,
     pid_alive,
     read_record,
     remove_record,
@@ -213,7 +215,7 @@ def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None =
         # `proc` set, or nothing would stop that daemon: hold it until it is.
         # (The log opens first: on a hung file system it may block, and must not
         # block with the signals held.)
-        with open(config.log_file, "ab") as log, signals_deferred():
+        with _open_log(config.log_file) as log, signals_deferred():
             proc = _spawn_daemon(config, log, write_end, commit_fd)
         os.close(write_end)
         write_end = -1
@@ -237,6 +239,17 @@ def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None =
         for fd in (read_end, write_end):
             if fd >= 0:
                 os.close(fd)
+
+
+def _open_log(path: str) -> BinaryIO:
+    """The daemon's log file for appending, 0640 (dlfs.runtime.open_log_file); a link
+    at its name fails in one line."""
+    try:
+        return os.fdopen(open_log_file(path), "ab")
+    except OSError as err:
+        why = "it is a symlink" if err.errno == errno.ELOOP else err.strerror
+        raise DlfsError(f"cannot open the log file {path}: {why} (give a plain file path "
+                        "with --log-file)") from None
 
 
 def _spawn_daemon(config: MountConfig, log: BinaryIO, ready_fd: int,
@@ -339,6 +352,34 @@ def umount(mountpoint: str, lazy: bool = False, timeout: float = 30.0) -> int:
     remove_stale_files(path)  # a killed daemon's (a live one removes its own)
     remove_record(path)
     return 0
+
+
+def stop_daemon(mountpoint: str, timeout: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL after `timeout`, to every process of the daemon of canonical
+    `mountpoint` (dlfs.runtime.daemon_session: by its record, owner and session, never by
+    command line). Returns the pids signalled; DlfsError if one survives SIGKILL. Once
+    none is left and nothing is mounted there, the record and a dead daemon's files go."""
+    found: list[int] = []
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        pids = daemon_session(mountpoint)
+        if not pids:
+            break
+        found.extend(pid for pid in pids if pid not in found)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while daemon_session(mountpoint) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    left = daemon_session(mountpoint)
+    if left:
+        raise DlfsError(f"the daemon of {mountpoint} survived SIGKILL: pids "
+                        f"{' '.join(map(str, left))} (stuck in the kernel? see "
+                        f"`ps -o pid,stat,wchan -p {left[0]}`)")
+    if mounted_fstype(mountpoint) is None:
+        remove_stale_files(mountpoint)
+        remove_record(mountpoint)
+    return found
 
 
 def _wait_until_unserved(mountpoint: str, timeout: float) -> None:

@@ -1,7 +1,8 @@
-"""`dlfs slurm-secret|doctor|demo`: setting up and trying out a node, before any
-real dataset is mounted.
+"""`dlfs slurm-secret|slurm-ckpt-dir|doctor|demo`: setting up and trying out a node,
+before any real dataset is mounted.
 
-slurm-secret is what a Slurm prolog runs to give a job its secret, doctor says
+slurm-secret is what a Slurm prolog runs to give a job its secret, slurm-ckpt-dir
+makes the job's checkpoint directory for its user (by descriptors), doctor says
 whether this node can mount at all, demo runs the whole single-node story on
 generated data. The work is in dlfs.cluster.slurm, dlfs.cli.doctor and
 dlfs.cli.demo; here are their flags.
@@ -19,6 +20,7 @@ from dlfs.errors import EXIT_OK, UsageError
 def register(subs: Subparsers) -> None:
     """Add the setup commands, in the order `dlfs --help` lists them."""
     _add_slurm_secret(subs)
+    _add_slurm_ckpt_dir(subs)
     _add_doctor(subs)
     _add_demo(subs)
 
@@ -48,6 +50,32 @@ def cmd_slurm_secret(args: argparse.Namespace) -> int:
 
     secret = derive_job_secret(read_site_key(args.key_file), str(args.job_id))
     write_secret_file(args.out, secret, args.uid, args.gid)
+    return EXIT_OK
+
+
+def _add_slurm_ckpt_dir(subs: Subparsers) -> None:
+    p = add_command(
+        subs, "slurm-ckpt-dir", cmd_slurm_ckpt_dir,
+        "make a job's checkpoint directory 0700 for its user, never following a link",
+        "example (in the prolog, as root):\n"
+        "  dlfs slurm-ckpt-dir '/lustre/dlfs-ckpt/%j' --job-id $SLURM_JOB_ID \\\n"
+        "      --node $SLURMD_NODENAME --uid $SLURM_JOB_UID --gid $SLURM_JOB_GID\n"
+        "\nPrints the directory. The part of PATTERN before the first %-code is the site's\n"
+        "(resolved, created if missing, owned by root or the user); every directory after\n"
+        "it is made (or found, owned by root or the user) by descriptors, a symlink\n"
+        "refused, and given to the user 0700.")
+    p.add_argument("pattern", help="DLFS_CKPT_STORE: %%j job id, %%n node, %%%% a %%")
+    p.add_argument("--job-id", required=True, type=_id, help="the Slurm job id")
+    p.add_argument("--node", required=True, help="this node's name (SLURMD_NODENAME)")
+    p.add_argument("--uid", type=_id, required=True, help="the job's user")
+    p.add_argument("--gid", type=_id, required=True, help="the job's group")
+
+
+def cmd_slurm_ckpt_dir(args: argparse.Namespace) -> int:
+    """Run by the prolog as root (dlfs.cluster.slurm.make_job_dir does the work)."""
+    from dlfs.cluster.slurm import make_job_dir
+
+    print(make_job_dir(args.pattern, str(args.job_id), args.node, args.uid, args.gid))
     return EXIT_OK
 
 

@@ -30,29 +30,42 @@ class Node:
     name: str
     host: str
     port: int
+    #: Where the node listens instead if `port` is taken on its host, in order of
+    #: preference (`NAME=HOST:PORT/ALT/...`; `dlfs mount --slurm` lists the job's next
+    #: ports of the span, dlfs.cluster.slurm.peer_nodes): the node takes the first one
+    #: free, its peers try them in the same order until one proves the job's secret.
+    alt_ports: tuple[int, ...] = ()
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (self.port, *self.alt_ports)
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.name}={host}:{self.port}"
+        return f"{self.name}={host}:{'/'.join(map(str, self.ports))}"
 
 
 def parse_node(text: str) -> Node:
-    """`NAME=HOST:PORT` (HOST may be `[v6addr]`) -> Node; UsageError says what is wrong."""
+    """`NAME=HOST:PORT[/ALT...]` (HOST may be `[v6addr]`) -> Node; UsageError says what
+    is wrong."""
     name, sep, address = text.strip().partition("=")
-    host, colon, port_text = address.rpartition(":")
+    host, colon, ports_text = address.rpartition(":")
     if not sep or not colon or not host:
         raise UsageError(f"bad node {text!r}: expected NAME=HOST:PORT, e.g. n1=10.0.0.1:7100")
     if not _NAME_RE.match(name):
         raise UsageError(f"bad node name {name!r} in {text!r}: use letters, digits, '.', '_', '-'")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    try:
-        port = int(port_text)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise UsageError(f"bad port {port_text!r} in {text!r}: expected 1-65535")
-    return Node(name, host, port)
+    ports = []
+    for port_text in ports_text.split("/"):
+        try:
+            port = int(port_text)
+        except ValueError:
+            port = 0
+        if not 1 <= port <= 65535:
+            raise UsageError(f"bad port {port_text!r} in {text!r}: expected 1-65535")
+        ports.append(port)
+    return Node(name, host, ports[0], tuple(ports[1:]))
 
 
 def parse_nodes(items: list[str] | tuple[str, ...]) -> list[Node]:

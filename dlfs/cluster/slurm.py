@@ -11,6 +11,8 @@ never start Python.)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import hmac
 import os
@@ -99,9 +101,10 @@ class PeerNode:
     name: str
     host: str
     port: int
+    alt_ports: tuple[int, ...] = ()  # if `port` is taken on the node (see peer_nodes)
 
     def spec(self) -> str:
-        return f"{self.name}={self.host}:{self.port}"
+        return f"{self.name}={self.host}:{'/'.join(map(str, (self.port, *self.alt_ports)))}"
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,9 @@ def _int_or_none(text: str | None) -> int | None:
 #: Nodes sharing one host (simulated nodes) get ports PORT + i; a job's block of ports
 #: is this wide then, so jobs in different slots never overlap.
 SHARED_HOST_STRIDE = 64
+#: A node whose port is taken listens on the job's next slot of the span instead,
+#: and the next, this many slots in all (its peers try them in the same order).
+PORT_TRIES = 4
 
 
 def peer_nodes(job: SlurmJob, port_base: int, host_pattern: str = "%n",
@@ -160,20 +166,33 @@ def peer_nodes(job: SlurmJob, port_base: int, host_pattern: str = "%n",
     sharing a host (a pattern without %n, e.g. 127.0.0.1) listen on the job's
     port + their position in the node list, in slots SHARED_HOST_STRIDE wide.
     `port_span` 1: every job uses `port_base` (+ position): one DLFS job per node.
+
+    A port taken on a node (by anything: a slow-to-exit daemon of an old job, another
+    service) must not fail the job. Nodes cannot ask each other in a prolog, so the
+    fallback is a rule every node computes alike: after the job's slot come the next
+    slots of the span, wrapping around, PORT_TRIES slots in all (`alt_ports`). A node
+    listens on the first of its ports it can bind; a peer tries them in that order
+    and keeps the first that answers with the job's secret (another job's daemon on
+    a port fails the handshake; a port nothing listens on refuses at once).
     """
     shared_host = "%n" not in host_pattern
     stride = SHARED_HOST_STRIDE if shared_host and port_span > 1 else 1
     if shared_host and port_span > 1 and len(job.nodes) > stride:
         raise UsageError(f"{len(job.nodes)} nodes share one host ({host_pattern}); with "
                          f"--port-span at most {stride} can")
-    first = port_base + (int(job.job_id) % max(1, port_span // stride)) * stride
+    slots = max(1, port_span // stride)
+    firsts = [port_base + ((int(job.job_id) + k) % slots) * stride
+              for k in range(min(PORT_TRIES, slots))]
     top = port_base + max(port_span, len(job.nodes) if shared_host else 1) - 1
     if port_base < 1 or top > MAX_PORT:
         raise UsageError(f"ports {port_base}-{top} are out of range (lower --port-base or "
                          f"--port-span: the highest port is {MAX_PORT})")
-    return [PeerNode(name, expand_pattern(host_pattern, job.job_id, name),
-                     first + (i if shared_host else 0))
-            for i, name in enumerate(job.nodes)]
+    peers = []
+    for i, name in enumerate(job.nodes):
+        ports = [first + (i if shared_host else 0) for first in firsts]
+        peers.append(PeerNode(name, expand_pattern(host_pattern, job.job_id, name),
+                              ports[0], tuple(ports[1:])))
+    return peers
 
 
 def expand_pattern(pattern: str, job_id: str, node: str) -> str:
@@ -242,3 +261,83 @@ def write_secret_file(path: str, secret: str, uid: int | None, gid: int | None) 
         raise
     os.close(fd)
     os.replace(tmp, path)
+
+
+# -- the per-job checkpoint directory --------------------------------------------------
+def split_job_pattern(pattern: str) -> tuple[str, list[str]]:
+    """A per-job path pattern -> (its fixed prefix, the components from the first one
+    with a % code on). The prefix is the admin's (dlfs.conf); the rest is made per job.
+    A pattern without codes: the parent is the prefix, the last name is made."""
+    parts = [p for p in pattern.split("/") if p not in ("", ".")]
+    if not pattern.startswith("/") or not parts or ".." in parts:
+        raise UsageError(f"checkpoint dir pattern {pattern!r} must be an absolute path "
+                         "without '..' (e.g. /lustre/dlfs-ckpt/%j)")
+    first = next((i for i, p in enumerate(parts) if "%" in p), len(parts) - 1)
+    return "/" + "/".join(parts[:first]), parts[first:]
+
+
+def make_job_dir(pattern: str, job_id: str, node: str, uid: int, gid: int) -> str:
+    """Create the job's directory of `pattern` (%j, %n) for uid:gid, 0700, and return it.
+
+    Root does this for a job's user, below a prefix that user may be able to write to
+    (a PFS directory): by path, `mkdir -p` + `chown` would follow a symlink the user
+    planted at any name and hand the link's target to the user. So everything after
+    the admin's prefix (resolved once: it is the site's) goes by descriptors: each
+    component is made with mkdirat(parent, name, 0700), opened with O_NOFOLLOW and
+    O_DIRECTORY (a link or a file there fails), checked by fstat to be owned by root
+    (made now, or earlier by a prolog) or by the user, and given to the user by fchown;
+    each parent must be owned by root or the user too. Nothing is ever done by path
+    below the prefix, so a swap after a check cannot redirect a later call."""
+    prefix, parts = split_job_pattern(pattern)
+    names = [expand_pattern(part, job_id, node) for part in parts]
+    if any(n in ("", ".", "..") or "/" in n for n in names):
+        raise UsageError(f"checkpoint dir pattern {pattern!r} expands to a bad name")
+    try:
+        os.makedirs(prefix, mode=0o755, exist_ok=True)  # the site's own directory
+        real = os.path.realpath(prefix)
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise DlfsError(f"cannot open the checkpoint dir prefix {prefix}: {err.strerror}; "
+                        "create it (root-owned) or fix DLFS_CKPT_STORE") from None
+    path = real
+    try:
+        _owned_by(fd, path, uid, "its parent")
+        for name in names:
+            path = os.path.join(path, name)
+            child = _make_owned_dir(fd, name, path, uid, gid)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    return path
+
+
+def _make_owned_dir(parent_fd: int, name: str, path: str, uid: int, gid: int) -> int:
+    """mkdirat + openat(O_NOFOLLOW) + fstat + fchown/fchmod: a descriptor of `name` in
+    `parent_fd`, a directory of root's or the user's, now the user's and 0700."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent_fd)
+    except OSError as err:
+        what = "a symlink or not a directory" if err.errno in (errno.ELOOP, errno.ENOTDIR) \
+            else err.strerror
+        raise DlfsError(f"refusing the checkpoint dir {path}: {what} (remove it; the "
+                        "prolog makes it)") from None
+    try:
+        _owned_by(fd, path, uid, "it")
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _owned_by(fd: int, path: str, uid: int, what: str) -> None:
+    owner = os.fstat(fd).st_uid
+    if owner not in (0, uid):
+        raise DlfsError(f"refusing the checkpoint dir {path}: {what} is owned by uid {owner}, "
+                        f"neither root nor the job's user {uid} (remove it, or fix "
+                        "DLFS_CKPT_STORE)")
