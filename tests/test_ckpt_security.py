@@ -189,3 +189,34 @@ def test_a_0600_checkpoint_stays_0600_and_the_users_on_the_store(attack):
     st = (attack.store / "model.pt").stat()
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert (st.st_uid, st.st_gid) == (attack.user.uid, attack.user.gid)
+
+
+def test_a_root_mount_for_a_user_never_creates_the_store_through_its_links(
+        store_with, tmp_path_factory):
+    """The store's path may run through a directory the user owns: a symlink planted
+    there must not make root create directories where it points."""
+    src = tmp_path_factory.mktemp("sec-src2")
+    (src / "f").write_bytes(b"sample")
+    datasets = store_with(src, "ds", "64K")
+    base = Path(tempfile.mkdtemp(prefix="dlfs-sec-", dir="/tmp"))
+    base.chmod(0o755)
+    probe = base / "probe"
+    probe.mkdir(mode=0o700)
+    mounter = Mounter(base)
+    try:
+        with temp_user("dlfsx") as user:
+            users = base / "users"
+            users.mkdir()
+            os.chown(users, user.uid, user.gid)
+            made = user.run("ln", "-s", str(probe), str(users / "j"))
+            assert made.returncode == 0, made.stderr
+            result = mounter.try_mount(datasets, "--uid", str(user.uid), "--gid",
+                                       str(user.gid), "--cache-dir", str(base / "cache"),
+                                       "--ckpt-store", str(users / "j" / "new"))
+            assert result.returncode != 0
+            assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert "does not create it" in result.stderr
+            assert list(probe.iterdir()) == [], "root made a directory through the link"
+    finally:
+        mounter.cleanup()
+        shutil.rmtree(base, ignore_errors=True)

@@ -394,6 +394,15 @@ def _ckpt_settings(args: argparse.Namespace) -> dict:
         raise UsageError("--ckpt-store needs --cache-dir (the node-local directory "
                          "checkpoints are written to before they drain)")
     store = os.path.abspath(args.ckpt_store)
+    if os.geteuid() == 0 and args.uid not in (None, 0):
+        # Root mounting for a job's user never makes the store's directories itself: a
+        # path the user may shape (a symlink planted in a parent it owns) would have
+        # root create directories anywhere. The daemon reaches it as the user.
+        if not os.path.isdir(store):
+            raise DlfsError(f"--ckpt-store {store} is not a directory: a root mount for "
+                            f"uid {args.uid} does not create it; make it the user's first "
+                            "(the Slurm prolog runs `dlfs slurm-ckpt-dir`)")
+        return _ckpt_flags(args, store)
     try:
         os.makedirs(store, exist_ok=True)
     except OSError as err:
@@ -401,6 +410,10 @@ def _ckpt_settings(args: argparse.Namespace) -> dict:
                         "directory on the store's file system") from None
     if not os.path.isdir(store):
         raise DlfsError(f"--ckpt-store {store} is not a directory")
+    return _ckpt_flags(args, store)
+
+
+def _ckpt_flags(args: argparse.Namespace, store: str) -> dict:
     return dict(ckpt_store=store, drain_bandwidth=args.drain_bandwidth or 0,
                 drain_jobs=args.drain_jobs, ckpt_limit=args.ckpt_limit or 0,
                 ckpt_keep=args.ckpt_keep, ckpt_limit_wait=args.ckpt_limit_wait)
