@@ -35,19 +35,15 @@ _SETGROUPS = {"x86_64": 116, "aarch64": 159, "ppc64le": 81, "riscv64": 159, "s39
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-
-
-def _setfsuid(uid: int) -> int:
-    return _libc.setfsuid(ctypes.c_uint(uid))
-
-
-def _setfsgid(gid: int) -> int:
-    return _libc.setfsgid(ctypes.c_uint(gid))
+_setfsuid = _libc.setfsuid  # two calls per operation: typed once, no objects per call
+_setfsuid.argtypes, _setfsuid.restype = (ctypes.c_uint,), ctypes.c_int
+_setfsgid = _libc.setfsgid
+_setfsgid.argtypes, _setfsgid.restype = (ctypes.c_uint,), ctypes.c_int
 
 
 def _current_fsuid() -> int:
     """setfsuid(-1) fails and returns the current fsuid (the documented probe)."""
-    return _libc.setfsuid(ctypes.c_uint(0xFFFFFFFF))
+    return _setfsuid(0xFFFFFFFF)
 
 
 def _set_thread_groups(groups: list[int]) -> None:
@@ -113,18 +109,22 @@ class Creds:
             _setfsgid(0)
 
     def _become(self, local) -> None:
-        if not getattr(local, "groups_set", False):
+        if not getattr(local, "checked", False):
             try:
                 _set_thread_groups(self.groups)
             except OSError:
                 _set_thread_groups([self.gid])  # at least none of root's groups
-            local.groups_set = True
         _setfsgid(self.gid)
         _setfsuid(self.uid)
-        if _current_fsuid() != self.uid:  # never go on as root
-            _setfsuid(0)
-            _setfsgid(0)
-            raise CredsError(errno.EPERM, f"cannot act as uid {self.uid} (setfsuid failed)")
+        if not getattr(local, "checked", False):
+            # Once per thread: a root thread keeps CAP_SETUID, so a switch that took
+            # once takes every time. Never go on as root if it did not.
+            if _current_fsuid() != self.uid:
+                _setfsuid(0)
+                _setfsgid(0)
+                raise CredsError(errno.EPERM, f"cannot act as uid {self.uid} "
+                                              "(setfsuid failed)")
+            local.checked = True
 
     def call(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` under these credentials."""
