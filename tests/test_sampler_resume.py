@@ -112,7 +112,8 @@ def test_an_epoch_in_pieces_reads_what_one_uninterrupted_epoch_reads(
         per_rank.append(got)
         state = ranks[via % world].state_dict()
         assert state["epoch"] == epoch and state["world_size"] == world
-        assert len(json.dumps(state)) < 400 + 120 * len(state["pieces"]) + 30 * n // 5
+        # bytes, not per sample: a locality piece adds ~300 B and a few per chunk
+        assert len(json.dumps(state)) < 400 + 350 * len(state["pieces"]) + 30 * n // 5
     counts = np.bincount(np.concatenate([np.asarray(r, dtype=np.int64) for r in reads]),
                          minlength=n)
     world1, _, mode1, nodes1 = pieces[ref]
