@@ -448,6 +448,10 @@ class LookAhead:
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                    # Not AHEAD (that sends the reader to the store copy): the bit that
+                    # counts the read as a hit and lets the pooled read serve it, as for
+                    # a peer's extent. Without it every read of a staged chunk was a miss.
+                    state[ext] |= PEER_AHEAD
                     return length
             if self.pool.owned[ds][chunk]:
                 self._demand(ds, chunk)

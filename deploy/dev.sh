@@ -7,7 +7,7 @@
 #   deploy/dev.sh test-overlay   the same with TMPDIR on an overlay file system (a
 #                         container's /tmp) that it mounts and unmounts; needs root
 #   deploy/dev.sh setup   only install (Debian packages, .venv, pip install -e .)
-#   DLFS_TORCH_TESTS=1 deploy/dev.sh test   also install torch==2.13.0 and run its tests
+#   DLFS_TORCH_TESTS=1 deploy/dev.sh test   also install torch==2.13.0 (and torchdata) and run its tests
 #
 # Needs root or sudo for apt-get and for mounting FUSE (/dev/fuse).
 set -euo pipefail
@@ -50,13 +50,18 @@ install_python_packages() {
 }
 
 # torch is no dependency of DLFS (on PyPI its Linux wheel pulls ~3 GB of CUDA); the
-# sampler's real-torch tests skip without it, and DLFS_TORCH_TESTS=1 opts in.
+# sampler's real-torch tests skip without it, and DLFS_TORCH_TESTS=1 opts in. torchdata
+# brings StatefulDataLoader, which the sampler's resume is tested inside.
 TORCH_VERSION=2.13.0
+TORCHDATA_VERSION=0.11.0
 install_torch() {
     "$VENV/bin/python" -c "import importlib.metadata as m, sys
-sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION')" 2>/dev/null && return
-    echo "dev.sh: installing torch==$TORCH_VERSION into $VENV (DLFS_TORCH_TESTS=1)"
-    "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION'
+         or m.version('torchdata').split('+')[0] != '$TORCHDATA_VERSION')" 2>/dev/null && return
+    echo "dev.sh: installing torch==$TORCH_VERSION, torchdata==$TORCHDATA_VERSION into $VENV" \
+        "(DLFS_TORCH_TESTS=1)"
+    "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" \
+        "torchdata==$TORCHDATA_VERSION"
 }
 
 setup() {

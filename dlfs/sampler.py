@@ -19,7 +19,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,14 @@ from dlfs.order.ranks import (
     resolve_rank_world,
     torch_distributed,
 )
+from dlfs.order.resume import (
+    Piece,
+    decode_layout,
+    encode_layout,
+    piece_plans,
+    resume_pieces,
+    with_consumed,
+)
 from dlfs.order.seam import Locality, OrderClient, check_locality
 
 __all__ = ["DLFSSampler", "Locality", "OrderClient", "dataset_paths", "dlfs_mount_of",
@@ -50,6 +59,24 @@ log = logging.getLogger(__name__)
 MODES = ("random", "locality")
 DLFS_FSTYPE = "fuse.dlfs"  # what the daemon mounts as (dlfs.cli.mountctl.FSTYPE)
 PLANS_KEPT = 2  # this epoch's and the last: the epoch-to-epoch figures compare the two
+STATE_FORMAT = "dlfs-sampler-state/1"
+
+
+@dataclass
+class _Run:
+    """One iteration of an epoch: the pieces it is part of (its own the last), where in
+    its piece it starts, this rank's order there, and how many indices it yielded."""
+
+    epoch: int
+    pieces: list[Piece]
+    offset: int
+    mine: np.ndarray  # this rank's whole row of the last piece
+    yielded: int = 0
+    started: bool = False
+
+    @property
+    def rest(self) -> np.ndarray:
+        return self.mine[self.offset:]
 
 
 class DLFSSampler:
@@ -77,6 +104,10 @@ class DLFSSampler:
         self._n = n
         self._plans: dict[int, np.ndarray] = {}
         self._steps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._run: _Run | None = None  # the current epoch's iteration, or a loaded resume
+        # id(layout) -> (layout, its state encoding): torchdata asks at every batch
+        self._encoded: dict[int, tuple[Layout, dict[str, Any]]] = {}
+        self._list_digest: str | None = None
         self._owns_client = client is None
         self.client, why_not = (client, None) if client is not None else self._connect(mount)
         self.locality, why_no_locality = self._fetch_locality()
@@ -89,19 +120,176 @@ class DLFSSampler:
     # -- the torch Sampler protocol -------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
-        """This rank's indices for the current epoch; announces them to the mount first."""
-        plan = self.plan(self.epoch)
-        mine = plan[self.rank]
-        self._announce(mine)
-        self._measure(plan)
-        return iter(mine.tolist())
+        """This rank's indices for the current epoch (the rest of it after
+        `load_state_dict`); announced to the mount at the first `next()`.
+
+        Lazy on purpose: torchdata's StatefulDataLoader makes an iterator, then
+        loads the state and makes another; only the one it reads is announced.
+        """
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[int]:
+        run = self._current_run()
+        if run.started:  # a second pass over the same epoch: the whole of it again
+            run = self._fresh_run()
+        run.started = True
+        self._run = run
+        rest = run.rest
+        self._announce(rest)
+        self._measure(self.plan(self.epoch))
+        for index in rest.tolist():
+            run.yielded += 1  # counted before the caller has it: state_dict() includes it
+            yield index
 
     def __len__(self) -> int:
+        """What an iteration of the current epoch yields: num_samples, or after
+        `load_state_dict` what is left of the resumed epoch."""
+        run = self._run
+        if run is not None and run.epoch == self.epoch and (
+                not run.started or run.yielded < len(run.rest)):
+            return len(run.rest)
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Like DistributedSampler.set_epoch: the order is seeded by seed + epoch."""
+        """Like DistributedSampler.set_epoch: the order is seeded by seed + epoch.
+
+        A state loaded for this same epoch stays: the usual loop calls
+        set_epoch(epoch) after load_state_dict and must get the rest.
+        """
         self.epoch = _check_epoch(epoch)
+
+    # -- resuming -------------------------------------------------------------------
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The job's position in its epoch: enough to resume it exactly, on any world size.
+
+        Ranks run in lockstep, so any rank's state describes the job. By default it
+        counts the indices this rank's iterator has yielded, which is exact inside
+        torchdata's StatefulDataLoader (it asks at the batch its user takes). A plain
+        DataLoader's workers run ahead of the training loop: pass `consumed`, the
+        samples this rank's loop took from the current iteration (after a resume:
+        since the resumed position). Plain Python types (JSON, torch.save).
+        """
+        run = self._current_run()
+        left = len(run.rest)
+        if consumed is None:
+            consumed = run.yielded if run.started else 0
+        elif (isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer))
+              or not 0 <= consumed <= left):
+            raise ValueError(f"consumed must be an integer in 0..{left} (the samples of this "
+                             f"rank's iteration of epoch {self.epoch}), not {consumed!r}")
+        pieces = with_consumed(run.pieces, run.offset + int(consumed))
+        last = pieces[-1]
+        return {
+            "format": STATE_FORMAT,
+            "seed": self.seed,
+            "epoch": run.epoch,
+            "drop_last": self.drop_last,
+            "samples": self._n,
+            "sample_list": self._sample_list_digest(),
+            "world_size": last.world,
+            "mode": last.mode,
+            "consumed": last.consumed,
+            "job_consumed": sum(p.world * p.consumed for p in pieces),
+            "pieces": [self._encode_piece(p) for p in pieces],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from `state` (state_dict() of any rank, of a job of any world size).
+
+        The next iteration of its epoch yields this rank's share of the rest: with
+        the world size of the saved piece, exactly what the uninterrupted job would
+        have read; with another, the rest dealt out anew (docs/ORDER.md). Seed and
+        drop_last are the state's. ValueError (one line) for a state of another
+        sample list or one that is no sampler state.
+        """
+        pieces, epoch, seed, drop_last = self._decode_state(state)
+        if (seed, drop_last) != (self.seed, self.drop_last):
+            log.info("DLFSSampler: the state's seed %d and drop_last %s replace this "
+                     "sampler's %d and %s", seed, drop_last, self.seed, self.drop_last)
+            self.seed, self.drop_last = seed, drop_last
+            self.total_size, self.num_samples = shard_sizes(self._n, self.world_size,
+                                                            drop_last)
+            self._plans.clear()
+            self._steps.clear()
+        pieces, offset = resume_pieces(pieces, self.world_size, self.layout, self.window)
+        plans = piece_plans(self._n, self.seed, epoch, self.drop_last, pieces)
+        self.epoch = epoch
+        self._run = _Run(epoch, pieces, offset, plans[-1][self.rank])
+        log.info("DLFSSampler: resuming epoch %d at %d of %d samples per rank (%s, %d ranks, "
+                 "piece %d)", epoch, offset, plans[-1].shape[1], pieces[-1].mode,
+                 self.world_size, len(pieces) - 1)
+
+    def _current_run(self) -> _Run:
+        """The current epoch's iteration: started, loaded by load_state_dict, or fresh."""
+        run = self._run
+        if run is not None and run.epoch == self.epoch:
+            return run
+        return self._fresh_run()
+
+    def _fresh_run(self) -> _Run:
+        return _Run(self.epoch, [Piece(self.world_size, 0, self.layout, self.window)], 0,
+                    self.plan(self.epoch)[self.rank])
+
+    def _decode_state(self, state: Mapping[str, Any]) -> tuple[list[Piece], int, int, bool]:
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a DLFSSampler state (no format {STATE_FORMAT!r}): pass "
+                             "what DLFSSampler.state_dict() returned")
+        try:
+            n, digest = int(state["samples"]), str(state["sample_list"])
+            if n != self._n or digest != self._sample_list_digest():
+                raise ValueError(
+                    f"the state was saved for another sample list ({n} samples, digest "
+                    f"{digest[:12]}), this sampler has {self._n} (digest "
+                    f"{self._sample_list_digest()[:12]}): resume with the same dataset, "
+                    "the same files in the same order")
+            epoch, seed = _check_epoch(state["epoch"]), int(state["seed"])
+            pieces = [self._decode_piece(p) for p in state["pieces"]]
+            if not pieces:
+                raise ValueError("the state names no piece of its epoch")
+            return pieces, epoch, seed, bool(state["drop_last"])
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"a DLFSSampler state without a valid {err}: pass what "
+                             "DLFSSampler.state_dict() returned") from None
+
+    def _encode_piece(self, piece: Piece) -> dict[str, Any]:
+        out: dict[str, Any] = {"world_size": piece.world, "mode": piece.mode,
+                               "consumed": piece.consumed}
+        if piece.layout is not None:
+            cached = self._encoded.get(id(piece.layout))
+            if cached is None or cached[0] is not piece.layout:
+                cached = (piece.layout, encode_layout(piece.layout, piece.window))
+                self._encoded[id(piece.layout)] = cached
+            out["layout"] = cached[1]
+        return out
+
+    def _decode_piece(self, data: Mapping[str, Any]) -> Piece:
+        world, consumed = int(data["world_size"]), int(data["consumed"])
+        if world < 1 or consumed < 0:
+            raise ValueError(f"a piece of the state has world_size {world} and consumed "
+                             f"{consumed}")
+        if data.get("layout") is None:
+            return Piece(world, consumed)
+        layout, window = decode_layout(
+            data["layout"], None if self.locality is None else self.locality.sample_chunk)
+        if len(layout.rank_nodes) != world:
+            raise ValueError(f"a locality piece of the state has {len(layout.rank_nodes)} "
+                             f"rank nodes for {world} ranks")
+        self._encoded[id(layout)] = (layout, dict(data["layout"]))
+        return Piece(world, consumed, layout, window)
+
+    def _sample_list_digest(self) -> str:
+        """Digest of the sample list, wherever it is mounted: the paths relative to their
+        common directory (another node's mountpoint gives the same), or the count."""
+        if self._list_digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            if self.paths is None:
+                h.update(f"sized:{self._n}".encode())
+            else:
+                root = _common_dir(self.paths)
+                h.update(b"\n".join(os.fsencode(p[len(root):]) for p in self.paths))
+            self._list_digest = h.hexdigest()
+        return self._list_digest
 
     # -- plans ----------------------------------------------------------------------
 
@@ -123,7 +311,12 @@ class DLFSSampler:
         return self._plans[epoch]
 
     def order(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's indices for `epoch`, in read order, without announcing them."""
+        """This rank's indices for `epoch`, in read order, without announcing them: what
+        the next iteration yields (after `load_state_dict`, the rest of the resumed epoch)."""
+        epoch = self.epoch if epoch is None else _check_epoch(epoch)
+        run = self._run
+        if run is not None and run.epoch == epoch and not run.started:
+            return run.rest
         return self.plan(epoch)[self.rank]
 
     # -- the mount ------------------------------------------------------------------
@@ -369,6 +562,20 @@ def _check_epoch(epoch: object) -> int:
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
         raise ValueError(f"epoch must be an integer >= 0, not {epoch!r}")
     return int(epoch)
+
+
+def _common_dir(paths: list[str]) -> str:
+    """The longest common directory prefix of `paths`, with its trailing slash ('' if none).
+
+    The smallest and largest path bound every other one's common prefix: O(n).
+    """
+    low, high = min(paths), max(paths)
+    size = 0
+    for a, b in zip(low, high, strict=False):
+        if a != b:
+            break
+        size += 1
+    return low[:low.rfind("/", 0, size) + 1]
 
 
 def _digest(loc: Locality) -> str:

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_dlfs
 
 from dlfs.orderclient import OrderClientError, connect
 
@@ -240,3 +241,24 @@ def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
     assert counters["mount"]["lookahead"]["hits"] > 0
     fetches = fresh_status(dlfs_cli, mount)["peer_fetch"]
     assert fetches["shared_reads"] > 0, fetches  # readers took peer bytes fetched ahead
+
+
+def test_reads_of_staged_chunks_fetched_ahead_count_as_hits(mounted, la_store, tmp_path):
+    """With a node cache the look-ahead asks staged copies into the page cache; the
+    readers' reads of them are hits (they were all counted as misses before)."""
+    mount = mounted(la_store, "--cache-dir", str(tmp_path / "cache"))
+    paths = mount_paths(mount)[:100]
+    client = connect(paths)
+
+    def staged() -> bool:
+        status = json.loads(run_dlfs("status", mount.path, "--json").stdout)
+        return all(d["staging"]["staged_chunks"] == d["staging"]["owned_chunks"]
+                   for d in status["datasets"])
+
+    assert wait_for(staged, 60)
+    client.announce(0, np.arange(len(paths)))
+    assert wait_for(lambda: client.status()["counters"]["samples_prefetched"] >= len(paths))
+    for p in paths:
+        open(p, "rb").read()  # noqa: SIM115
+    taken = stats(mount)["mount"]["lookahead"]
+    assert (taken["hits"], taken["misses"]) == (len(paths), 0), taken

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 
@@ -74,3 +75,40 @@ def test_locality_through_a_mount_keeps_its_mode(mounted, store_with, tree, tmp_
     assert r.returncode == 0 and "WARNING" not in r.stderr, r.stderr
     assert sorted(os.path.relpath(p, mount / "ds") for p in out.read_text().splitlines()) \
         == sorted(os.path.relpath(p, tree) for p in files_under(tree))
+
+
+def test_resume_writes_the_rest_of_a_stopped_epoch_for_a_new_world(tree, tmp_path):
+    """A 2-rank job read 3 samples each of epoch 4; 3 ranks get the rest from the CLI:
+    together every sample once (10 samples, 4 left, padded to 6)."""
+    paths = files_under(tree)
+    first = [DLFSSampler(paths, seed=7, rank=r, world_size=2) for r in range(2)]
+    for s in first:
+        s.set_epoch(4)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(first[1].state_dict(consumed=3)))
+    rest = []
+    for rank in range(3):
+        out = tmp_path / f"rest{rank}.txt"
+        r = run_dlfs("order", tree, "-o", out, "--resume", state, "--rank", str(rank),
+                     "--world-size", "3")
+        assert r.returncode == 0, r.stderr
+        assert "wrote 2 paths left of epoch 4, rank" in r.stdout
+        rest += out.read_text().splitlines()
+    read = [paths[i] for s in first for i in s.order(4)[:3]]
+    assert set(read) | set(rest) == set(paths) and not set(read) & set(rest)
+    assert len(rest) == 6 and len(set(rest)) == 4
+
+
+def test_resume_refuses_another_list_or_a_bad_state_in_one_line(tree, tmp_path):
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(DLFSSampler(files_under(tree)[1:]).state_dict()))
+    r = run_dlfs("order", tree, "-o", tmp_path / "out.txt", "--resume", state)
+    assert r.returncode == 1 and "another sample list" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and str(state) in r.stderr
+    state.write_text("{not json")
+    r = run_dlfs("order", tree, "-o", tmp_path / "out.txt", "--resume", state)
+    assert r.returncode == 1 and "is not a JSON sampler state" in r.stderr
+    state.write_text(json.dumps(DLFSSampler(files_under(tree)).state_dict()))
+    r = run_dlfs("order", tree, "-o", tmp_path / "out.txt", "--resume", state, "--epoch", "3")
+    assert r.returncode == 2 and "--epoch 3 is not the epoch 0" in r.stderr
+    assert not (tmp_path / "out.txt").exists()

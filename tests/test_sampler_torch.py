@@ -26,6 +26,7 @@ else:
                         "installs torch==2.13.0 and runs these")
 
 import torch.distributed as dist
+from conftest import run_dlfs
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import dlfs.order.plan
@@ -252,3 +253,152 @@ def test_three_ranks_with_dataloader_workers_read_a_mount_once_per_epoch(
         assert sorted(counts.values()) == [1] * 59 + [2, 2]  # 61 padded to 63
         assert all(digest == sizes[rels[i]] for i, digest in got)
     assert results[0]["epochs"][0] != results[0]["epochs"][1]
+
+
+# -- resuming mid-epoch ----------------------------------------------------------------
+
+def test_statefuldataloader_resumes_on_another_world_size():
+    """torchdata's StatefulDataLoader keeps the sampler's state with its own: three ranks
+    (2 workers each) stop after 3 batches, two ranks load rank 0's loader state and
+    finish the epoch. The sampler's state is exact although the workers ran ahead."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    n, data = 120, Payloads(120)
+
+    def loader(rank: int, world: int) -> tuple[DLFSSampler, StatefulDataLoader]:
+        s = DLFSSampler(data, rank=rank, world_size=world, seed=2)
+        s.set_epoch(3)
+        return s, StatefulDataLoader(data, batch_size=4, sampler=s, num_workers=2,
+                                     collate_fn=keep_as_list)
+
+    first = [loader(rank, 3) for rank in range(3)]
+    read, states = [], []
+    for _, dl in first:
+        it = iter(dl)
+        read += [i for _ in range(3) for i, _ in next(it)]
+        states.append(dl.state_dict())
+        del it
+    assert len(read) == 36
+    second = [loader(rank, 2) for rank in range(2)]
+    for s, dl in second:
+        dl.load_state_dict(states[0])  # any rank's state describes the job
+        got = [i for batch in dl for i, payload in batch if payload == data.data[i]]
+        assert s.epoch == 3 and len(got) == 42
+        read += got
+    assert sorted(read) == list(range(n))  # every sample exactly once
+    # the same world size goes on in exactly the uninterrupted order
+    again, dl = loader(1, 3)
+    dl.load_state_dict(states[1])
+    assert [i for batch in dl for i, _ in batch] == again.order(3).tolist()[12:]
+
+
+RESUME_PROGRAM = r"""
+import hashlib, json, os, sys, time
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from dlfs.sampler import DLFSSampler
+
+phase, rank, world, init, mount, listing, out = sys.argv[1:]
+dist.init_process_group("gloo", init_method=init, rank=int(rank), world_size=int(world))
+
+class Files(Dataset):
+    def __init__(self, paths):
+        self.samples = [(p, 0) for p in paths]
+    def __len__(self):
+        return len(self.samples)
+    def __getitem__(self, i):
+        time.sleep(0.01)  # decoding and augmenting: the look-ahead can get ahead
+        with open(self.samples[i][0], "rb") as f:
+            return i, hashlib.sha256(f.read()).hexdigest()
+
+def keep(batch):
+    return batch
+
+root = os.path.join(mount, "ds")
+data = Files([os.path.join(root, line) for line in open(listing).read().splitlines()])
+sampler = DLFSSampler(data, mount=mount, mode="locality", seed=5)
+loader = DataLoader(data, batch_size=5, sampler=sampler, num_workers=2, collate_fn=keep)
+model = torch.nn.Linear(4, 2)
+ckpt = os.path.join(mount, "ckpt", "step.pt")
+if phase == "first":
+    sampler.set_epoch(1)
+    got = []
+    for step, batch in enumerate(loader):
+        got += batch
+        model.weight.data += 1.0  # a training step
+        if step == 1:  # half the epoch; the workers have fetched more
+            state = sampler.state_dict(consumed=len(got))
+            if dist.get_rank() == 0:
+                torch.save({"model": model.state_dict(), "sampler": state}, ckpt)
+            break
+else:
+    saved = torch.load(ckpt)
+    model.load_state_dict(saved["model"])
+    sampler.load_state_dict(saved["sampler"])
+    got = []
+    for epoch in range(sampler.epoch, 2):
+        sampler.set_epoch(epoch)
+        got += [item for batch in loader for item in batch]
+with open(out, "w") as f:
+    json.dump({"read": got, "mode": sampler.mode, "weight": model.weight.data.sum().item()}, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def run_ranks(phase: str, world: int, mount, listing, tmp_path) -> list[dict]:
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", RESUME_PROGRAM, phase, str(rank), str(world),
+         f"file://{tmp_path}/pg-{phase}", os.fspath(mount), str(listing),
+         str(tmp_path / f"{phase}{rank}.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(world)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(outputs)
+    return [json.loads((tmp_path / f"{phase}{r}.json").read_text()) for r in range(world)]
+
+
+def test_three_ranks_stop_mid_epoch_two_ranks_finish_it_through_a_fresh_mount(
+        tmp_path, daemon_guard, store_with, mounted):
+    """3 ranks (gloo) x 2 DataLoader workers read half of epoch 1 through a mount and save
+    model and sampler state in MOUNT/ckpt/; the mount goes. 2 ranks on a fresh mount (its
+    own cache, as another node) load both from MOUNT/ckpt/ and finish the epoch: every
+    sample exactly once (sha256), and the look-ahead fetched only the rest, ahead of the
+    readers."""
+    src = tmp_path / "src"
+    rng = np.random.default_rng(3)
+    digests = {}
+    for i in range(60):
+        rel = f"class{i % 3}/{i:03d}.bin"
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(rng.bytes(int(rng.integers(1_000, 40_000))))
+        digests[rel] = hashlib.sha256((src / rel).read_bytes()).hexdigest()
+    rels = sorted(digests)
+    store = store_with(src, chunk_size="64K")
+    listing = tmp_path / "paths.txt"
+    listing.write_text("".join(f"{r}\n" for r in rels))
+    ckpt = tmp_path / "ckpt-store"
+    ckpt.mkdir()
+
+    first = mounted(store, "--cache-dir", str(tmp_path / "cache1"), "--ckpt-store", str(ckpt))
+    before = run_ranks("first", 3, first, listing, tmp_path)
+    assert [len(r["read"]) for r in before] == [10] * 3
+    assert run_dlfs("flush", first.path, timeout=300).returncode == 0
+    assert run_dlfs("umount", first.path, timeout=120).returncode == 0
+
+    second = mounted(store, "--cache-dir", str(tmp_path / "cache2"), "--ckpt-store", str(ckpt),
+                     "--store-bandwidth", "4M")
+    after = run_ranks("second", 2, second, listing, tmp_path)
+    assert [r["mode"] for r in before + after] == ["locality"] * 5
+    assert {r["weight"] for r in after} == {before[0]["weight"]} != {0.0}  # the model came back
+    assert [len(r["read"]) for r in after] == [15] * 2  # the 30 left, 15 per rank
+    read = [item for r in before + after for item in r["read"]]
+    assert sorted(i for i, _ in read) == list(range(60))  # every sample exactly once
+    assert all(digest == digests[rels[i]] for i, digest in read)
+    counters = json.loads(subprocess.run(["cat", os.fspath(second / ".dlfs/stats.json")],
+                                         capture_output=True, check=True).stdout)
+    ahead, taken = counters["lookahead"], counters["mount"]["lookahead"]
+    assert ahead["announcements"] == 2 and ahead["fetch_errors"] == 0
+    # Only the rest was announced (the whole epoch would be 60 samples, 30 per rank), and
+    # the readers found most of it fetched ahead.
+    assert ahead["samples_prefetched"] <= 30, ahead
+    assert taken["hits"] >= 20 and taken["hits"] + taken["misses"] >= 30, (ahead, taken)

@@ -72,6 +72,19 @@ def locality_plan(layout: Layout, world: int, seed: int, epoch: int, drop_last: 
         return np.zeros((world, 0), dtype=np.int64)
     rng = epoch_rng(seed, epoch)
     pool = epoch_pool(n, total, rng)  # the same multiset random mode would read
+    return locality_deal(layout, pool, num, window, rng)
+
+
+def locality_deal(layout: Layout, pool: np.ndarray, num: int, window: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Deal `pool` (world x num items, already padded or cut) out by chunk and node.
+
+    The second half of `locality_plan`, on its own so that a resumed epoch can
+    deal the samples it has left (dlfs.order.resume) by the same rules.
+    """
+    world = len(layout.rank_nodes)
+    if num == 0:
+        return np.zeros((world, 0), dtype=np.int64)
     keys, key_node = _item_keys(layout, pool)
     prio = rng.permutation(len(key_node))  # this epoch's chunk order
     quota = np.bincount(layout.rank_nodes, minlength=layout.node_count).astype(np.int64) * num

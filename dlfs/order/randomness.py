@@ -116,5 +116,7 @@ def local_fraction(order: np.ndarray, sample_chunk: np.ndarray, chunk_node: np.n
     if len(order) == 0:
         return None
     keys = sample_chunk[order]
+    if len(chunk_node) == 0:  # no chunk known (every sample's key is -1)
+        return 0.0
     holder = np.where(keys >= 0, chunk_node[np.maximum(keys, 0)], -1)
     return float((holder == node).mean())
