@@ -668,3 +668,74 @@ def test_a_taken_peer_port_leads_to_the_jobs_next_port_on_every_node(site):
             site.cluster.cmd("scancel", job, check=False)
             site.cluster.wait_finished(job)
         shutil.rmtree(cache, ignore_errors=True)
+
+
+RESUME_JOB = r'''
+import hashlib, json, os, sys, time
+from pathlib import Path
+from dlfs.sampler import DLFSSampler
+
+base, job, node = Path(sys.argv[1]), os.environ["SLURM_JOB_ID"], os.environ["SLURMD_NODENAME"]
+run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+rank = int(os.environ["SLURM_PROCID"])
+mount = base / "mnt" / job / node
+paths = sorted(str(p) for p in (mount / "ds").rglob("*") if p.is_file())
+sampler = DLFSSampler(paths, mount=mount, seed=7)
+state_file = mount / "ckpt" / "sampler.json"
+if run:  # requeued: the state the first run saved through its mount, now on the store
+    sampler.load_state_dict(json.loads(state_file.read_text()))
+half = len(sampler) // 2
+with open(base / "out" / f"{job}-run{run}-rank{rank}.sums", "w") as out:
+    for n, index in enumerate(sampler):
+        rel = os.path.relpath(paths[index], mount)
+        out.write(hashlib.sha256(Path(paths[index]).read_bytes()).hexdigest() + "  " + rel + "\n")
+        if not run and n + 1 == half:
+            out.flush()
+            if rank == 0:
+                state_file.write_text(json.dumps(sampler.state_dict()))
+            (base / "out" / f"{job}-half-rank{rank}").touch()
+            time.sleep(3600)  # the scheduler requeues the job here
+'''
+
+
+def test_a_requeued_job_resumes_its_epoch_from_the_sampler_state_in_ckpt(site):
+    """Two ranks read half an epoch, rank 0 saves the sampler's state into MOUNT/ckpt/;
+    the job is requeued (`scontrol requeue`): the epilog drains ckpt/ to the job's
+    checkpoint store, the job starts again with the same id, its new mount shows the
+    state, and the ranks read the rest: both runs together read the epoch once
+    (DistributedSampler's padding included), byte-exact."""
+    site.conf(DLFS_CKPT_STORE=f"{site.base}/ckstore/%j", DLFS_CKPT_FLUSH_TIMEOUT="60")
+    try:
+        program = site.out("resume_job.py")
+        program.write_text(RESUME_JOB)
+        script = site.out("resume.sh")
+        script.write_text("#!/bin/bash\n"
+                          f"srun -n2 --ntasks-per-node=1 {sys.executable} {program} "
+                          f"{site.base}\n")
+        job = site.cluster.sbatch("-N2", "--requeue", "--comment=dlfs",
+                                  f"--output={site.out('%j.out')}", "--open-mode=append",
+                                  str(script))
+        for rank in (0, 1):
+            _wait_for(site.out(f"{job}-half-rank{rank}"), site, job, timeout=120)
+        site.cluster.scontrol("requeue", job)
+        # A requeued job waits out a begin time (Slurm 22.05: about two minutes); the
+        # test need not: it starts as soon as its epilogs are done
+        deadline = time.monotonic() + 60
+        while site.cluster.job_state(job) != "PENDING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        site.cluster.scontrol("update", f"jobid={job}", "starttime=now", check=False)
+        assert site.cluster.wait_finished(job, timeout=300) == "COMPLETED", \
+            site.out(f"{job}.out").read_text()
+        lines = [line for run in (0, 1) for rank in (0, 1)
+                 for line in site.out(f"{job}-run{run}-rank{rank}.sums").read_text()
+                 .splitlines()]
+        expected = {f"{digest}  ds/{rel[2:]}"  # ./REL in the source, ds/REL in the mount
+                    for digest, rel in (line.split("  ", 1)
+                                        for line in _source_sums(site.source).splitlines())}
+        assert set(lines) == expected, "a sample was lost or read wrong"
+        padded = 2 * -(-len(expected) // 2)
+        assert len(lines) == padded, f"{len(lines)} reads of an epoch of {padded}"
+        assert (site.base / "ckstore" / job / "sampler.json").exists()
+        _assert_cleaned(site, job, SIM_NODES)
+    finally:
+        site.conf()
