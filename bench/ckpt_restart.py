@@ -161,6 +161,7 @@ def in_process_round(work: Path, names: int, rnd: int, res: dict[str, list[float
     from dlfsd.ckpt.tier import Tier
     from dlfsd.ckpt.tree import CkptTree
 
+    (work / f"ckstore{rnd}").mkdir()  # as `dlfs mount` makes it: the tier creates no store
     tier = Tier(str(work / f"cache{rnd}"), str(work / f"ckstore{rnd}"))
     try:
         tree = CkptTree(tier)

@@ -25,6 +25,8 @@ import ctypes
 import errno
 import os
 import stat
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 from dlfsd.ckpt.creds import Creds
@@ -101,64 +103,105 @@ def open_dir_beneath(rootfd: int, rel: bytes, flags: int = _O_PATH_DIR) -> int:
         raise
 
 
+ROOT_TTL = 1.0  # seconds a thread reuses its descriptor of a root opened by path
+
+
+class _At:
+    """`with _At(tree, rel) as (dirfd, name)`: the directory holding `rel` and its last
+    component, under the user's credentials for the block. A class, not a generator:
+    it runs around every operation of the tier (a lookup makes two or three)."""
+
+    __slots__ = ("fd", "own", "rel", "tree")
+
+    def __init__(self, tree: Beneath, rel: bytes) -> None:
+        self.tree, self.rel, self.own = tree, rel, False
+
+    def __enter__(self) -> tuple[int, bytes]:
+        rel = self.rel
+        slash = rel.rfind(b"/")
+        if slash < 0:  # an entry of the root: no directory to open
+            if rel in (b"", b".", b"..") or b"\0" in rel:
+                raise OSError(errno.EINVAL, "not a plain relative path", rel)
+        else:
+            check_relpath(rel)
+        creds = self.tree.creds
+        creds.__enter__()
+        try:
+            root = self.tree._root_fd()
+            if slash < 0:
+                self.fd = root
+                return root, rel
+            self.fd = open_dir_beneath(root, rel[:slash])
+            self.own = True
+            return self.fd, rel[slash + 1:]
+        except BaseException:
+            creds.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.own:
+                os.close(self.fd)
+        finally:
+            self.tree.creds.__exit__(*exc)
+
+
 class Beneath:
     """Operations on entries of the tree under `root`, as `creds`' user.
 
     `root_fd`: the root's descriptor, held for the tree's lifetime (the local tree,
-    whose path runs through the daemon's own 0700 directories: opened by the daemon);
-    None opens the root path as the user for each operation (the store, which an
-    admin may mount over its directory, or make, after the daemon started)."""
+    whose path runs through the daemon's own 0700 directories: opened by the daemon).
+    None: the root path is opened as the user, and each thread reuses that descriptor
+    for at most ROOT_TTL seconds (the store, which an admin may mount over its
+    directory, or make, after the daemon started: seen within a second)."""
 
     def __init__(self, root: str | bytes, creds: Creds, root_fd: int | None = None) -> None:
         self.path = os.fsencode(root)
         self.creds = creds
         self._rootfd = root_fd
+        self._opened = threading.local()  # per thread: (descriptor, when opened)
 
     def close(self) -> None:
         if self._rootfd is not None:
             os.close(self._rootfd)
             self._rootfd = None
+        held = getattr(self._opened, "fd", None)
+        if held is not None:
+            os.close(held)
+            self._opened.fd = None
 
     def display(self, rel: bytes) -> str:
         """The entry's path, for messages only (never to act on)."""
         return os.fsdecode(os.path.join(self.path, rel) if rel else self.path)
 
     # -- resolution -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _root(self) -> Iterator[int]:
+    def _root_fd(self) -> int:
+        """The root's descriptor (call with the user's credentials held). One opened by
+        path is this thread's own: no other thread can close it under a call."""
         if self._rootfd is not None:
-            yield self._rootfd
-            return
-        fd = os.open(self.path, _O_PATH_DIR)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def at(self, rel: bytes) -> Iterator[tuple[int, bytes]]:
-        """(descriptor of the directory holding `rel`, its last component), under the
-        user's credentials for the whole block."""
-        parts = check_relpath(rel)
-        if not parts:
-            raise OSError(errno.EINVAL, "the tree's root has no parent", self.path)
-        with self.creds, self._root() as root:
-            parent = b"/".join(parts[:-1])
-            if not parent:
-                yield root, parts[-1]
-                return
-            fd = open_dir_beneath(root, parent)
-            try:
-                yield fd, parts[-1]
-            finally:
+            return self._rootfd
+        opened = self._opened
+        fd = getattr(opened, "fd", None)
+        now = time.monotonic()
+        if fd is None or now - opened.when > ROOT_TTL:
+            fresh = os.open(self.path, _O_PATH_DIR)
+            if fd is not None:
                 os.close(fd)
+            opened.fd, opened.when = fd, now = fresh, now
+        return fd
+
+    def at(self, rel: bytes) -> _At:
+        """`with tree.at(rel) as (dirfd, name)`: the directory holding `rel` (opened
+        beneath the root, no link followed) and its last component, under the user's
+        credentials for the whole block."""
+        return _At(self, rel)
 
     @contextlib.contextmanager
     def directory(self, rel: bytes, listing: bool = False) -> Iterator[int]:
         """A descriptor of directory `rel` (O_RDONLY with `listing`, else O_PATH)."""
         flags = (os.O_RDONLY if listing else os.O_PATH) | os.O_DIRECTORY | os.O_CLOEXEC
-        with self.creds, self._root() as root:
-            fd = open_dir_beneath(root, rel, flags)
+        with self.creds:
+            fd = open_dir_beneath(self._root_fd(), rel, flags)
             try:
                 yield fd
             finally:
