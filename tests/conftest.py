@@ -16,7 +16,7 @@ Fixtures for other test modules:
   (`dlfs umount`, then `fusermount3 -u -z`, then `umount -l`) and kills any daemon
   left for MP, even when the test failed. `mounted.try_mount(..., env=None)` returns
   the CompletedProcess instead of failing; `mounted.new_mountpoint()` makes an empty
-  directory.
+  directory; `mounted.adopt(MP)` tears down a mount another `dlfs` makes at MP.
 - `dlfs_cli(*args, env=None, timeout=120)`: run the `dlfs` CLI, return CompletedProcess.
 - `sysproc`: /proc-based helpers (fstype_at, pid_alive, wait_dead, kill_and_reap,
   daemon_pids_for, dlfsd_processes, dlfs_argv).
@@ -366,6 +366,14 @@ class Mounter:
         mp = self._unique(self.base / "mnt")
         mp.mkdir(parents=True)
         return mp
+
+    def adopt(self, mountpoint: Path) -> Path:
+        """Take on a mountpoint that another `dlfs` (not this checkout's) mounts:
+        teardown unmounts it and kills its daemon like one of ours."""
+        if mountpoint not in self.mountpoints:
+            self.mountpoints.append(mountpoint)
+        _ACTIVE_MOUNTPOINTS.add(str(mountpoint))
+        return mountpoint
 
     def _unique(self, stem: Path) -> Path:
         i = 0
