@@ -3,3 +3,8 @@
 Only `dlfsd.fuse.session` (mount and INIT) and `dlfsd.main` import pyfuse3; the
 namespace and the reader are plain blocking code that tests drive directly.
 """
+
+# The daemon's own release, written here and not taken from dlfs.__version__: a
+# daemon reports the code it runs, which on a node with a mixed install is not the
+# launcher's (dlfs.launch.version_refusal). tests/test_version.py keeps both equal.
+__version__ = "0.1.0"

@@ -28,7 +28,14 @@ import trio
 from dlfs.cluster.nodes import ClusterView, Node, node_addresses, resolve_cluster
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
-from dlfs.launch import CONFIG_FLAG, ERROR_PREFIX, READY, READY_FD_ENV
+from dlfs.launch import (
+    CONFIG_FLAG,
+    ERROR_PREFIX,
+    READY,
+    READY_FD_ENV,
+    VERSION_FLAG,
+    version_refusal,
+)
 from dlfs.mountinfo import find_mount
 from dlfs.pipes import describe_pipe_size, usable_pipe_size
 from dlfs.runtime import (
@@ -47,6 +54,7 @@ from dlfs.sizes import format_size
 from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
+from dlfsd import __version__
 from dlfsd.access import served_to_user
 from dlfsd.ckpt.nodeids import CKPT_NAME
 from dlfsd.commit import LaunchCommit, discard_launch_secret
@@ -941,10 +949,33 @@ def stop_workers(pids, timeout: float = 10.0) -> None:
             time.sleep(0.01)
 
 
+class _PrintVersion(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(self.const)
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`python -m dlfsd --config JSON [--launcher-version V]`: refuse a launcher of
+    another release before anything else (one ERROR line through the readiness pipe),
+    else mount and serve."""
+    here = str(Path(__file__).resolve().parent)
     parser = argparse.ArgumentParser(
         prog="dlfsd",
         description="DLFS per-node daemon. Normally started by `dlfs mount`; see `dlfs mount -h`.")
+    # One line however long the path (argparse's "version" action wraps it): `dlfs
+    # --version` reads it.
+    parser.add_argument("--version", nargs=0, action=_PrintVersion, default=argparse.SUPPRESS,
+                        const=f"dlfsd {__version__} ({here})",
+                        help="show the version and where the daemon's code is, and exit")
     parser.add_argument(CONFIG_FLAG, required=True, help="MountConfig as JSON")
+    parser.add_argument(VERSION_FLAG, metavar="VERSION",
+                        help="the release of the `dlfs` starting us; another one is refused")
     args = parser.parse_args(argv)
+    if args.launcher_version is not None:
+        refusal = version_refusal(__version__, here, args.launcher_version)
+        if refusal:
+            print(f"dlfsd: error: {refusal}", file=sys.stderr)
+            Readiness().send(f"{ERROR_PREFIX}{refusal}")
+            return 1
     return run(MountConfig.from_json(args.config))

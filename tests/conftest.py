@@ -14,8 +14,9 @@ Fixtures for other test modules:
   background; returns a `Mount` (path-like; `.path`, `.pid`, `.pids`, `.log`;
   `m / "ds/file"` -> Path, `m / b"ds/file"` -> bytes). Teardown always unmounts
   (`dlfs umount`, then `fusermount3 -u -z`, then `umount -l`) and kills any daemon
-  left for MP, even when the test failed. `mounted.try_mount(...)` returns the CompletedProcess
-  instead of failing; `mounted.new_mountpoint()` makes an empty directory.
+  left for MP, even when the test failed. `mounted.try_mount(..., env=None)` returns
+  the CompletedProcess instead of failing; `mounted.new_mountpoint()` makes an empty
+  directory; `mounted.adopt(MP)` tears down a mount another `dlfs` makes at MP.
 - `dlfs_cli(*args, env=None, timeout=120)`: run the `dlfs` CLI, return CompletedProcess.
 - `sysproc`: /proc-based helpers (fstype_at, pid_alive, wait_dead, kill_and_reap,
   daemon_pids_for, dlfsd_processes, dlfs_argv).
@@ -366,6 +367,14 @@ class Mounter:
         mp.mkdir(parents=True)
         return mp
 
+    def adopt(self, mountpoint: Path) -> Path:
+        """Take on a mountpoint that another `dlfs` (not this checkout's) mounts:
+        teardown unmounts it and kills its daemon like one of ours."""
+        if mountpoint not in self.mountpoints:
+            self.mountpoints.append(mountpoint)
+        _ACTIVE_MOUNTPOINTS.add(str(mountpoint))
+        return mountpoint
+
     def _unique(self, stem: Path) -> Path:
         i = 0
         while True:
@@ -375,7 +384,8 @@ class Mounter:
             i += 1
 
     def try_mount(self, store: Path, *args: str, mountpoint: Path | None = None,
-                  log: Path | None = None) -> subprocess.CompletedProcess:
+                  log: Path | None = None, env: dict | None = None
+                  ) -> subprocess.CompletedProcess:
         require_fuse()
         mp = mountpoint or self.new_mountpoint()
         if mp not in self.mountpoints:
@@ -383,7 +393,7 @@ class Mounter:
         _ACTIVE_MOUNTPOINTS.add(str(mp))
         log = log or mp.with_name(mp.name + ".dlfsd.log")
         return run_dlfs("mount", mp, "--store", store, "--log-file", log, "--timeout", "60",
-                        *args, timeout=120)
+                        *args, env=env, timeout=120)
 
     def __call__(self, store: Path, *args: str, mountpoint: Path | None = None) -> Mount:
         mp = mountpoint or self.new_mountpoint()

@@ -11,10 +11,10 @@ and preadv(RWF_NOWAIT) fails with EOPNOTSUPP.
 Feature probes live here, once, not in each test: `require(directory,
 feature, ...)` skips the test with a reason naming the file system where a
 feature is missing (FEATURES lists them; each is probed once per file system
-with a small file of its own). Nothing probes RWF_NOWAIT or copy_file_range:
-the daemon falls back where they are missing and the tests check the bytes it
-serves either way (tests/test_overlay.py mounts on a file system that lacks
-RWF_NOWAIT).
+with a small file of its own). The daemon falls back where RWF_NOWAIT or
+copy_file_range are missing and the tests check the bytes it serves either way
+(tests/test_overlay.py mounts on a file system that lacks RWF_NOWAIT); only a
+test that counts which reads the page cache answered needs "nowait read".
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ FEATURES = {
                       "which are cached with mincore",
     "cachestat": "cachestat(2) of its files' page cache",
     "splice": "splice(2) from its files into a pipe",
+    "nowait read": "preadv(RWF_NOWAIT) answered from the page cache",
 }
 _probed: dict[tuple[int, str], str | None] = {}
 
@@ -299,8 +300,22 @@ def _probe_splice(path: Path) -> str | None:
     return None
 
 
+def _probe_nowait(path: Path) -> str | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pinned(fd):  # every page cached: a nowait read must not need the disk
+            buffer = bytearray(4 * PAGE)
+            try:
+                got = os.preadv(fd, [buffer], 0, os.RWF_NOWAIT)
+            except OSError as err:
+                return f"{errno.errorcode.get(err.errno, err.errno)} ({err.strerror})"
+    finally:
+        os.close(fd)
+    return None if got == len(buffer) else f"{got} of {len(buffer)} cached bytes read"
+
+
 _PROBES = {"page residency": _probe_residency, "cachestat": _probe_cachestat,
-           "splice": _probe_splice}
+           "splice": _probe_splice, "nowait read": _probe_nowait}
 
 
 def fs_type(path: Path) -> str:

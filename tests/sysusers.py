@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib.metadata
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
-import sysconfig
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,23 +37,89 @@ class User:
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run the `dlfs` CLI as this user: a real process with the user's uid and no
         capabilities. The venv's interpreter may sit in a directory only root may enter
-        (/root/.pyenv): run a system Python of the same version instead, with the
-        venv's packages (the editable dlfs among them) added as a site directory."""
+        (/root/.pyenv): run a system Python of the same version instead, with a copy of
+        what dlfs imports that the user can read added as a site directory
+        (readable_site)."""
         python = user_python(self)
-        code = (f"import site, sys; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "
+        code = (f"import site, sys; site.addsitedir({str(readable_site())!r}); "
                 "from dlfs.cli.main import main; sys.argv[0] = 'dlfs'; sys.exit(main())")
         return self.run(python, "-c", code, *args, timeout=timeout, env=env)
 
 
 def site_env(directory: Path) -> dict[str, str]:
-    """Environment under which a Python that `User.dlfs` runs passes the venv's
-    packages on to the Pythons it starts itself (the daemon: `python -m dlfsd`): a
-    sitecustomize in `directory` (which the user must be able to read) adds them."""
+    """Environment under which a Python that `User.dlfs` runs passes readable_site on
+    to the Pythons it starts itself (the daemon: `python -m dlfsd`): a sitecustomize
+    in `directory` (which the user must be able to read) adds it."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "sitecustomize.py").write_text(
-        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+        f"import site; site.addsitedir({str(readable_site())!r})\n")
     directory.chmod(0o755)
     return {"PYTHONPATH": str(directory)}
+
+
+_SITE: list[Path] = []
+
+
+def readable_site() -> Path:
+    """A directory every user can read that holds what `dlfs` and its daemon import:
+    the dlfs and dlfsd packages this test process imports (the checkout's, for an
+    editable install) and the installed distributions dlfs requires, file by file
+    as their RECORD lists them. Made once per session in /tmp, removed at exit.
+
+    Why a copy: the venv and the checkout may lie where only root may enter (a
+    checkout in root's 0700 home, as in a fresh container), and a test's user must
+    run the same code the suite tests, not whatever its own Python finds. /tmp and
+    not $TMPDIR: `dev.sh test-overlay` puts $TMPDIR under a directory only root may
+    enter."""
+    if _SITE:
+        return _SITE[0]
+    import dlfs
+    import dlfsd
+
+    site = Path(tempfile.mkdtemp(prefix="dlfs-usersite-", dir="/tmp"))
+    atexit.register(shutil.rmtree, site, True)
+    _SITE.append(site)
+    skip = shutil.ignore_patterns("__pycache__")
+    for package in (dlfs, dlfsd):
+        shutil.copytree(Path(package.__file__).parent, site / package.__name__, ignore=skip)
+    for dist in _required_distributions("dlfs"):
+        for file in dist.files or ():
+            if file.parts[0] == ".." or "__pycache__" in file.parts:
+                continue  # scripts in bin/; bytecode is rebuilt
+            source = Path(dist.locate_file(file))
+            if source.is_file():
+                (site / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, site / file)
+    for directory, dirs, files in os.walk(site):  # whatever root's umask said
+        for name in dirs:
+            os.chmod(os.path.join(directory, name), 0o755)
+        for name in files:
+            path = os.path.join(directory, name)
+            os.chmod(path, os.stat(path).st_mode | 0o444)
+    site.chmod(0o755)
+    return site
+
+
+def _required_distributions(name: str) -> list[importlib.metadata.Distribution]:
+    """The installed distributions that `name` requires, directly or not (no extras;
+    a requirement whose marker excludes this Python is simply not installed)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = [name]
+    while todo:
+        try:
+            dist = importlib.metadata.distribution(todo.pop())
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for requirement in dist.requires or ():
+            spec, _, marker = requirement.partition(";")
+            wanted = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", spec)
+            key = wanted and re.sub(r"[-_.]+", "-", wanted[1]).lower()
+            if key and "extra" not in marker and key not in found:
+                found[key] = None  # type: ignore[assignment]  # claimed: visit once
+                todo.append(key)
+        if dist.metadata["Name"].lower() != name:
+            found[re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()] = dist
+    return [dist for dist in found.values() if dist is not None]
 
 
 _PYTHONS: dict[str, str] = {}

@@ -48,7 +48,7 @@ def ls(cache, store) -> list[dict]:
 
 
 def test_copies_outlive_the_mount_and_prune_skips_what_a_mount_uses(
-        mounted, two_datasets, tmp_path):
+        mounted, two_datasets, tmp_path, store_with):
     cache = tmp_path / "cache"
     mount = mounted(two_datasets, "--cache-dir", str(cache))
     staged(mount)
@@ -61,6 +61,7 @@ def test_copies_outlive_the_mount_and_prune_skips_what_a_mount_uses(
     assert len(ls(cache, two_datasets)) == 2
 
     assert run_dlfs("umount", mount.path).returncode == 0
+    assert_named_without_store(cache, two_datasets, rows, store_with, tmp_path)
     rows = {r["dataset"]: r for r in ls(cache, two_datasets)}
     assert not any(r["in_use"] for r in rows.values())
     uuid_old, uuid_new = rows["old"]["uuid"], rows["new"]["uuid"]
@@ -75,6 +76,24 @@ def test_copies_outlive_the_mount_and_prune_skips_what_a_mount_uses(
     r = run_dlfs("cache", "prune", "--cache-dir", cache, "--dataset", "new",
                  "--store", two_datasets)
     assert r.returncode == 0 and ls(cache, two_datasets) == []
+
+
+def assert_named_without_store(cache, store, rows, store_with, tmp_path) -> None:
+    """`cache ls` without --store names the datasets as their mount did (.dataset);
+    with a store that lacks them, it says which they were."""
+    bare = run_dlfs("cache", "ls", "--cache-dir", cache, "--json")
+    assert bare.returncode == 0, bare.stderr
+    assert {r["dataset"]: (r["uuid"], r["source"]) for r in json.loads(bare.stdout)} == {
+        name: (row["uuid"], str(store / name)) for name, row in rows.items()}
+    text = run_dlfs("cache", "ls", "--cache-dir", cache).stdout.splitlines()
+    assert sorted(line.split(":")[0] for line in text[:2]) == sorted(
+        f"{name} ({row['uuid']})" for name, row in rows.items())
+    src = tmp_path / "other-src"
+    make_small_tree(src, files=1)
+    other = store_with(src, "other", "64K", tmp_path / "other-store")
+    text = run_dlfs("cache", "ls", "--cache-dir", cache, "--store", other).stdout
+    for name, row in rows.items():
+        assert f"{row['uuid']} (not in the store, was {name})" in text, text
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -22,7 +22,7 @@ import trio.testing
 from conftest import chunked_dataset, until
 from peerfakes import DATASET, SECRET, FileProvider, version_1_server
 
-from dlfs.store.nodecache import IN_USE, LAST_USED
+from dlfs.store.nodecache import ABOUT, IN_USE, LAST_USED
 from dlfsd.pool import protocol
 from dlfsd.pool import stager as stager_module
 from dlfsd.pool.chunkcache import ChunkCache
@@ -47,7 +47,7 @@ def dataset(tmp_path):
 
 def copies_and_temp_files(directory) -> list[str]:
     """What a cache dir holds besides the node cache's bookkeeping (.last-used, .in-use)."""
-    return sorted(n for n in os.listdir(directory) if n not in (LAST_USED, IN_USE))
+    return sorted(n for n in os.listdir(directory) if n not in (LAST_USED, IN_USE, ABOUT))
 
 
 

@@ -32,7 +32,7 @@ import trio
 from conftest import chunked_dataset, tmpfs_at, until
 from pagecache import cachestat, require
 
-from dlfs.store.nodecache import IN_USE, LAST_USED
+from dlfs.store.nodecache import ABOUT, IN_USE, LAST_USED
 from dlfsd.pool import stager as stager_module
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.stager import DemandChannel, Stager
@@ -46,7 +46,7 @@ _IN_NONBLOCK = os.O_NONBLOCK
 
 def copies_and_temp_files(directory) -> list[str]:
     """What a cache dir holds besides the node cache's bookkeeping (.last-used, .in-use)."""
-    return sorted(n for n in os.listdir(directory) if n not in (LAST_USED, IN_USE))
+    return sorted(n for n in os.listdir(directory) if n not in (LAST_USED, IN_USE, ABOUT))
 
 
 
@@ -163,7 +163,7 @@ async def test_a_copy_that_failed_on_a_full_cache_disk_is_staged_once_there_is_r
     stager = make_stager(small_tmpfs, only(dataset, 0))
     cache = stager.caches[0]
     filler = small_tmpfs / "other-job"
-    with open(filler, "wb") as f, contextlib.suppress(OSError):
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # no flush at close
         while True:
             f.write(b"x" * 65536)
     async with trio.open_nursery() as nursery:

@@ -129,7 +129,7 @@ class ChunkCache:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         if self._in_use_fd < 0:  # held while the mount lives: `dlfs cache prune` skips us
-            self._in_use_fd = mark_in_use(self.dir)
+            self._in_use_fd = mark_in_use(self.dir, self.dataset.name, str(self.dataset.path))
         adopted = 0
         for entry in os.scandir(self.dir):
             if entry.name.startswith(TEMP_PREFIX):

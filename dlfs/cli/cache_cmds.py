@@ -30,20 +30,22 @@ def register(subs: Subparsers) -> None:
         subs, "cache", cmd_cache,
         "list or prune a node's chunk cache dir (the copies jobs staged, kept for later jobs)",
         "examples:\n"
-        "  dlfs cache ls --cache-dir /local/dlfs-cache --store /lustre/dlfs-store\n"
+        "  dlfs cache ls --cache-dir /local/dlfs-cache\n"
         "  dlfs cache prune --cache-dir /local/dlfs-cache --older-than 14d\n"
         "  dlfs cache prune --cache-dir /local/dlfs-cache --to-size 500G --dry-run\n"
         "  dlfs cache prune --cache-dir /local/dlfs-cache --dataset imagenet "
         "--store /lustre/dlfs-store\n"
         "\nDatasets are listed least recently used first. A dataset a mount uses now is "
-        "never\npruned (it is shown as 'in use' and skipped). Without --store datasets "
-        "show as uuids;\na uuid no dataset of the store has is an old version (re-populated "
-        "or removed).\nCheckpoint tiers (CACHE_DIR/ckpt/, what jobs wrote into MOUNTPOINT/ckpt/ "
+        "never\npruned (it is shown as 'in use' and skipped). Datasets are named as the "
+        "last mount\nusing them named them; with --store, by the store's manifests, and a "
+        "uuid the store\nno longer has is an old version (re-populated or removed).\n"
+        "Checkpoint tiers (CACHE_DIR/ckpt/, what jobs wrote into MOUNTPOINT/ckpt/ "
         "and what\nan epilog could not drain) are listed after the datasets; they are never "
         "pruned,\nbut their bytes count towards --to-size.")
     p.add_argument("action", choices=("ls", "prune"))
     p.add_argument("--cache-dir", type=_path, required=True, help="the node's cache dir")
-    p.add_argument("--store", type=_path, help="name datasets by this store's manifests")
+    p.add_argument("--store", type=_path,
+                   help="name datasets by this store's manifests (and tell old versions)")
     p.add_argument("--dataset", action="append", metavar="NAME|UUID",
                    help="prune: this dataset (repeatable; a name needs --store)")
     p.add_argument("--older-than", type=_age, metavar="AGE",
@@ -77,20 +79,27 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return _prune(found, tiers, names, args)
 
 
-def _names(store: str | None) -> dict[str, str]:
-    """uuid hex -> dataset name in `store` (empty without a store)."""
+def _names(store: str | None) -> dict[str, str] | None:
+    """uuid hex -> dataset name in `store`; None without a store (the names the
+    cache dir recorded stand then)."""
     if not store:
-        return {}
+        return None
     from dlfs.store.store import Store
 
     s = Store(store).require()
     return {s.open(name).uuid.hex(): name for name in s.dataset_names()}
 
 
-def _list(found, tiers, names: dict[str, str], as_json: bool) -> int:
-    rows = [{"kind": "dataset", "dataset": names.get(d.uuid), "uuid": d.uuid,
-             "chunks": d.chunks, "bytes": d.bytes, "last_used": d.last_used or None,
-             "in_use": d.in_use} for d in found]
+def _name(d, names: dict[str, str] | None) -> str | None:
+    """A cached dataset's name: the store's for its uuid given --store, else the one
+    its last mount recorded."""
+    return d.name if names is None else names.get(d.uuid)
+
+
+def _list(found, tiers, names: dict[str, str] | None, as_json: bool) -> int:
+    rows = [{"kind": "dataset", "dataset": _name(d, names), "uuid": d.uuid,
+             "source": d.source, "chunks": d.chunks, "bytes": d.bytes,
+             "last_used": d.last_used or None, "in_use": d.in_use} for d in found]
     rows += [{"kind": "ckpt", "dataset": None, "uuid": None, "path": str(t.path),
               "store": t.store or None, "files": t.files, "bytes": t.bytes,
               "undrained": t.undrained, "last_used": t.last_used or None,
@@ -120,15 +129,19 @@ def _tier_line(t) -> str:
             f"({undrained}), {format_size(t.bytes)}" + (", in use" if t.in_use else ""))
 
 
-def _line(d, names: dict[str, str]) -> str:
-    name = names.get(d.uuid) or (f"{d.uuid} (not in the store)" if names else d.uuid)
+def _line(d, names: dict[str, str] | None) -> str:
+    if names is None:
+        name = f"{d.name} ({d.uuid})" if d.name else f"{d.uuid} (name not recorded)"
+    else:
+        was = f", was {d.name}" if d.name else ""
+        name = names.get(d.uuid) or f"{d.uuid} (not in the store{was})"
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.last_used)) if d.last_used \
         else "never recorded"
     return (f"{name}: {d.chunks} chunks, {format_size(d.bytes)}, last used {when}"
             + (", in use" if d.in_use else ""))
 
 
-def _prune(found, tiers, names: dict[str, str], args: argparse.Namespace) -> int:
+def _prune(found, tiers, names: dict[str, str] | None, args: argparse.Namespace) -> int:
     from dlfs.store.nodecache import remove, select_for_pruning
 
     if not (args.dataset or args.older_than is not None or args.to_size is not None):
@@ -159,8 +172,8 @@ def _prune(found, tiers, names: dict[str, str], args: argparse.Namespace) -> int
     return 0
 
 
-def _uuids(wanted: list[str], names: dict[str, str]) -> set[str]:
-    by_name = {name: uuid for uuid, name in names.items()}
+def _uuids(wanted: list[str], names: dict[str, str] | None) -> set[str]:
+    by_name = {name: uuid for uuid, name in (names or {}).items()}
     out = set()
     for item in wanted:
         if re.fullmatch(r"[0-9a-f]{32}", item):
@@ -168,6 +181,6 @@ def _uuids(wanted: list[str], names: dict[str, str]) -> set[str]:
         elif item in by_name:
             out.add(by_name[item])
         else:
-            hint = "" if names else " (give --store to name datasets)"
+            hint = "" if names is not None else " (give --store to name datasets)"
             raise UsageError(f"--dataset {item}: no such dataset{hint}")
     return out

@@ -31,6 +31,7 @@ from dlfs.cli import (
 )
 from dlfs.cli.common import EXIT_CODES, HelpFormatter, Parser, Subparsers
 from dlfs.errors import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, DlfsError
+from dlfs.launch import daemon_version_line
 from dlfs.store.directory import display_path
 
 MAIN_EPILOG = """examples:
@@ -64,13 +65,28 @@ FAMILIES: tuple[Callable[[Subparsers], None], ...] = (
 )
 
 
+class VersionAction(argparse.Action):
+    """`dlfs --version`: this release, and the daemon's as `dlfs mount` would start it
+    (a node with a mixed install shows two releases, or a daemon that cannot start)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default,
+                         help=help or "show the versions of dlfs and of its daemon, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        print(f"dlfs {__version__} ({here})\n{daemon_version_line()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `dlfs` parser: the top level here, every command from its family."""
     parser = Parser(
         prog="dlfs", formatter_class=HelpFormatter, epilog=MAIN_EPILOG,
         description="DLFS packs datasets of many small samples into large chunk files and "
                     "serves them through a read-only FUSE mount.")
-    parser.add_argument("--version", action="version", version=f"dlfs {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                  parser_class=Parser)
     for register in FAMILIES:

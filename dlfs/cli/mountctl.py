@@ -21,9 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
+from dlfs import __version__
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError, NotFoundError, NotMountedError
-from dlfs.launch import COMMIT, COMMIT_FD_ENV, ERROR_PREFIX, READY, READY_FD_ENV, daemon_argv
+from dlfs.launch import (
+    COMMIT,
+    COMMIT_FD_ENV,
+    ERROR_PREFIX,
+    READY,
+    READY_FD_ENV,
+    daemon_argv,
+    version_refusal,
+)
 from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount, mountpoints_of_type
 from dlfs.runtime import (
     ckpt_mount_name,
@@ -131,9 +140,13 @@ def mount(config: MountConfig, foreground: bool, timeout: float = 120.0,
         if not foreground:
             log_file = daemon_log_path(config)
             return _spawn_and_wait(replace(config, log_file=log_file), timeout, commit_fd)
-    from dlfsd.main import run  # the daemon's deps load only when we become it
+    import dlfsd.main as daemon  # the daemon's deps load only when we become it
 
-    return run(config)
+    refusal = version_refusal(getattr(daemon, "__version__", None),
+                              os.path.dirname(daemon.__file__ or ""))
+    if refusal:
+        raise DlfsError(refusal)
+    return daemon.run(config)
 
 
 def daemon_log_path(config: MountConfig) -> str:
@@ -228,6 +241,10 @@ def _spawn_and_wait(config: MountConfig, timeout: float, commit_fd: int | None =
             raise DlfsError(line[len(ERROR_PREFIX) :])
         if line == "":
             code = proc.wait(timeout=30)
+            if code == 2:  # argparse: a dlfsd older than VERSION_FLAG refuses its argv
+                raise DlfsError(f"the daemon refused the command line of dlfs {__version__} "
+                                "(exit code 2): a dlfsd of another release? `dlfs --version` "
+                                f"names both; see {config.log_file}")
             raise DlfsError(f"daemon exited with code {code} before mounting; see "
                             f"{config.log_file}")
         raise DlfsError(f"daemon did not come up within {timeout:.0f} s; see {config.log_file}")

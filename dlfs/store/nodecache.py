@@ -12,6 +12,10 @@ small files in it say the rest:
   it runs (released by the kernel however the daemon ends). Pruning takes the
   exclusive lock without waiting, so it never removes copies a mount uses,
   and a mount starting meanwhile waits the moment the removal takes.
+- `.dataset`: JSON `{"name", "path"}`, the dataset the copies are of, as the
+  last mount to use them named it (rewritten by `mark_in_use`): `dlfs cache ls`
+  names datasets with it where no --store is given. A uuid is one version of a
+  dataset: an old version keeps the name it had.
 
 Checkpoint tiers (`ckpt/<key>/`, dlfsd.ckpt.tier, docs/CKPT.md) share the cache
 dir: the local copies of what jobs wrote into MOUNTPOINT/ckpt/, and what an
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -38,6 +43,7 @@ from dlfs.runtime import daemon_configs
 
 LAST_USED = ".last-used"
 IN_USE = ".in-use"
+ABOUT = ".dataset"
 CKPT_DIR = "ckpt"  # dlfsd.ckpt.tier.TIER_DIR
 _UUID_DIR = re.compile(r"[0-9a-f]{32}")
 
@@ -50,16 +56,21 @@ class CachedDataset:
     bytes: int
     last_used: float  # epoch seconds; 0: never recorded
     in_use: bool
+    name: str | None = None  # as its last mount named it (.dataset); None: not recorded
+    source: str | None = None  # the dataset's directory in its store, likewise
 
 
 def is_dataset_dir(entry: os.DirEntry) -> bool:
     return bool(_UUID_DIR.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False)
 
 
-def mark_in_use(directory: Path) -> int:
-    """Take the shared `.in-use` lock for a mount's lifetime and note the use; returns
-    the descriptor to keep open (closing it, or the process ending, releases it)."""
+def mark_in_use(directory: Path, name: str | None = None, source: str | None = None) -> int:
+    """Take the shared `.in-use` lock for a mount's lifetime and note the use (and,
+    given them, the dataset's name and directory in its store); returns the
+    descriptor to keep open (closing it, or the process ending, releases it)."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if name is not None:
+        _write_about(directory, {"name": name, "path": source})
     fd = os.open(directory / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a prune removes this dataset
@@ -74,6 +85,29 @@ def touch_last_used(directory: Path) -> None:
     with contextlib.suppress(OSError):  # a full or read-only disk must not fail a mount
         (directory / LAST_USED).touch(mode=0o600)
         os.utime(directory / LAST_USED)
+
+
+def _write_about(directory: Path, about: dict) -> None:
+    """Write `.dataset` whole (a temporary name, then rename: a concurrent `ls` reads
+    the old or the new); never fails a mount (a full or read-only disk)."""
+    temp = directory / f"{ABOUT}.{os.getpid()}"
+    with contextlib.suppress(OSError):
+        if _read_about(directory) == about:
+            return
+        temp.write_text(json.dumps(about))
+        os.chmod(temp, 0o600)
+        os.rename(temp, directory / ABOUT)
+    with contextlib.suppress(OSError):
+        temp.unlink()
+
+
+def _read_about(directory: Path) -> dict:
+    """`.dataset` of a dataset directory; {} where missing or unreadable."""
+    try:
+        about = json.loads((directory / ABOUT).read_text())
+    except (OSError, ValueError):
+        return {}
+    return about if isinstance(about, dict) else {}
 
 
 def datasets(root: Path) -> list[CachedDataset]:
@@ -97,7 +131,11 @@ def _describe(path: Path) -> CachedDataset:
         last_used = (path / LAST_USED).stat().st_mtime
     except OSError:
         last_used = 0.0
-    return CachedDataset(path.name, path, chunks, nbytes, last_used, _locked(path))
+    about = _read_about(path)
+    name, source = about.get("name"), about.get("path")
+    return CachedDataset(path.name, path, chunks, nbytes, last_used, _locked(path),
+                         name if isinstance(name, str) else None,
+                         source if isinstance(source, str) else None)
 
 
 def _locked(path: Path) -> bool:
