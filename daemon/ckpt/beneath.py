@@ -25,8 +25,6 @@ import ctypes
 import errno
 import os
 import stat
-import threading
-import time
 from collections.abc import Callable, Iterator
 
 from dlfsd.ckpt.creds import Creds
@@ -103,9 +101,6 @@ def open_dir_beneath(rootfd: int, rel: bytes, flags: int = _O_PATH_DIR) -> int:
         raise
 
 
-ROOT_TTL = 1.0  # seconds a thread reuses its descriptor of a root opened by path
-
-
 class _At:
     """`with _At(tree, rel) as (dirfd, name)`: the directory holding `rel` and its last
     component, under the user's credentials for the block. A class, not a generator:
@@ -127,11 +122,15 @@ class _At:
         creds = self.tree.creds
         creds.__enter__()
         try:
-            root = self.tree._root_fd()
+            root, own_root = self.tree._root_fd()
             if slash < 0:
-                self.fd = root
+                self.fd, self.own = root, own_root
                 return root, rel
-            self.fd = open_dir_beneath(root, rel[:slash])
+            try:
+                self.fd = open_dir_beneath(root, rel[:slash])
+            finally:
+                if own_root:
+                    os.close(root)
             self.own = True
             return self.fd, rel[slash + 1:]
         except BaseException:
@@ -151,44 +150,32 @@ class Beneath:
 
     `root_fd`: the root's descriptor, held for the tree's lifetime (the local tree,
     whose path runs through the daemon's own 0700 directories: opened by the daemon).
-    None: the root path is opened as the user, and each thread reuses that descriptor
-    for at most ROOT_TTL seconds (the store, which an admin may mount over its
-    directory, or make, after the daemon started: seen within a second)."""
+    None: the root path is opened as the user for each operation (the store, which an
+    admin may mount over its directory, bind read-only, or make, after the daemon
+    started: a descriptor kept from before would write under the new mount, where
+    nobody sees it)."""
 
     def __init__(self, root: str | bytes, creds: Creds, root_fd: int | None = None) -> None:
         self.path = os.fsencode(root)
         self.creds = creds
         self._rootfd = root_fd
-        self._opened = threading.local()  # per thread: (descriptor, when opened)
 
     def close(self) -> None:
         if self._rootfd is not None:
             os.close(self._rootfd)
             self._rootfd = None
-        held = getattr(self._opened, "fd", None)
-        if held is not None:
-            os.close(held)
-            self._opened.fd = None
 
     def display(self, rel: bytes) -> str:
         """The entry's path, for messages only (never to act on)."""
         return os.fsdecode(os.path.join(self.path, rel) if rel else self.path)
 
     # -- resolution -------------------------------------------------------------------
-    def _root_fd(self) -> int:
-        """The root's descriptor (call with the user's credentials held). One opened by
-        path is this thread's own: no other thread can close it under a call."""
+    def _root_fd(self) -> tuple[int, bool]:
+        """(the root's descriptor, whether the caller must close it); call with the
+        user's credentials held."""
         if self._rootfd is not None:
-            return self._rootfd
-        opened = self._opened
-        fd = getattr(opened, "fd", None)
-        now = time.monotonic()
-        if fd is None or now - opened.when > ROOT_TTL:
-            fresh = os.open(self.path, _O_PATH_DIR)
-            if fd is not None:
-                os.close(fd)
-            opened.fd, opened.when = fd, now = fresh, now
-        return fd
+            return self._rootfd, False
+        return os.open(self.path, _O_PATH_DIR), True
 
     def at(self, rel: bytes) -> _At:
         """`with tree.at(rel) as (dirfd, name)`: the directory holding `rel` (opened
@@ -201,7 +188,12 @@ class Beneath:
         """A descriptor of directory `rel` (O_RDONLY with `listing`, else O_PATH)."""
         flags = (os.O_RDONLY if listing else os.O_PATH) | os.O_DIRECTORY | os.O_CLOEXEC
         with self.creds:
-            fd = open_dir_beneath(self._root_fd(), rel, flags)
+            root, own_root = self._root_fd()
+            try:
+                fd = open_dir_beneath(root, rel, flags)
+            finally:
+                if own_root:
+                    os.close(root)
             try:
                 yield fd
             finally:
