@@ -671,7 +671,7 @@ def test_a_taken_peer_port_leads_to_the_jobs_next_port_on_every_node(site):
 
 
 RESUME_JOB = r'''
-import hashlib, json, os, sys, time
+import hashlib, json, os, subprocess, sys, time
 from pathlib import Path
 from dlfs.sampler import DLFSSampler
 
@@ -691,6 +691,14 @@ with open(base / "out" / f"{job}-run{run}-rank{rank}.sums", "w") as out:
         out.write(hashlib.sha256(Path(paths[index]).read_bytes()).hexdigest() + "  " + rel + "\n")
         if not run and n + 1 == half:
             out.flush()
+            deadline = time.monotonic() + 90  # this node's share staged: a requeue onto
+            while time.monotonic() < deadline:  # the same node reuses it (node cache)
+                got = subprocess.run([sys.argv[2], "status", str(mount), "--json"],
+                                     capture_output=True, text=True).stdout
+                staging = json.loads(got)["datasets"][0]["staging"] if got else {}
+                if staging and staging["staged_chunks"] == staging["owned_chunks"]:
+                    break
+                time.sleep(0.2)
             if rank == 0:
                 state_file.write_text(json.dumps(sampler.state_dict()))
             (base / "out" / f"{job}-half-rank{rank}").touch()
@@ -703,15 +711,17 @@ def test_a_requeued_job_resumes_its_epoch_from_the_sampler_state_in_ckpt(site):
     the job is requeued (`scontrol requeue`): the epilog drains ckpt/ to the job's
     checkpoint store, the job starts again with the same id, its new mount shows the
     state, and the ranks read the rest: both runs together read the epoch once
-    (DistributedSampler's padding included), byte-exact."""
-    site.conf(DLFS_CKPT_STORE=f"{site.base}/ckstore/%j", DLFS_CKPT_FLUSH_TIMEOUT="60")
+    (DistributedSampler's padding included), byte-exact; a node the requeued job lands
+    on again reuses the chunks it staged (the node cache outlives the job)."""
+    cache = _node_cache_conf(site, DLFS_CKPT_STORE=f"{site.base}/ckstore/%j",
+                             DLFS_CKPT_FLUSH_TIMEOUT="60")
     try:
         program = site.out("resume_job.py")
         program.write_text(RESUME_JOB)
         script = site.out("resume.sh")
         script.write_text("#!/bin/bash\n"
                           f"srun -n2 --ntasks-per-node=1 {sys.executable} {program} "
-                          f"{site.base}\n")
+                          f"{site.base} {DLFS[0]}\n")
         job = site.cluster.sbatch("-N2", "--requeue", "--comment=dlfs",
                                   f"--output={site.out('%j.out')}", "--open-mode=append",
                                   str(script))
@@ -736,6 +746,14 @@ def test_a_requeued_job_resumes_its_epoch_from_the_sampler_state_in_ckpt(site):
         padded = 2 * -(-len(expected) // 2)
         assert len(lines) == padded, f"{len(lines)} reads of an epoch of {padded}"
         assert (site.base / "ckstore" / job / "sampler.json").exists()
-        _assert_cleaned(site, job, SIM_NODES)
+        runs = {node: re.findall(r"\((\d+) staged chunks reused\)",
+                                 site.log(job, node).read_text())
+                for node in SIM_NODES if site.log(job, node).exists()}
+        if sorted(n for n, mounts in runs.items() if len(mounts) == 2) == \
+                sorted(n for n, mounts in runs.items() if mounts):  # the same nodes again
+            assert sum(int(mounts[1]) for mounts in runs.values()) == \
+                Store(site.store).open("ds").chunk_count, runs
+        assert site.leftovers() == [], "left after the epilog"
     finally:
         site.conf()
+        shutil.rmtree(cache, ignore_errors=True)
