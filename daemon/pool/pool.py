@@ -25,6 +25,9 @@ it is first served (--verify-served), a copy the scrub reads.
 
 Peer clients are blocking (dlfsd.pool.peersync: the worker processes serve
 one request at a time); forked workers call `after_fork` and open their own.
+Another thread of a process (the look-ahead's fetch threads) gets clients of
+its own, with buffers of their own, so its fetches go in parallel with the
+other threads' rather than one at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -93,7 +97,10 @@ class ChunkPool:
         self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
         self._will_stage = lambda ds, chunk: bool(self.owned[ds][chunk])  # see set_stager
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
-        self._clients: dict[int, BlockingPeerClient] = {}
+        self._clients: dict[int, BlockingPeerClient] = {}  # the process's main thread's
+        self._owner = threading.get_ident()  # that thread (see _client)
+        self._threads = threading.local()  # other threads' clients
+        self._thread_clients: list[BlockingPeerClient] = []  # all of those, to close
         self._down_until: dict[int, float] = {}
         self.started = time.monotonic()  # the mount's start (see STARTUP_SECONDS)
         self._answered: set[int] = set()  # peers that answered a read of this process
@@ -170,11 +177,14 @@ class ChunkPool:
     def after_fork(self) -> None:
         """In a forked worker: drop the parent's client objects and peer health."""
         self._clients = {}
+        self._owner = threading.get_ident()
+        self._threads = threading.local()
+        self._thread_clients = []
         self._down_until = {}
         self._bad_copies = {}
 
     def close(self) -> None:
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._thread_clients]:
             client.close()
         for cache in self.caches:
             cache.close()
@@ -266,13 +276,24 @@ class ChunkPool:
         self.marks.bad_copy(node, ds, chunk, until)
 
     def _client(self, node: int) -> BlockingPeerClient:
-        client = self._clients.get(node)
+        """This thread's client of `node`: the process's own in its main thread (one
+        shared receive buffer), one with a buffer of its own in any other thread."""
+        if threading.get_ident() == self._owner:
+            clients, own = self._clients, False
+        else:
+            clients = getattr(self._threads, "clients", None)
+            if clients is None:
+                clients = self._threads.clients = {}
+            own = True
+        client = clients.get(node)
         if client is None:
             peer = self.view.nodes[node]
             client = BlockingPeerClient(self.view.secret, self.view.me.name, peer.host,
                                         peer.port, timeout=self.peer_timeout,
-                                        alt_ports=peer.alt_ports)
-            self._clients[node] = client
+                                        alt_ports=peer.alt_ports, own_buffer=own)
+            clients[node] = client
+            if own:
+                self._thread_clients.append(client)
         return client
 
     def _mark_down(self, node: int, why: str) -> None:
