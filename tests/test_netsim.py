@@ -22,6 +22,7 @@ from conftest import daemon_pids_for, kill_and_reap
 from test_pool import (
     expected_shares,
     fresh_sources,
+    fresh_status,
     pool_source_tree,
     read_and_compare,
     source_files,
@@ -155,3 +156,77 @@ def test_a_killed_peer_costs_no_failed_read_over_the_network(mounted, network, n
     _, more = timed_reads(reader, net_source, files[cut:])
     assert errors + more == []
     assert fresh_sources(dlfs_cli, reader)["store"]["requests"] == 0  # the replica served
+
+
+# -- partitions -----------------------------------------------------------------------------
+@pytest.mark.parametrize("network", [2], indirect=True)
+def test_a_partitioned_peer_costs_a_reader_one_timeout_then_is_tried_again(
+        mounted, network, net_store, net_source, tmp_path, dlfs_cli):
+    """The holder's packets are dropped (its link is down: no RST, no ICMP). The first
+    read after the cut completes within --peer-timeout + 1 s, from the store; no later
+    read waits for the peer again (the node's other worker knows it is down too); no
+    read fails; `dlfs status` names the peer and why. Healed, it serves again."""
+    # replicas 2: the reader owns every chunk too, but stages none (--cache-limit 1)
+    cluster = NetCluster(mounted, network, net_store, tmp_path, replicas=2,
+                         extra_by_node={0: ("--cache-limit", "1")})
+    reader, holder = cluster.mounts
+    wait_staged(dlfs_cli, holder)
+    files = source_files(net_source)
+    random.Random(7).shuffle(files)
+    _, errors = timed_reads(reader, net_source, files[:20])
+    assert errors == [] and fresh_sources(dlfs_cli, reader)["peer"]["requests"] > 0
+    network.cut(1)
+    try:
+        took, errors = timed_reads(reader, net_source, files[20:200])
+        assert errors == []
+        assert took[0] <= TIMEOUT + 1.0, f"the first read after the cut took {took[0]:.1f} s"
+        assert sum(t >= TIMEOUT * 0.9 for t in took) <= 1, \
+            f"reads that waited for the cut peer: {[round(t, 1) for t in took if t > 1]}"
+        status = fresh_status(dlfs_cli, reader)
+        peers = {p["name"]: p for p in status["health"]["peers"]}
+        assert peers["n2"]["down_processes"] >= 1, peers
+        assert "no answer" in peers["n2"]["down_why"] or "connect" in peers["n2"]["down_why"]
+        text = dlfs_cli("status", reader.path).stdout
+        assert "peer n2 is down" in text, text
+    finally:
+        network.heal(1)
+    # Retried later (DOWN_SECONDS): the peer serves again, nothing fails meanwhile.
+    before = fresh_sources(dlfs_cli, reader)["peer"]["requests"]
+    deadline = time.monotonic() + 30
+    rest = files[200:] + files[:200]
+    while fresh_sources(dlfs_cli, reader)["peer"]["requests"] == before:
+        assert time.monotonic() < deadline, "the healed peer was not used again"
+        _, errors = timed_reads(reader, net_source, rest[:20])
+        assert errors == []
+        rest = rest[20:] + rest[:20]
+        time.sleep(0.5)
+
+
+# -- slow peers -----------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", ["slow", "lossy"])
+@pytest.mark.parametrize("network", [3], indirect=True)
+def test_a_slow_peer_is_avoided_while_another_owner_is_faster(
+        mounted, network, big_store, big_source, tmp_path, dlfs_cli, profile):
+    """n3's link is 10 Mbit/s (or loses 1% of its packets); n2's is 10 Gbit/s; both
+    own every chunk, the reader none it may stage. After a few slow reads the reader
+    skips n3 and reads from n2: n3 serves a small share, `dlfs status` says why."""
+    if profile == "lossy" and netsim.netem_missing():
+        pytest.skip(netsim.netem_missing())
+    cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
+                         extra_by_node={0: ("--cache-limit", "1")})
+    network.shape(2, profile)
+    reader, fast, slow = cluster.mounts
+    wait_staged(dlfs_cli, fast)
+    wait_staged(dlfs_cli, slow)
+    files = source_files(big_source)
+    _, errors = timed_reads(reader, big_source, files)
+    assert errors == []
+    served = {name: fresh_status(dlfs_cli, m)["peer_server"]["reads_served"]
+              for name, m in (("n2", fast), ("n3", slow))}
+    assert served["n3"] <= len(files) // 8, served  # half of the chunks list n3 first
+    assert served["n2"] >= len(files) - served["n3"] - 4, served
+    peers = {p["name"]: p for p in fresh_status(dlfs_cli, reader)["health"]["peers"]}
+    assert "slow" in peers["n3"]["down_why"], peers
+    text = dlfs_cli("status", reader.path).stdout
+    assert "peer n3 is slow" in text and "asked last" in text, text
+    assert fresh_sources(dlfs_cli, reader)["store"]["requests"] == 0
