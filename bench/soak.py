@@ -17,7 +17,8 @@ reaches the daemon; --files x --file-size should exceed the reading node's
 the RSS of every daemon (main and workers, summed per node) are sampled and
 printed as a table. At the end: reads, failed reads, wrong bytes, the slowest
 read, and how much the descriptors and RSS of the nodes never killed grew
-from the first sample after --warmup s to the last (flat: a few descriptors
+from the first sample after --warmup s (70: one cut and one kill later) to
+the last (flat: a few descriptors
 and MiB at most).
 
 examples (from the repository root, as root):
@@ -76,9 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cut-every", type=float, default=90.0)
     p.add_argument("--cut-for", type=float, default=20.0)
     p.add_argument("--sample-every", type=float, default=10.0)
-    p.add_argument("--warmup", type=float, default=30.0,
-                   help="seconds before the descriptor / RSS baseline (30: the reading "
-                        "node's shared peer extents fill up first)")
+    p.add_argument("--warmup", type=float, default=70.0,
+                   help="seconds before the descriptor / RSS baseline (70: after the first "
+                        "cut and the first kill, which make the reading node's processes "
+                        "open connections they had not needed, and after its shared peer "
+                        "extents filled up)")
     p.add_argument("--peer-timeout", type=float, default=2.0)
     return p.parse_args(argv)
 
