@@ -30,6 +30,10 @@ make it: remote / local is measured per round (same round, same pinning) and
 printed as min/median/max, with the holder's CPU per sample it served
 (utime + stime of its processes from /proc/PID/stat, over the samples read).
 
+--net (issue 33 item 2): the remote side's two daemons run in network namespaces
+of their own joined by a bridge (tests/netsim.py), each link shaped to 10 Gbit/s
+(and 50 us one way where the kernel has netem); as root.
+
 Target (issue #3): remote/local files/s >= 0.7; with --pin (issue 33) >= 0.8.
 
 examples (from the repository root, as root):
@@ -37,6 +41,7 @@ examples (from the repository root, as root):
   .venv/bin/python bench/pool_read.py --files 20000 --rounds 3
   .venv/bin/python bench/pool_read.py --files 64 --file-size 16M --rounds 5
   .venv/bin/python bench/pool_read.py --files 2000 --rounds 5 --pin
+  .venv/bin/python bench/pool_read.py --files 2000 --rounds 3 --pin --net --workers 8
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -82,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--reader-cpu (issue 33's set-up)")
     p.add_argument("--holder-cpu", type=int, default=1, help="with --pin (default 1)")
     p.add_argument("--reader-cpu", type=int, default=0, help="with --pin (default 0)")
+    p.add_argument("--net", action="store_true",
+                   help="the remote side over network namespaces on 10 Gbit/s links")
     args = p.parse_args(argv)
     if args.quick:
         args.files = max(100, args.files // 10)
@@ -104,13 +112,25 @@ def pinned(cpu: int | None):
 
 
 _PIN: dict[str, int | None] = {"holder": None, "reader": None}
+_NET: list = []  # the netsim.Network of --net, once made
+
+
+@contextlib.contextmanager
+def in_node(index: int):
+    """The block in node `index`'s namespace with --net; as it is without."""
+    if not _NET:
+        yield
+        return
+    with _NET[0].inside(index):
+        yield
 
 
 @contextlib.contextmanager
 def mounted_on(cpu: int | None, *args, **kwargs):
     """mounted(), the daemon started (and so its processes and threads) on `cpu`."""
+    node = kwargs.pop("node", 0)
     ctx = mounted(*args, **kwargs)
-    with pinned(cpu):
+    with pinned(cpu), in_node(node):
         mp = ctx.__enter__()
     try:
         yield mp
@@ -132,13 +152,17 @@ def local_side(store: Path, work: Path, extra: list[str]):
 
 @contextlib.contextmanager
 def remote_side(store: Path, work: Path, extra: list[str]):
-    ports = free_ports(2)
-    nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    if _NET:
+        net = _NET[0]
+        nodes = f"reader={net.address(0)}:7470,holder={net.address(1)}:7470"
+    else:
+        ports = free_ports(2)
+        nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
     secret = write_secret(work / "secret")
     common = ["--nodes", nodes, "--replicas", "2", "--secret-file", str(secret), *extra]
     with mounted_on(_PIN["holder"], store, work / "mnt-holder",
                  ["--cache-dir", str(work / "cache-holder"), "--node", "holder", *common],
-                 work / "holder.log") as holder, \
+                 work / "holder.log", node=1) as holder, \
          mounted_on(_PIN["reader"], store, work / "mnt-reader",
                  ["--cache-dir", str(work / "cache-reader"), "--node", "reader",
                   "--cache-limit", "1", *common], work / "reader.log") as reader:
@@ -201,6 +225,25 @@ def main(argv: list[str] | None = None) -> int:
     extra = args.mount_args.split()
     if args.pin:
         _PIN.update(holder=args.holder_cpu, reader=args.reader_cpu)
+    with contextlib.ExitStack() as stack:
+        if args.net:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            import netsim
+
+            if netsim.unavailable():
+                print(f"--net: {netsim.unavailable()}", file=sys.stderr)
+                return 2
+            net = stack.enter_context(netsim.Network(2))
+            for i in range(2):
+                net.shape(i, "10gbit")
+            _NET.append(net)
+            print("remote side over network namespaces, 10 Gbit/s links"
+                  + (f" (no delay: {netsim.netem_missing()})" if netsim.netem_missing() else
+                     ", 50 us one way"))
+        return _run(args, extra)
+
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
     with workdir(args.workdir, args.keep, "pool-read") as work:
         summary = generate_tree(work / "src", args.files, args.file_size, seed=1)
         paths = [str(p.relative_to(work / "src")) for p in summary.paths]
