@@ -39,8 +39,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="daemon CPU us per sample read from its own NVMe copy (measured)")
     p.add_argument("--remote-us", type=float, default=282.0,
                    help="reading daemon CPU us per sample fetched from a peer (measured)")
-    p.add_argument("--serve-us", type=float, default=275.0,
-                   help="holder's peer server CPU us per sample served (measured; one thread)")
+    p.add_argument("--serve-us", type=float, default=170.0,
+                   help="holder daemon's CPU us per sample served (measured: bench/pool_read.py "
+                        "--pin, cold, median; 275 with one loop before issue 33)")
+    p.add_argument("--serve-cores", type=float, default=1.0,
+                   help="cores the peer server keeps busy (default 1: its loops share one "
+                        "GIL; on one core they saturate at 2 loops, bench/peer_serve.py; "
+                        "more than one core is unmeasured)")
     p.add_argument("--placement-ns", type=float, default=55.0,
                    help="owners() ns per (chunk, node) cell at mount (measured)")
     p.add_argument("--manifest-bytes", type=float, default=73.0,
@@ -106,7 +111,7 @@ def predict(a: argparse.Namespace, n: int, locality: bool = False) -> Prediction
     # the pool, every chunk staged: the slowest of the node's resources, the busiest node
     cpu = per_node_files * ((1 - remote) * a.local_us + remote * a.remote_us) / 1e6
     pool_cpu = cpu / a.daemon_cores
-    pool_serve = per_node_files * remote * a.serve_us / 1e6 * imbalance  # one thread
+    pool_serve = per_node_files * remote * a.serve_us / 1e6 * imbalance / a.serve_cores
     pool_net = per_node_files * remote * size / a.net * imbalance
     # random order: a node's own reads plus what it serves, so the busiest node's share;
     # locality: each node reads an even quota of the epoch from the copies it holds

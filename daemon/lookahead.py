@@ -17,8 +17,8 @@ the look-ahead, not the other way round):
   PeerShare, where the reader that wants it finds it (marked PEER_AHEAD, for
   the hit count); an owner that has not staged it answers MISS and stages the
   chunk next. Staged nowhere: the readers would go to the store anyway, so it
-  is read ahead as below. The node's peer clients of this process are shared
-  by the fetch threads, so these fetches go one at a time;
+  is read ahead as below. Each fetch thread has peer clients of its own
+  (ChunkPool), so these fetches go in parallel, one per thread;
 - otherwise the store: the whole extent is read (one paced stream per thread
   with a throttled store) and checked against its checksum; the extent is
   then marked STORE_OK | AHEAD in the readers' shared state, so the reader
@@ -136,7 +136,6 @@ class LookAhead:
         self._demanded: set[tuple[int, int]] = set()  # this announcement's, sent once
         # chunks no owner peer had staged, and until when to believe it (it stages them)
         self._not_on_peers: dict[tuple[int, int], float] = {}
-        self._peer_lock = threading.Lock()  # this process's peer clients: one at a time
         self._by_name = {r.dataset.name.encode(): k for k, r in enumerate(namespace.readers)}
         entries = sum(int(r.directory.arrays["mode"].size) for r in namespace.readers)
         self.memory_limit = max(MIN_HELD_BYTES, HELD_BYTES_PER_ENTRY * entries)
@@ -481,10 +480,9 @@ class LookAhead:
         if self._not_on_peers.get((ds, chunk), 0.0) > time.monotonic():
             return None
         self._count(PEER_FETCHES)
-        with self._peer_lock:
-            fetched = self.pool.share.prefetch(
-                extent_key(ds, ext), self.pool.fetch, ds, chunk, int(reader.ext_offsets[ext]),
-                int(reader.ext_lengths[ext]), int(reader.ext_checksums[ext]))
+        fetched = self.pool.share.prefetch(
+            extent_key(ds, ext), self.pool.fetch, ds, chunk, int(reader.ext_offsets[ext]),
+            int(reader.ext_lengths[ext]), int(reader.ext_checksums[ext]))
         if fetched is None:  # its owner stages it now (a MISS asks it to): ask again later
             self._not_on_peers[(ds, chunk)] = time.monotonic() + NOT_ON_PEERS_SECONDS
             return None

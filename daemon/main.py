@@ -449,13 +449,18 @@ class Services:
                                  store_rate=config.store_bandwidth, replicas=self.replicas)
             pool.set_stager(self.stager.will_stage)
             if len(pool.view.nodes) > 1:
-                from dlfsd.pool.peerserver import PeerLoopServer, connection_slots
+                from dlfsd.pool.peerserver import (
+                    PeerLoopServer,
+                    connection_slots,
+                    serve_threads,
+                )
 
                 self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
                                              max_connections=connection_slots(
                                                  len(pool.view.nodes), config.workers),
                                              trusted=node_addresses(pool.view.nodes),
-                                             verify_served=config.verify_served)
+                                             verify_served=config.verify_served,
+                                             threads=serve_threads())
             if config.scrub_rate:
                 from dlfsd.pool.scrub import Scrubber
 

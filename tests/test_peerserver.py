@@ -22,7 +22,7 @@ from pagecache import drop_pages, missing_pages, require
 from dlfs.store.format import checksum
 from dlfsd.pool import protocol
 from dlfsd.pool.peer import PeerMiss, PeerRefused, PeerUnavailable
-from dlfsd.pool.peerserver import PeerLoopServer
+from dlfsd.pool.peerserver import PeerLoopServer, serve_threads
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.throttle import TokenBucket
 
@@ -90,10 +90,14 @@ class Provider:
         self.served_ok = True
 
 
-@pytest.fixture
-def server(tmp_path):
+@pytest.fixture(params=["1 loop", "3 loops, sendfile"])
+def server(tmp_path, request):
+    """Every test against the one-loop server, and against three loops (connections
+    handed from the first to the others) answering cached READs with sendfile."""
     provider = Provider(tmp_path)
-    s = PeerLoopServer(SECRET, provider, "server", handshake_timeout=1.0)
+    several = request.param != "1 loop"
+    s = PeerLoopServer(SECRET, provider, "server", handshake_timeout=1.0,
+                       threads=3 if several else 1, sendfile=several)
     s.port = s.start("127.0.0.1", 0)
     yield s
     s.stop()
@@ -579,3 +583,52 @@ def test_a_flood_of_failed_handshakes_is_logged_as_summaries(server, caplog):
                                  "(e.g. 127.0.0.1)")
     assert "protocol error before the handshake" in summaries[1]
     assert len(lines()) == 4, lines()  # nothing else: not a line per attempt
+
+
+# -- several loops ------------------------------------------------------------------------------
+def test_a_busy_loop_does_not_hold_up_the_other_loops_peers(tmp_path):
+    """Connections are handed to the loops in turn: while one loop is stuck in a slow
+    provider call (a copy being opened on a busy disk), a peer on another loop is served."""
+    gate = threading.Event()
+
+    class SlowChunkOne(Provider):
+        def staged_file(self, dataset_id, chunk):
+            if chunk == 1:
+                gate.wait(10)
+            return super().staged_file(dataset_id, chunk)
+
+    provider = SlowChunkOne(tmp_path)
+    server = PeerLoopServer(SECRET, provider, "server", threads=2)
+    port = server.start("127.0.0.1", 0)
+    stuck = BlockingPeerClient(SECRET, "stuck", "127.0.0.1", port, timeout=5)
+    other = BlockingPeerClient(SECRET, "other", "127.0.0.1", port, timeout=5)
+    try:
+        assert stuck.read(DATASET, 0, 0, 10) == CHUNKS[0][:10]  # the first loop's peer
+        got = []
+        waiting = threading.Thread(target=lambda: got.append(stuck.read(DATASET, 1, 0, 7)))
+        waiting.start()
+        time.sleep(0.2)  # the first loop is in staged_file now
+        started = time.monotonic()
+        assert other.read(DATASET, 0, 4096, 100_000) == CHUNKS[0][4096:104_096]
+        assert time.monotonic() - started < 2.0 and not got
+        gate.set()
+        waiting.join(5)
+        assert got == [CHUNKS[1]]
+        assert server.counters()["connections_open"] == 2
+    finally:
+        gate.set()
+        stuck.close()
+        other.close()
+        server.stop()
+        provider.close()
+
+
+def test_serve_threads_follows_the_cores_the_daemon_may_use():
+    """Sized as the FUSE workers are: by the CPUs this process may run on, 4 to 8."""
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert serve_threads() == 4
+    finally:
+        os.sched_setaffinity(0, before)
+    assert serve_threads() == min(max(len(before), 4), 8)

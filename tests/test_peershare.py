@@ -207,3 +207,42 @@ def test_slots_follow_the_budget_within_bounds():
     finally:
         for s in (*shares, huge):
             s.close()
+
+
+def test_threads_of_one_process_prefetch_each_extent_once_and_never_tear_a_slot():
+    """Record locks are the process's: the look-ahead's fetch threads, prefetching in
+    parallel, must still fetch an extent once and fill each slot one at a time."""
+    import threading
+
+    share = PeerShare(64 << 10, wait=5.0, budget=MIN_SLOTS * (64 << 10))
+    in_flight: set[int] = set()
+    twice: list[int] = []  # keys fetched by two threads at once
+    gate = threading.Barrier(4)
+
+    def fetch(key: int) -> bytes:
+        if key in in_flight:
+            twice.append(key)
+        in_flight.add(key)
+        time.sleep(0.02)  # the other threads arrive while this fetch is under way
+        in_flight.discard(key)
+        return bytes([key % 251]) * (64 << 10)
+
+    def worker(offset: int) -> None:
+        gate.wait()
+        for i in range(3 * MIN_SLOTS):
+            key = extent_key(0, (i + offset) % (3 * MIN_SLOTS))
+            share.prefetch(key, fetch, key)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert twice == []
+        for ext in range(3 * MIN_SLOTS):  # whatever a slot holds is whole and its own
+            key = extent_key(0, ext)
+            data = share.copy_out(key, 0, 64 << 10, lasting=True)
+            assert data is None or data == bytes([key % 251]) * (64 << 10)
+    finally:
+        share.close()

@@ -11,10 +11,18 @@ reads them all once a second for `dlfs status` and `.dlfs/metrics`.
 
 Times are `time.monotonic()` seconds, the pool's own clock (CLOCK_MONOTONIC:
 the same in every process).
+
+`node_down` is one more shared array, one "skipped until" per node that every
+process reads and writes: a peer one worker found down (a partition: a read
+that ran into --peer-timeout) is skipped by the node's other processes at once,
+so a reader, whose reads land on any worker, pays one timeout and not one per
+worker (issue 33). `node_slow` likewise says until when the node's processes
+read from a peer's other owners first because its reads were slow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 import time
@@ -33,6 +41,8 @@ _MARKS_AT = 16  # the two counters (down marks, bad-copy marks) start here in a 
 
 class NullPeerMarks:
     """A pool that reports nowhere (tests, pools made outside a mount)."""
+
+    node_down = node_slow = None  # the pool keeps its own
 
     def down(self, node: int, until: float, why: str) -> None:
         pass
@@ -76,6 +86,9 @@ class PeerMarks:
                                   (nodes * _RECORD.size, _RECORD.size, 8))
         self._row = slot.index
         slot.on_change(self._use_row)
+        self._node_mm = mmap.mmap(-1, max(16, 16 * nodes))
+        both = np.ndarray((2, nodes), np.float64, self._node_mm)  # see the docstring
+        self.node_down, self.node_slow = both[0], both[1]
 
     def _use_row(self, index: int) -> None:
         self._row = index
@@ -140,3 +153,6 @@ class PeerMarks:
     def close(self) -> None:
         self._counts = None
         self._mm.close()
+        self.node_down = self.node_slow = None
+        with contextlib.suppress(BufferError):  # a pool holds the array: it goes with that
+            self._node_mm.close()

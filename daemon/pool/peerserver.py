@@ -1,12 +1,30 @@
-"""PeerLoopServer: the peer protocol served by one thread running a selector loop.
+"""PeerLoopServer: the peer protocol served by a few threads, each running a selector loop.
 
-The daemon's server. Why one thread and not one per connection: every
+The daemon's server. Why a few loops and not a thread per connection: every
 blocking call releases and re-takes the GIL, and with one thread per peer
 connection (a reader daemon opens one per worker process) the threads fought
 over it: strace showed ~36 futex calls per 110 KiB read served, and the
-server cost more CPU than the reads themselves. Here one thread owns every
+server cost more CPU than the reads themselves. Here a loop thread owns each
 connection with non-blocking sockets; a READ is answered as soon as its frame
-is complete (pread of a staged chunk, then one sendmsg of header + payload).
+is complete. `threads` loops (serve_threads(): one per core the daemon may run
+on, 4 to 8) share the connections: the first accepts and hands each new one
+to the next loop in turn. A loop spends most of a READ in system calls that
+release the GIL (receive, send, sendfile), so a second loop serves while the
+first is in the kernel: on one machine (bench/peer_serve.py) READs/s grows
+with the loops while there are cores for them.
+
+Zero copy (`sendfile=True`; off by default): a READ whose range is in the
+page cache (a non-blocking one-byte read of its first and last byte says so)
+and whose connection has nothing queued is answered with the frame head
+(MSG_MORE) and os.sendfile from the staged chunk file into the socket. What
+the socket does not take at once is read into memory and queued (no
+descriptor is kept past the call: an evicted copy's descriptor number may be
+reused). With --verify-served the bytes must be hashed, so they are read as
+before. Why off: over loopback (and so a veth pair) the receiver copies
+anyway, and bench/peer_serve.py measured 110 KiB READs at 62-70 us of server
+CPU with sendfile against 49-50 us copied (sendfile alone 53, the two probes
+the rest); a NIC that gathers from the page cache may turn that around, which
+nobody has measured yet.
 
 The wire protocol is docs/PROTOCOL.md (dlfsd.pool.protocol): the secret is proven
 both ways before anything else is answered, frames are capped at
@@ -16,9 +34,9 @@ server. Pipelined requests
 on one connection are answered in order; while a reply cannot be sent
 (the peer is not reading) that connection is not read either.
 
-A READ whose bytes are all in the page cache is answered at once (read
-without blocking into one reused buffer, then one sendmsg of head and
-payload). One that must wait for the disk goes to a small pool of disk
+A READ that cannot be sent that way, with its bytes in the page cache, is
+answered at once (read without blocking into one reused buffer, then one
+sendmsg of head and payload). One that must wait for the disk goes to a small pool of disk
 threads and the loop serves other peers meanwhile: waiting on each disk
 read in turn would serialize every peer's reads at a queue depth of one.
 
@@ -63,6 +81,38 @@ _GOODBYE = 1.0  # seconds a closing connection may take to read our last message
 REPORT_CHECKS_PER_SECOND = 10.0  # re-checks of reported ranges, all peers together
 REPORT_COOLDOWN = 2.0  # seconds a chunk just checked for a report is not checked again
 MIN_CONNECTIONS = 256
+MIN_THREADS, MAX_THREADS = 4, 8
+
+
+def serve_threads() -> int:
+    """Loop threads for a daemon's peer server, sized as the FUSE worker processes
+    are (dlfs.config): one per core it may run on (its CPU affinity, as a job step's
+    binding sets it), at least MIN_THREADS, at most MAX_THREADS. At least 4 even on
+    one core: a loop waits in its system calls, and on one CPU bench/peer_serve.py
+    served 2.3x the READs/s with 4 loops as with 1 (8 peers)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(MIN_THREADS, min(MAX_THREADS, cores))
+
+
+class _Locked:
+    """Calls into a shared object (admission, the handshake log) from several loop
+    threads, one at a time; attributes read through."""
+
+    def __init__(self, target, lock: threading.Lock) -> None:
+        self._target, self._lock = target, lock
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+        return locked
 STRANGER_MARGIN = 64  # slots beyond the job's own: strangers being refused, reconnects
 
 
@@ -143,10 +193,14 @@ class PeerLoopServer:
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
                  max_connections: int = MIN_CONNECTIONS, disk_threads: int = 4,
-                 trusted: frozenset[str] | None = None, verify_served: bool = False) -> None:
+                 trusted: frozenset[str] | None = None, verify_served: bool = False,
+                 threads: int = 1, sendfile: bool = False, _front: PeerLoopServer | None = None
+                 ) -> None:
         """`trusted`: the addresses of the job's nodes (None: treat every address so);
         see dlfsd.pool.admission for what strangers may do. `verify_served`: check
-        each extent the first time the current copy serves it."""
+        each extent the first time the current copy serves it. `threads`: loops
+        (serve_threads()). `sendfile`: answer cached READs with os.sendfile (see the
+        module's docstring for why it is off by default)."""
         self._secret = protocol.check_secret(secret)
         self.provider = provider
         self.node_name = node_name
@@ -161,8 +215,29 @@ class PeerLoopServer:
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
         self._readbuf = memoryview(bytearray(protocol.MAX_READ))  # and one read buffer
         self._nowait = HAVE_NOWAIT
-        self._disk = concurrent.futures.ThreadPoolExecutor(
-            disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
+        self._sendfile = sendfile and HAVE_NOWAIT and hasattr(os, "sendfile")
+        self._probe = bytearray(1)  # the one-byte reads that say a range is cached
+        self._incoming: collections.deque = collections.deque()  # handed over by the first loop
+        self._shards: list[PeerLoopServer] = [self]
+        self._lock = threading.Lock() if _front is None else _front._lock  # shared state
+        if _front is not None:  # another loop of the same server: share what is the server's
+            self.admission, self._refusals = _front.admission, _front._refusals
+            self.handshake_failures, self._disk = _front.handshake_failures, _front._disk
+        else:
+            self._disk = concurrent.futures.ThreadPoolExecutor(
+                disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
+            if threads > 1:
+                lock = self._lock
+                self.admission = _Locked(self.admission, lock)
+                self._refusals = _Locked(self._refusals, lock)
+                self.handshake_failures = _Locked(self.handshake_failures, lock)
+                self._shards += [PeerLoopServer(
+                    secret, provider, node_name, handshake_timeout=handshake_timeout,
+                    idle_timeout=idle_timeout, max_connections=max_connections,
+                    trusted=trusted, verify_served=verify_served, sendfile=sendfile,
+                    _front=self) for _ in range(threads - 1)]
+        self._front = _front
+        self._next_shard = 0
         self._finished: collections.deque = collections.deque()  # disk reads done
         self._checked: collections.deque = collections.deque()  # reports checked
         self.verify_served = verify_served
@@ -179,7 +254,8 @@ class PeerLoopServer:
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self, host: str, port: int) -> int:
-        """Bind and listen now (errors raise here), serve in a thread; returns the port."""
+        """Bind and listen now (errors raise here), serve in `threads` threads; returns
+        the port."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -191,30 +267,50 @@ class PeerLoopServer:
             listener.close()
             raise
         self._listener = listener
+        bound = listener.getsockname()[1]
+        for index, shard in enumerate(self._shards):
+            shard._listener = listener
+            shard._start_loop(f"{bound}.{index}")
+        log.info("peer server of %s listening on %s:%d (%d loop threads)", self.node_name,
+                 host, bound, len(self._shards))
+        return bound
+
+    def _start_loop(self, name: str) -> None:
+        """Every loop accepts (whichever is free first: a loop stuck on a slow disk
+        call must not keep peers from connecting) and hands the connection to the
+        next loop in turn."""
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)  # a full pipe means a wake-up is pending anyway
-        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        bound = listener.getsockname()[1]
         self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"dlfsd.pool.peer server {bound}")
+                                        name=f"dlfsd.pool.peer server {name}")
         self._thread.start()
-        log.info("peer server of %s listening on %s:%d", self.node_name, host, bound)
-        return bound
 
     def stop(self) -> None:
-        """Stop accepting and drop every connection; returns once the loop has ended."""
-        self._stopping = True
-        if self._wake_w is not None:
-            with contextlib.suppress(OSError):
-                self._wake_w.send(b"x")
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        """Stop accepting and drop every connection; returns once the loops have ended."""
+        for shard in self._shards:
+            shard._stopping = True
+            if shard._wake_w is not None:
+                with contextlib.suppress(OSError):
+                    shard._wake_w.send(b"x")
+        for shard in self._shards:
+            if shard._thread is not None:
+                shard._thread.join(timeout=5)
+        if self._listener is not None:  # every loop has stopped watching it
+            self._listener.close()
 
     def counters(self) -> dict[str, int]:
-        return dict(self._counts)
+        """Every loop's counters, summed."""
+        if len(self._shards) == 1:
+            return dict(self._counts)
+        total = dict.fromkeys(self._COUNTERS, 0)
+        for shard in self._shards:
+            for name, value in list(shard._counts.items()):
+                total[name] += value
+        return total
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counts[name] += n
@@ -238,10 +334,13 @@ class PeerLoopServer:
         except Exception:
             log.exception("peer server of %s stopped by an unexpected error", self.node_name)
         finally:
-            self._disk.shutdown(wait=False, cancel_futures=True)
+            if self._front is None:
+                self._disk.shutdown(wait=False, cancel_futures=True)
+            while self._incoming:  # handed over, never watched
+                self._incoming.popleft().sock.close()
             for conn in list(self._conns.values()):
                 self._close(conn)
-            for sock in (self._listener, self._wake_r, self._wake_w):
+            for sock in (self._wake_r, self._wake_w):  # the listener: closed by stop()
                 if sock is not None:
                     sock.close()
             self._selector.close()
@@ -256,20 +355,35 @@ class PeerLoopServer:
                 log.warning("peer server: cannot accept a connection: %s", error)
                 return
             ip = plain_ip(address[0])
-            refused = self.admission.admit(ip, self._counts["connections_open"])
+            front = self._front or self
+            shards = front._shards
+            open_now = sum(shard._counts["connections_open"] for shard in shards)
+            refused = self.admission.admit(ip, open_now)
             if refused is not None:
                 self._count("connections_rejected")
                 self._refusals.refused(ip, refused)
                 sock.close()
                 continue
             self._count("connections_accepted")
-            self._count("connections_open")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, ip, _address(address), time.monotonic() + self.handshake_timeout,
                          protocol.ServerHandshake(self._secret, self.node_name))
-            self._conns[sock] = conn
-            self._watch(conn, selectors.EVENT_READ)
+            turn = front._next_shard  # (two loops taking the same turn: harmless)
+            front._next_shard = (turn + 1) % len(shards)
+            shard = shards[turn]
+            if shard is self:
+                self._adopt(conn)
+            else:  # that loop watches it from now on
+                shard._incoming.append(conn)
+                with contextlib.suppress(OSError):
+                    shard._wake_w.send(b"c")
+
+    def _adopt(self, conn: _Conn) -> None:
+        """Watch a connection the first loop accepted (in the loop that serves it)."""
+        self._count("connections_open")
+        self._conns[conn.sock] = conn
+        self._watch(conn, selectors.EVENT_READ)
 
     def _sweep(self, now: float) -> None:
         self._refusals.flush()
@@ -400,6 +514,15 @@ class PeerLoopServer:
             self._send(conn, protocol.encode(reply))
             return
         fd, pos = staged[0], staged[1] + offset
+        if self._sendfile and check is None and not conn.out and length:
+            try:
+                cached = self._range_cached(fd, pos, length)
+            except OSError as error:
+                self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
+                return
+            if cached:
+                self._send_file(conn, request_id, chunk, dataset_id, fd, pos, length)
+                return
         # A copy cut short is caught by the reads themselves: a short non-blocking read
         # goes to a disk thread, whose exact read fails (no fstat per request).
         with self._readbuf[:length] as view:
@@ -453,7 +576,13 @@ class PeerLoopServer:
 
     def _report_allowed(self, bad: BadRange) -> bool:
         """One check per chunk per REPORT_COOLDOWN (a reading node's workers each report
-        the same copy), and REPORT_CHECKS_PER_SECOND in all."""
+        the same copy), and REPORT_CHECKS_PER_SECOND in all (every loop's: the first
+        loop's records)."""
+        front = self._front or self
+        with front._lock:
+            return front._report_allowed_locked(bad)
+
+    def _report_allowed_locked(self, bad: BadRange) -> bool:
         now = time.monotonic()
         key = (bad.dataset_id, bad.chunk)
         if self._reported.get(key, 0.0) > now - REPORT_COOLDOWN:
@@ -529,6 +658,67 @@ class PeerLoopServer:
             self._nowait = False
             return False
 
+    def _range_cached(self, fd: int, pos: int, length: int) -> bool:
+        """Whether the first and the last byte of a range are in the page cache (a
+        non-blocking one-byte read of each): a staged copy is written or read whole,
+        so its middle is then too; if not, sendfile reads it from the disk, in this
+        loop. False past the end of the file (a copy cut short: the disk thread's exact
+        read says so)."""
+        probe = self._probe
+        try:
+            return os.preadv(fd, [probe], pos + length - 1, os.RWF_NOWAIT) == 1 \
+                and (length == 1 or os.preadv(fd, [probe], pos, os.RWF_NOWAIT) == 1)
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._sendfile = self._nowait = False
+            return False
+
+    def _send_file(self, conn: _Conn, request_id: int, chunk: int, dataset_id: bytes,
+                   fd: int, pos: int, length: int) -> None:
+        """A DATA reply straight from the staged file: the head (MSG_MORE: it leaves
+        with the first bytes), then sendfile. Whatever the socket does not take now is
+        read and queued: no descriptor is kept for later."""
+        head = protocol.data_frame_head(request_id, length)
+        try:
+            sent = conn.sock.send(head, socket.MSG_MORE)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(head):  # no room in the socket: the copying way
+            try:
+                payload = _pread_exact(fd, length, pos)
+            except OSError as error:
+                if sent:  # a partial head is out: nothing else can follow on this connection
+                    raise
+                self._read_failed(conn, request_id, chunk, dataset_id, error, fd)
+                return
+            self._count("reads_served")
+            self._count("bytes_served", length)
+            self._send(conn, head[sent:], payload)
+            return
+        self._count("reads_served")  # before the bytes leave: a peer may look at once
+        self._count("bytes_served", length)
+        try:
+            done = os.sendfile(conn.sock.fileno(), fd, pos, length)
+        except BlockingIOError:
+            done = 0
+        if done < length:  # the socket is full (or the copy ends early: raises, closes)
+            try:
+                self._send(conn, _pread_exact(fd, length - done, pos + done))
+            except OSError as error:
+                # The head promised `length` bytes: the peer sees the connection end.
+                self._count("read_errors")
+                with contextlib.suppress(Exception):
+                    self.provider.staged_copy_failed(dataset_id, chunk, fd)
+                log.error("peer %s: staged chunk %d of dataset %s failed while being sent: "
+                          "%s; closing the connection", conn.peer, chunk, dataset_id.hex(),
+                          error)
+                self._close(conn)
+        else:
+            conn.deadline = time.monotonic() + self.idle_timeout
+
     def _serve(self, conn: _Conn, request_id: int, payload) -> None:
         """Send a DATA reply. If part of the reused read buffer must wait in the queue
         (the peer is slow to read), that part is copied: the next read overwrites it."""
@@ -550,6 +740,8 @@ class PeerLoopServer:
         with contextlib.suppress(OSError):
             while self._wake_r.recv(4096):
                 pass
+        while self._incoming:
+            self._adopt(self._incoming.popleft())
         while self._checked:
             self._report_checked(*self._checked.popleft())
         while self._finished:

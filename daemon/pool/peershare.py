@@ -31,6 +31,11 @@ How: everything lives in memory made before the workers fork.
   peers again, one process after the other).
 * Counters per process (rows, as in dlfsd.obs.stats), summed on reading.
 
+Record locks belong to a process: two threads of one process (the look-ahead's
+fetch threads, which prefetch in parallel) would both get the same lock. So a
+process's threads also take one in-process lock around filling or copying a
+slot, and `prefetch` keeps the extents its threads are fetching in a set.
+
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -106,6 +112,8 @@ class PeerShare:
         self._index[:] = -1
         self._locks = os.memfd_create("dlfs-peer-share", os.MFD_CLOEXEC)
         self._scratch: memoryview | None = None  # per process: hits handed to a worker
+        self._inproc = threading.Lock()  # this process's threads, one slot at a time
+        self._fetching: set[int] = set()  # extents this process's threads prefetch now
 
     def close(self) -> None:
         self._keys = self._lengths = self._used = self._wanted = None
@@ -159,18 +167,28 @@ class PeerShare:
         that fetch) or no slot was free, None when no peer served it (the caller reads
         it elsewhere)."""
         held = self._slot_length(key)
-        if held or not self._try_lock(FETCH_LOCKS + key, exclusive=True):
+        if held:
             return held
+        with self._inproc:
+            if key in self._fetching:  # another thread of ours fetches it
+                return 0
+            self._fetching.add(key)
         try:
-            held = self._slot_length(key)  # its fetch ended between our look and the lock
-            if held:
-                return held
-            whole = fetch(*args)
-            if whole is None:
-                return None
-            return len(whole) if self.store(key, whole) else 0
+            if not self._try_lock(FETCH_LOCKS + key, exclusive=True):
+                return 0
+            try:
+                held = self._slot_length(key)  # its fetch ended between our look and the lock
+                if held:
+                    return held
+                whole = fetch(*args)
+                if whole is None:
+                    return None
+                return len(whole) if self.store(key, whole) else 0
+            finally:
+                self._unlock(FETCH_LOCKS + key)
         finally:
-            self._unlock(FETCH_LOCKS + key)
+            with self._inproc:
+                self._fetching.discard(key)
 
     def _wait_for_fetch(self, key: int) -> bool:
         """Wait until the process fetching `key` is done (or died: its lock goes with it),
@@ -208,6 +226,10 @@ class PeerShare:
         slot = int(self._index[_spot(key, INDEX)])
         if slot < 0 or self._keys[slot] != key:
             return None
+        with self._inproc:
+            return self._copy_out_locked(key, slot, rel, length, lasting)
+
+    def _copy_out_locked(self, key: int, slot: int, rel: int, length: int, lasting: bool):
         if not self._try_lock(slot, exclusive=False):
             return None
         try:
@@ -232,6 +254,10 @@ class PeerShare:
         length = len(data)
         if length > self.slot_size or self.copy_slot(key) >= 0:
             return False
+        with self._inproc:
+            return self._store_locked(key, data, length)
+
+    def _store_locked(self, key: int, data, length: int) -> bool:
         for slot in np.argsort(self._used)[:4].tolist():  # empty slots first (used 0)
             if not self._try_lock(slot, exclusive=True):
                 continue

@@ -4,7 +4,16 @@ Placement says which nodes own each chunk; this node's ChunkCaches hold the
 copies it staged; BlockingPeerClients reach the other owners. The reader asks the
 pool for a remote extent, and the pool tries the owners in placement order,
 skipping peers marked down, checking every byte against the manifest
-checksum; a peer that times out or refuses is skipped for DOWN_SECONDS.
+checksum; a peer that times out or refuses is skipped for DOWN_SECONDS, by
+every process of the node (PeerMarks.node_down: a partitioned peer costs a
+reader one --peer-timeout, not one per worker process); after that one read
+of one process tries it again while the others still skip it. A peer whose
+reads are slow (1% loss, a 10 Mbit/s link: a read slower than SLOW_FLOOR +
+bytes / SLOW_RATE counts as slow, and SLOW_SHARE of its recent reads, by a
+moving average, make the peer slow) is asked last, after the chunk's other
+live owners, for SLOW_SECONDS, by every process of the node; it still serves
+where it is the only owner left (the store is not known to be faster). `dlfs
+status` names the peer and why.
 A peer whose bytes of a chunk fail their checksum has a bad copy of that
 chunk (a flipped bit on its NVMe; the protocol itself is authenticated and
 length-checked): only that chunk is read elsewhere while the peer keeps
@@ -25,6 +34,9 @@ it is first served (--verify-served), a copy the scrub reads.
 
 Peer clients are blocking (dlfsd.pool.peersync: the worker processes serve
 one request at a time); forked workers call `after_fork` and open their own.
+Another thread of a process (the look-ahead's fetch threads) gets clients of
+its own, with buffers of their own, so its fetches go in parallel with the
+other threads' rather than one at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +76,9 @@ STARTING_DOWN_SECONDS = 0.5
 BAD_COPY_SECONDS = 60.0
 REPORTED_BAD_SECONDS = 2.0  # the peer re-stages a reported copy at once: look again soon
 REPORTS_PER_SECOND, REPORT_BURST = 2.0, 5  # per process: a rotting disk costs peers little
+SLOW_FLOOR, SLOW_RATE = 0.01, 8e6  # s, bytes/s: a 110 KiB read over 24 ms is slow
+SLOW_SHARE, SLOW_WEIGHT = 0.3, 0.125  # moving average of slow reads that marks a peer slow
+SLOW_SECONDS = 30.0
 _NO_MARK = (0.0, 0)
 
 
@@ -93,8 +109,16 @@ class ChunkPool:
         self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
         self._will_stage = lambda ds, chunk: bool(self.owned[ds][chunk])  # see set_stager
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
-        self._clients: dict[int, BlockingPeerClient] = {}
+        self._clients: dict[int, BlockingPeerClient] = {}  # the process's main thread's
+        self._owner = threading.get_ident()  # that thread (see _client)
+        self._threads = threading.local()  # other threads' clients
+        self._thread_clients: list[BlockingPeerClient] = []  # all of those, to close
         self._down_until: dict[int, float] = {}
+        # Skipped until, per node, for every process (PeerMarks.node_down once report_to
+        # gave one; this process's own until then).
+        self._node_down = np.zeros(len(view.nodes), np.float64)
+        self._node_slow = np.zeros(len(view.nodes), np.float64)  # asked last until
+        self._slow: dict[int, float] = {}  # node -> moving average of slow reads (0..1)
         self.started = time.monotonic()  # the mount's start (see STARTUP_SECONDS)
         self._answered: set[int] = set()  # peers that answered a read of this process
         self._starting_logged: set[int] = set()
@@ -123,6 +147,8 @@ class ChunkPool:
         """Note the peer each read tries in `requests` (the stall detector) and every
         peer mark in `marks` (shared memory: each process's marks are its own)."""
         self.requests, self.marks = requests, marks
+        if marks.node_down is not None:
+            self._node_down, self._node_slow = marks.node_down, marks.node_slow
 
     def scan_caches(self, limit: int = 0) -> int:
         """Adopt chunks staged by an earlier mount; returns how many are kept.
@@ -170,11 +196,15 @@ class ChunkPool:
     def after_fork(self) -> None:
         """In a forked worker: drop the parent's client objects and peer health."""
         self._clients = {}
+        self._slow = {}
+        self._owner = threading.get_ident()
+        self._threads = threading.local()
+        self._thread_clients = []
         self._down_until = {}
         self._bad_copies = {}
 
     def close(self) -> None:
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._thread_clients]:
             client.close()
         for cache in self.caches:
             cache.close()
@@ -192,11 +222,15 @@ class ChunkPool:
         dataset_id = self.datasets[ds].uuid
         for node in self._live_owners(ds, chunk):
             self.requests.waiting(WAIT_PEER, node)
+            started = time.monotonic()
             try:
                 data = self._client(node).read(dataset_id, chunk, offset, length)
             except PeerError as err:
                 self._peer_failed(node, err)
                 continue
+            took = time.monotonic() - started
+            if took > SLOW_FLOOR + length / SLOW_RATE or node in self._slow:
+                self._timed(node, took, length)
             if self._accept(node, ds, chunk, data, length, expected):
                 return data
             if len(data) == length:  # a bad copy there: tell it
@@ -206,16 +240,54 @@ class ChunkPool:
         return None
 
     def _live_owners(self, ds: int, chunk: int):
-        """The other owners of a chunk in placement order, skipping peers marked down."""
+        """The other owners of a chunk in placement order, skipping peers marked down
+        (by any process of the node); slow ones last."""
         now = time.monotonic()
         bad = self._bad_copies
-        return (n for n in self.remote_owners[ds][chunk] if self._down_until.get(n, 0.0) <= now
+        down = self._node_down
+        owners = self.remote_owners[ds][chunk]
+        if len(owners) > 1:
+            slow = self._node_slow
+            if any(slow[n] > now for n in owners):
+                owners = sorted(owners, key=lambda n: slow[n] > now)
+        return (n for n in owners if self._up(n, down, now)
                 and (not bad or bad.get((n, ds, chunk), _NO_MARK)[0] <= now))
+
+    def _up(self, node: int, down, now: float) -> bool:
+        """Not skipped now. A node-wide mark that has just run out is taken by the
+        first process that looks: it tries the peer, and the others keep skipping it
+        for as long as that read may take (one pays for a peer still cut off)."""
+        until = down[node]
+        if until > now:
+            return False
+        if until:
+            down[node] = now + self.peer_timeout + 1.0  # we try it; the others wait
+        return True
+
+    def _timed(self, node: int, took: float, length: int) -> None:
+        """A read from `node` took `took` s: keep the moving average of its slow reads
+        (only once one was slow); past SLOW_SHARE the peer is asked last."""
+        slow = took > SLOW_FLOOR + length / SLOW_RATE
+        share = self._slow.get(node, 0.0) * (1.0 - SLOW_WEIGHT) + SLOW_WEIGHT * slow
+        if share < 0.01:
+            self._slow.pop(node, None)
+            return
+        self._slow[node] = share
+        if share >= SLOW_SHARE:
+            self._slow.pop(node, None)  # measured afresh when it is asked again
+            why = (f"slow ({length >> 10} KiB in {took * 1e3:.0f} ms, {length / took / 1e6:.1f} "
+                   f"MB/s; {share:.0%} of its recent reads slow)")
+            log.warning("peer %s %s; reading from the other owners first for %.0f s",
+                        self.view.nodes[node].name, why, SLOW_SECONDS)
+            self._node_slow[node] = until = time.monotonic() + SLOW_SECONDS
+            self.marks.down(node, until, why)
 
     def _peer_failed(self, node: int, err: PeerError) -> None:
         """A miss just means "not staged there"; anything else marks the peer down (for
         a moment only if it looks like a daemon not up yet)."""
-        if isinstance(err, PeerMiss):
+        if isinstance(err, PeerMiss):  # it answered: usable again by the node's processes
+            if self._node_down[node]:
+                self._node_down[node] = 0.0
             return
         if isinstance(err, PeerUnreachable) and node not in self._answered \
                 and time.monotonic() - self.started < STARTUP_SECONDS:
@@ -225,6 +297,7 @@ class ChunkPool:
                          "every %g s", self.view.nodes[node].name, err, STARTING_DOWN_SECONDS)
             until = time.monotonic() + STARTING_DOWN_SECONDS
             self._down_until[node] = until
+            self._node_down[node] = until
             self.marks.down(node, until, f"not up yet ({err})")
             return
         what = "unavailable" if isinstance(err, PeerUnavailable) else "refused a read"
@@ -243,6 +316,8 @@ class ChunkPool:
             self.share.count_fetch(len(data))
         if node not in self._answered:
             self._answered.add(node)
+        if self._node_down[node]:  # it answered: the node's processes may use it again
+            self._node_down[node] = 0.0
         if len(data) == length and checksum(data) == expected:
             if self._bad_copies:  # good again (re-staged there): forget its strikes
                 self._bad_copies.pop((node, ds, chunk), None)
@@ -266,20 +341,33 @@ class ChunkPool:
         self.marks.bad_copy(node, ds, chunk, until)
 
     def _client(self, node: int) -> BlockingPeerClient:
-        client = self._clients.get(node)
+        """This thread's client of `node`: the process's own in its main thread (one
+        shared receive buffer), one with a buffer of its own in any other thread."""
+        if threading.get_ident() == self._owner:
+            clients, own = self._clients, False
+        else:
+            clients = getattr(self._threads, "clients", None)
+            if clients is None:
+                clients = self._threads.clients = {}
+            own = True
+        client = clients.get(node)
         if client is None:
             peer = self.view.nodes[node]
             client = BlockingPeerClient(self.view.secret, self.view.me.name, peer.host,
                                         peer.port, timeout=self.peer_timeout,
-                                        alt_ports=peer.alt_ports)
-            self._clients[node] = client
+                                        alt_ports=peer.alt_ports, own_buffer=own)
+            clients[node] = client
+            if own:
+                self._thread_clients.append(client)
         return client
 
     def _mark_down(self, node: int, why: str) -> None:
+        """Skip `node` for DOWN_SECONDS, in every process of the node."""
         if self._down_until.get(node, 0.0) <= time.monotonic():
             log.warning("peer %s %s; using replicas or the store for %.0f s",
                         self.view.nodes[node].name, why, DOWN_SECONDS)
         self._down_until[node] = until = time.monotonic() + DOWN_SECONDS
+        self._node_down[node] = until
         self.marks.down(node, until, why)
 
     # -- ChunkProvider for the peer server ------------------------------------------------

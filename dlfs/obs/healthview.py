@@ -50,9 +50,11 @@ def _peer_lines(health: dict) -> list[str]:
     lines = []
     for p in health.get("peers", []):
         if p["down_processes"]:
+            slow = p["down_why"].startswith("slow")  # asked last, not skipped (dlfsd.pool.pool)
             lines.append(
-                f"{PROBLEM}peer {p['name']} is down for {_processes(p['down_processes'])}, "
-                f"skipped for {p['down_seconds_left']:.0f} s more: {p['down_why'] or '?'} "
+                f"{PROBLEM}peer {p['name']} is {'slow' if slow else 'down'} for "
+                f"{_processes(p['down_processes'])}, {'asked last' if slow else 'skipped'} for "
+                f"{p['down_seconds_left']:.0f} s more: {p['down_why'] or '?'} "
                 f"({p['down_marks']} time{'s' if p['down_marks'] != 1 else ''} since mount)")
         if p["bad_copy_processes"]:
             lines.append(

@@ -1,0 +1,201 @@
+"""A holder's peer server alone: READs of ~110 KiB answered per second, and its CPU per READ.
+
+No FUSE, no reading daemon: a PeerLoopServer in a process of its own (pinned to
+--holder-cpus) serves a staged chunk file (in the page cache, or dropped before
+each round with --cold) to --clients processes (pinned to --reader-cpu), each a
+BlockingPeerClient reading random --size ranges for --seconds. Printed per
+--threads value (the server's loop threads; issue 33 item 1 asks the curve for
+2, 4, 8): READs/s and the server process's CPU per READ (utime + stime from
+/proc/PID/stat), min/median/max over --rounds, and each value's READs/s over
+the first one's, measured in the same run.
+
+On one machine the holder's CPU includes the kernel's loopback delivery of its
+replies (softirq work charged to the sender), as a veth pair in a network
+namespace would; a real NIC takes some of that off the CPU.
+
+examples (from the repository root):
+  .venv/bin/python bench/peer_serve.py
+  .venv/bin/python bench/peer_serve.py --threads 1,2,4,8 --clients 8 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import time
+from pathlib import Path
+
+from _common import (
+    add_common_args,
+    drop_caches,
+    formatter,
+    median,
+    print_table,
+    run_main,
+    size_arg,
+    workdir,
+)
+
+SECRET = b"peer-serve-bench-secret-0123456789"
+DATASET = bytes(range(16))
+HEADER = 64
+
+
+class FileProvider:
+    """One staged chunk in a real file (the peer server's ChunkProvider)."""
+
+    def __init__(self, path: Path, length: int) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.length = length
+
+    def chunk_limit(self, dataset_id: bytes, chunk: int) -> int | None:
+        return self.length if dataset_id == DATASET and chunk == 0 else None
+
+    def staged_file(self, dataset_id: bytes, chunk: int) -> tuple[int, int] | None:
+        return self.fd, HEADER
+
+    def will_stage(self, dataset_id: bytes, chunk: int) -> bool:
+        return True
+
+    def check_copy(self, dataset_id, chunk, offset, length):
+        return False
+
+    def serve_check(self, dataset_id, chunk, offset, length):
+        return None
+
+    def served_checked(self, dataset_id, ext, gen) -> None:
+        pass
+
+    def staged_copy_failed(self, dataset_id, chunk, fd) -> bool:
+        return False
+
+
+def _serve(path: Path, length: int, threads: int, sendfile: bool, cpus: set[int], ready,
+           stop) -> None:
+    from dlfsd.pool.peerserver import PeerLoopServer
+
+    os.sched_setaffinity(0, cpus)
+    server = PeerLoopServer(SECRET, FileProvider(path, length), "holder", threads=threads,
+                            sendfile=sendfile)
+    ready.send(server.start("127.0.0.1", 0))
+    stop.recv()
+    ready.send(server.counters()["reads_served"])
+    server.stop()
+
+
+def _client(port: int, length: int, size: int, seconds: float, seed: int, cpu: int,
+            start, out) -> None:
+    from dlfsd.pool.peersync import BlockingPeerClient
+
+    os.sched_setaffinity(0, {cpu})
+    client = BlockingPeerClient(SECRET, f"reader{seed}", "127.0.0.1", port, timeout=10)
+    rng = random.Random(seed)
+    offsets = [rng.randrange(0, length - size) for _ in range(4096)]
+    client.read(DATASET, 0, 0, size)  # connected before the clock
+    start.wait()
+    reads, deadline, i = 0, time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        data = client.read(DATASET, 0, offsets[i & 4095], size)
+        if len(data) != size:
+            raise RuntimeError("short read")
+        reads += 1
+        i += 1
+    client.close()
+    out.put(reads)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_round(path: Path, length: int, threads: int, args) -> tuple[float, float]:
+    """(READs/s, server CPU us per READ) of one round."""
+    ctx = mp.get_context("fork")
+    ready, ready_child = ctx.Pipe()
+    stop_child, stop = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(path, length, threads, args.sendfile,
+                                              args.holder_cpus, ready_child, stop_child))
+    server.start()
+    clients = []
+    try:
+        port = ready.recv()
+        start, out = ctx.Event(), ctx.Queue()
+        clients = [ctx.Process(target=_client, args=(port, length, args.size, args.seconds,
+                                                     i, args.reader_cpu, start, out))
+                   for i in range(args.clients)]
+        for c in clients:
+            c.start()
+        time.sleep(0.5)  # every client connected
+        if args.cold:
+            drop_caches()
+        before = _cpu_seconds(server.pid)
+        start.set()
+        reads = sum(out.get(timeout=args.seconds + 30) for _ in clients)
+        cpu = _cpu_seconds(server.pid) - before
+        stop.send(None)
+        ready.recv()
+    finally:
+        for c in clients:
+            c.join(timeout=10)
+            if c.is_alive():
+                c.kill()
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
+    return reads / args.seconds, cpu * 1e6 / max(reads, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
+    add_common_args(p)
+    p.add_argument("--threads", default="1,2,4", help="server loop threads to compare "
+                   "(default 1,2,4)")
+    p.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
+    p.add_argument("--size", type=size_arg, default=110 << 10, help="bytes per READ (110K)")
+    p.add_argument("--seconds", type=float, default=5.0, help="per round (default 5)")
+    p.add_argument("--chunk", type=size_arg, default=64 << 20, help="staged file (64M)")
+    p.add_argument("--cold", action="store_true", help="drop the page cache each round")
+    p.add_argument("--sendfile", action="store_true",
+                   help="answer with os.sendfile (zero copy) instead of read + sendmsg")
+    p.add_argument("--holder-cpus", type=lambda t: {int(c) for c in t.split(",")},
+                   default={1}, help="CPUs of the server process (default 1)")
+    p.add_argument("--reader-cpu", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seconds = 1.0
+    counts = [int(t) for t in args.threads.split(",")]
+    with workdir(args.workdir, args.keep, "peer-serve") as work:
+        path = work / "chunk"
+        path.write_bytes(b"h" * HEADER + os.urandom(args.chunk))
+        results: dict[int, list[tuple[float, float]]] = {t: [] for t in counts}
+        for rnd in range(args.rounds):
+            for t in counts if rnd % 2 == 0 else counts[::-1]:
+                rate, cpu = one_round(path, args.chunk, t, args)
+                results[t].append((rate, cpu))
+                print(f"  round {rnd + 1} threads {t}: {rate:8,.0f} READs/s, server CPU "
+                      f"{cpu:5.0f} us/READ", flush=True)
+        base = median([r for r, _ in results[counts[0]]])
+        rows = []
+        for t in counts:
+            rates = [r for r, _ in results[t]]
+            cpus = [c for _, c in results[t]]
+            rows.append((t, _spread(rates), _spread(cpus), f"{median(rates) / base:.2f}"))
+        print_table(("threads", "READs/s min/med/max", "server CPU us/READ min/med/max",
+                     f"READs/s / {counts[0]} thread(s)"), rows,
+                    title=f"{args.clients} clients, {args.size} bytes per READ, "
+                          f"{'cold' if args.cold else 'hot'}, "
+                          f"{'sendfile' if args.sendfile else 'copied'}, server on CPUs "
+                          f"{sorted(args.holder_cpus)}, {args.rounds} rounds")
+    return 0
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):,.0f}/{median(values):,.0f}/{max(values):,.0f}"
+
+
+if __name__ == "__main__":
+    run_main(main)
