@@ -18,7 +18,7 @@ last RELEASE closes the id.
 The table also says how many of those opens may write. Through passthrough the daemon
 never sees a WRITE, so this count is what tells it that a file is being written: such
 a file is not drained before it is idle, and the union with the store
-(dlfsd.ckpt.tree) never replaces it by another node's newer copy (the writer's
+(dlfsd.ckpt.union) never replaces it by another node's newer copy (the writer's
 descriptor would keep writing an unlinked inode).
 """
 

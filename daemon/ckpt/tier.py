@@ -93,8 +93,6 @@ class Tier:
             raise DlfsError(f"checkpoint store {self.store} is already mounted on this node "
                             f"(its tier {self.root} is in use); unmount that mount first, or "
                             "use another --ckpt-store") from None
-        self.tree_bytes = os.fsencode(self.tree)
-        self.store_bytes = os.fsencode(self.store)
         #: The local tree and the store, reached only through these (dlfsd.ckpt.beneath):
         #: by descriptors, no symlink followed, as the job's user.
         self.local = Beneath(self.tree, self.creds,
