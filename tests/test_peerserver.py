@@ -623,8 +623,14 @@ def test_a_busy_loop_does_not_hold_up_the_other_loops_peers(tmp_path):
         provider.close()
 
 
-def test_serve_threads_follows_the_cores_the_daemon_may_use():
-    """Sized as the FUSE workers are: by the CPUs this process may run on, 4 to 8."""
+def test_serve_threads_one_unless_asked_and_auto_follows_the_cores(monkeypatch):
+    """One loop by default; DLFS_PEER_LOOPS=N asks for N (at most 8); `auto` sizes them
+    as the FUSE workers are: by the CPUs this process may run on, 4 to 8."""
+    monkeypatch.delenv("DLFS_PEER_LOOPS", raising=False)
+    assert serve_threads() == 1
+    monkeypatch.setenv("DLFS_PEER_LOOPS", "3")
+    assert serve_threads() == 3
+    monkeypatch.setenv("DLFS_PEER_LOOPS", "auto")
     before = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(before)})

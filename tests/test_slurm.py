@@ -729,9 +729,12 @@ def test_a_requeued_job_resumes_its_epoch_from_the_sampler_state_in_ckpt(site):
             _wait_for(site.out(f"{job}-half-rank{rank}"), site, job, timeout=120)
         site.cluster.scontrol("requeue", job)
         # A requeued job waits out a begin time (Slurm 22.05: about two minutes); the
-        # test need not: it starts as soon as its epilogs are done
-        deadline = time.monotonic() + 60
-        while site.cluster.job_state(job) != "PENDING" and time.monotonic() < deadline:
+        # test need not, once the first run's epilogs are done on every node (the
+        # requeued run mounts at the same paths the epilog unmounts and removes)
+        deadline = time.monotonic() + 120
+        while (site.cluster.job_state(job) != "PENDING"
+               or any("comp" in state for state in site.cluster.node_states().values())) \
+                and time.monotonic() < deadline:
             time.sleep(0.2)
         site.cluster.scontrol("update", f"jobid={job}", "starttime=now", check=False)
         assert site.cluster.wait_finished(job, timeout=300) == "COMPLETED", \
