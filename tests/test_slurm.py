@@ -679,6 +679,9 @@ base, job, node = Path(sys.argv[1]), os.environ["SLURM_JOB_ID"], os.environ["SLU
 run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 rank = int(os.environ["SLURM_PROCID"])
 mount = base / "mnt" / job / node
+deadline = time.monotonic() + 60  # a step may start before its node's mount answers
+while not (mount / "ds").is_dir() and time.monotonic() < deadline:
+    time.sleep(0.1)
 paths = sorted(str(p) for p in (mount / "ds").rglob("*") if p.is_file())
 sampler = DLFSSampler(paths, mount=mount, seed=7)
 state_file = mount / "ckpt" / "sampler.json"
@@ -730,15 +733,20 @@ def test_a_requeued_job_resumes_its_epoch_from_the_sampler_state_in_ckpt(site):
         site.cluster.scontrol("requeue", job)
         # A requeued job waits out a begin time (Slurm 22.05: about two minutes); the
         # test need not, once the first run's epilogs are done on every node (the
-        # requeued run mounts at the same paths the epilog unmounts and removes)
+        # requeued run mounts at the same paths the epilog unmounts and removes: its
+        # mount dirs gone, no mount or daemon left)
         deadline = time.monotonic() + 120
         while (site.cluster.job_state(job) != "PENDING"
-               or any("comp" in state for state in site.cluster.node_states().values())) \
-                and time.monotonic() < deadline:
+               or any("comp" in state for state in site.cluster.node_states().values())
+               or any(site.mount(job, node).exists() for node in SIM_NODES)
+               or site.leftovers()) and time.monotonic() < deadline:
             time.sleep(0.2)
+        time.sleep(1)  # slurmd reports the epilog's end a moment after it exits
         site.cluster.scontrol("update", f"jobid={job}", "starttime=now", check=False)
         assert site.cluster.wait_finished(job, timeout=300) == "COMPLETED", \
-            site.out(f"{job}.out").read_text()
+            site.out(f"{job}.out").read_text() + "".join(
+                site.log(job, n).read_text()[-3000:] for n in SIM_NODES
+                if site.log(job, n).exists())
         lines = [line for run in (0, 1) for rank in (0, 1)
                  for line in site.out(f"{job}-run{run}-rank{rank}.sums").read_text()
                  .splitlines()]
