@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import kill_and_reap, run_dlfs, wait_dead
+from test_ckpt_restart import flush, node, wait_for
 from test_lifecycle import _abort_fuse_connection
 
 
@@ -22,25 +23,6 @@ def small_store(tmp_path_factory, store_with):
     src = tmp_path_factory.mktemp("lastcopy-src")
     (src / "f").write_bytes(b"sample")
     return store_with(src, "ds", "64K")
-
-
-def node(mounted, store: Path, tmp: Path, name: str, *extra: str):
-    return mounted(store, "--cache-dir", str(tmp / f"cache-{name}"), "--ckpt-store",
-                   str(tmp / "ckstore"), *extra)
-
-
-def flush(mount, *args: str) -> None:
-    result = run_dlfs("flush", mount.path, *args, timeout=120)
-    assert result.returncode == 0, result.stderr
-
-
-def wait_for(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def drain_temporaries(store: Path) -> list[str]:
@@ -64,7 +46,7 @@ def test_a_requeued_jobs_stale_copy_never_rolls_the_store_back(mounted, small_st
     flush(a)
     v2 = os.urandom(6 << 20)
     (a.path / "ckpt" / "x").write_bytes(v2)
-    assert wait_for(lambda: drain_temporaries(store)), "the drain of v2 never started"
+    assert wait_for(lambda: drain_temporaries(store), 20), "the drain of v2 never started"
     kill_and_reap(a.pid)
     assert wait_dead(a.pid)
     run_dlfs("umount", a.path)  # the dead mount

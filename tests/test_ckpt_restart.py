@@ -36,10 +36,10 @@ def small_store(tmp_path_factory, store_with):
     return store_with(src, "ds", "64K")
 
 
-def node(mounted, store: Path, tmp: Path, name: str):
+def node(mounted, store: Path, tmp: Path, name: str, *extra: str):
     """A mount with its own node cache and the shared checkpoint store `tmp/ckstore`."""
     return mounted(store, "--cache-dir", str(tmp / f"cache-{name}"), "--ckpt-store",
-                   str(tmp / "ckstore"))
+                   str(tmp / "ckstore"), *extra)
 
 
 def flush(mount) -> None:

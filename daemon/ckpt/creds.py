@@ -126,11 +126,6 @@ class Creds:
                                               "(setfsuid failed)")
             local.checked = True
 
-    def call(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` under these credentials."""
-        with self:
-            return fn(*args, **kwargs)
-
     def describe(self) -> str:
         return f"uid {self.uid}, gid {self.gid}" if self.active else "the daemon's own"
 

@@ -727,17 +727,14 @@ def _extents_match(fd: int, check: sums.ExtentCheck | None, local: int | None) -
     """The bytes of `fd` pass `check`'s sums, or (without sums) equal those of `local`."""
     buf = bytearray(sums.EXTENT)
     view = memoryview(buf)
-    other = None if local is None else bytearray(sums.EXTENT)
+    other = None if local is None else memoryview(bytearray(sums.EXTENT))
     offset = index = 0
     while n := sums.read_full(fd, view, offset):
         if check is not None:
             if not check.matches(index, view[:n]):
                 return False
-        else:
-            m = sums.read_full(local, memoryview(other), offset)
-            if m != n or xxhash.xxh3_64_intdigest(view[:n]) != \
-                    xxhash.xxh3_64_intdigest(memoryview(other)[:m]):
-                return False
+        elif sums.read_full(local, other, offset) != n or view[:n] != other[:n]:
+            return False
         offset += n
         index += 1
     return True
