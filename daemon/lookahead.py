@@ -3,10 +3,17 @@
 A sampler (dlfs.sampler) registers its dataset's paths once and announces,
 at the start of each epoch, the order its rank will read them in
 (dlfs.orderwire). The daemon then fetches the samples' extents ahead of the
-readers, in that order, on `streams` threads of the control process, never
-more than `samples` samples or `nbytes` bytes ahead of the first sample the
-readers have not taken yet (back-pressure: readers that fall behind stop
-the look-ahead, not the other way round):
+readers, in that order, on threads of the control process, never more than
+`samples` samples or `nbytes` bytes ahead of the first sample the readers
+have not taken yet (back-pressure: readers that fall behind stop the
+look-ahead, not the other way round). How many samples it fetches at once
+(its width: with a parallel file system, its read streams) follows the
+readers: it starts at the low end of `streams` = (MIN, MAX) and opens more,
+up to MAX, while its fetches are what holds it back and the readers are
+close behind; it closes them again one by one while its window is full. More
+readers read faster, so a fixed width fell behind them (8 fetches kept epoch
+1 at 0.6-0.8 of the unannounced time with 8 DataLoader workers, 0.5 with 4).
+Per extent:
 
 - an extent whose chunk is staged on this node: its range of the staged copy
   is asked into the page cache (fadvise WILLNEED, asynchronous);
@@ -70,6 +77,11 @@ MAX_REGISTRATIONS = 32
 STALE_SECONDS = 60.0
 _TICK = 0.002  # seconds between scheduler passes when nothing changed
 _BATCH = 8  # samples per fetch task beyond the front of the window
+_ADJUST_SECONDS = 0.2  # how often the width follows the readers
+# A fetch slower than this (per sample) waits on its source (a store stream, a peer):
+# more fetches at once then go faster. Faster ones are the control process's CPU
+# (page-cache copies, WILLNEED), which more threads only contend for.
+SLOW_FETCH_SECONDS = 0.0005
 NOT_ON_PEERS_SECONDS = 1.0  # a chunk no owner had staged is read from the store this long
 # What registrations and streams may hold together, per entry of the mount: a
 # registration costs 10 B per sample, a stream 26 B, and one job's samplers hold
@@ -79,11 +91,11 @@ MIN_HELD_BYTES = 256 << 10  # a small mount still follows a few dozen epochs
 
 # Counters (int64, written by the control process only; read by `.dlfs/` renders).
 (ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
- FETCH_ERRORS, SKIPPED_PEER, PEER_FETCHES, PEER_BYTES) = range(10)
+ FETCH_ERRORS, SKIPPED_PEER, PEER_FETCHES, PEER_BYTES, WIDTH, WIDENED) = range(12)
 COUNTER_NAMES = ("announcements", "samples_prefetched", "bytes_prefetched",
                  "chunks_demanded", "streams_dropped_stale", "streams_dropped_full",
                  "fetch_errors", "extents_left_to_peers", "peer_fetches",
-                 "bytes_prefetched_from_peers")
+                 "bytes_prefetched_from_peers", "fetch_width", "fetch_width_grown")
 
 
 @dataclass
@@ -107,6 +119,7 @@ class _Stream:
     next: int = 0
     low: int = 0
     progress_at: float = field(default_factory=time.monotonic)
+    taken_at: float = float("-inf")  # when the readers last took a sample
 
 
 class LookAhead:
@@ -114,16 +127,18 @@ class LookAhead:
     counters are shared memory); `start` runs it in the control process."""
 
     def __init__(self, namespace: Namespace, pool=None, samples: int = 256,
-                 nbytes: int = 256 << 20, streams: int = 8, store_rate: int = 0,
-                 stale_seconds: float = STALE_SECONDS) -> None:
+                 nbytes: int = 256 << 20, streams: tuple[int, int] = (8, 32),
+                 store_rate: int = 0, stale_seconds: float = STALE_SECONDS) -> None:
         self.ns = namespace
         self.pool = pool
-        self.samples, self.nbytes, self.streams = samples, nbytes, streams
+        self.samples, self.nbytes = samples, nbytes
+        self.width = Width(*streams)
         self.store_rate = store_rate
         self.stale_seconds = stale_seconds
         self._flag_map = mmap.mmap(-1, 1)
         self._counter_map = mmap.mmap(-1, 8 * len(COUNTER_NAMES))
         self.counters = np.frombuffer(self._counter_map, np.int64)
+        self.counters[WIDTH] = self.width.now
         for reader in namespace.readers:
             reader.follow_lookahead(self._flag_map)
         self._states = [np.frombuffer(r.state_map, np.uint8) for r in namespace.readers]
@@ -150,7 +165,7 @@ class LookAhead:
         peer connections of its own, as a worker does)."""
         if self.pool is not None:
             self.pool.after_fork()
-        self._executor = ThreadPoolExecutor(self.streams, thread_name_prefix="lookahead")
+        self._executor = ThreadPoolExecutor(self.width.most, thread_name_prefix="lookahead")
         self._thread = threading.Thread(target=self._schedule, name="lookahead", daemon=True)
         self._thread.start()
 
@@ -337,7 +352,8 @@ class LookAhead:
                         "taken": s.low, "fetched": s.next} for s in self._streams.values()]
             held = self.held_bytes()
         return {"streams": streams, "counters": self.counter_dict(), "held_bytes": held,
-                "memory_limit": self.memory_limit}
+                "memory_limit": self.memory_limit, "width": self.width.now,
+                "width_bounds": [self.width.least, self.width.most]}
 
     def counter_dict(self) -> dict:
         return {name: int(v) for name, v in zip(COUNTER_NAMES, self.counters, strict=True)}
@@ -356,8 +372,11 @@ class LookAhead:
             busy = False
             for stream in streams:
                 busy |= self._advance(stream)
+            if self.width.follow(time.monotonic()):
+                self.counters[WIDTH], self.counters[WIDENED] = self.width.now, self.width.grown
             if not busy:
-                time.sleep(_TICK)
+                with self._lock:  # a finished fetch wakes it: its slot is free again
+                    self._lock.wait(_TICK)
 
     def _advance(self, s: _Stream) -> bool:
         """Move the window of one stream; True if it submitted work."""
@@ -366,24 +385,31 @@ class LookAhead:
         while low < s.next and self._taken(s, low):
             low += 1
         if low != s.low:
-            s.low, s.progress_at = low, now
+            s.low, s.progress_at, s.taken_at = low, now, now
         if s.low >= s.rows.size or now - s.progress_at > self.stale_seconds:
             self._drop(s, finished=s.low >= s.rows.size)
             return False
         submitted = False
         batch: list[tuple[int, int]] = []
+        width = self.width.now
         while (s.next < s.rows.size and s.next - s.low < self.samples
-               and s.ends[s.next] - s.ends[s.low] < self.nbytes
-               and self._inflight < 2 * self.streams):
+               and s.ends[s.next] - s.ends[s.low] < self.nbytes):
+            if self._inflight >= width:
+                # close behind: the readers are taking samples, less than half a window
+                # behind the look-ahead's front (before they read at all, no hurry)
+                self.width.note_held(close=s.next - s.low < self.samples // 2
+                                     and now - s.taken_at < _ADJUST_SECONDS)
+                break
             pos = s.next
             s.next += 1
             if self._taken(s, pos):
-                continue  # a reader got there first
+                self.width.note_held(close=True)  # a reader got there first
+                continue
             batch.append((int(s.ds[pos]), int(s.rows[pos])))
             # Near the readers one sample per task (they are needed first, in parallel);
             # further ahead a few per task: a task per sample costs the control process
             # more CPU than a warm page-cache read costs the reader.
-            if len(batch) >= (1 if s.next - s.low < 2 * self.streams else _BATCH):
+            if len(batch) >= (1 if s.next - s.low < 2 * width else _BATCH):
                 self._submit(batch)
                 batch, submitted = [], True
         if batch:
@@ -408,12 +434,16 @@ class LookAhead:
 
     # -- the fetch threads -----------------------------------------------------------
     def _fetch_batch(self, batch: list[tuple[int, int]]) -> None:
+        started = time.monotonic()
         try:
             for ds, row in batch:
                 self._fetch_sample(ds, row)
         finally:
+            spent = time.monotonic() - started
             with self._lock:
                 self._inflight -= 1
+                self.width.note_fetches(len(batch), spent)
+                self._lock.notify_all()
 
     def _fetch_sample(self, ds: int, row: int) -> None:
         try:
@@ -507,6 +537,60 @@ class LookAhead:
                 fd = open_chunk(reader.dataset.chunk_path(chunk), chunk, reader.dataset.uuid)
                 self._fds[(ds, chunk)] = fd
             return fd
+
+
+class Width:
+    """How many fetches the look-ahead runs at once, between `least` and `most`.
+
+    Growing is asked for by the scheduler when its fetches, not its window, hold it
+    back while the readers are close behind (less than half the window ahead, or a
+    reader took a sample before the look-ahead got to it): then the readers read the
+    store themselves, on their own streams, and the announcement buys little. It
+    grows only while fetches wait on their source (SLOW_FETCH_SECONDS per sample):
+    with the bytes in the page cache more threads would only take the readers' CPU. It
+    grows by half at most every _ADJUST_SECONDS (a few steps from 8 to 32), and
+    shrinks by one per period in which nothing held it back (the window was full):
+    the streams a parallel file system serves are shared, and a look-ahead that
+    keeps its lead needs no more. Written by the scheduler thread only.
+    """
+
+    def __init__(self, least: int, most: int) -> None:
+        if not 1 <= least <= most:
+            raise ValueError(f"look-ahead streams must be 1 <= MIN <= MAX, got {least}:{most}")
+        self.least, self.most, self.now = least, most, least
+        self.grown = self.shrunk = 0
+        self._held = self._close = False
+        self._samples, self._seconds = 0, 0.0
+        self._since = time.monotonic()
+
+    def note_fetches(self, samples: int, seconds: float) -> None:
+        """`samples` fetched in `seconds` by one thread (called under the look-ahead's
+        lock)."""
+        self._samples += samples
+        self._seconds += seconds
+
+    def note_held(self, close: bool) -> None:
+        """The fetches in flight (not the window) stopped the scheduler this pass."""
+        self._held = True
+        self._close |= close
+
+    def follow(self, now: float) -> bool:
+        """Once a period: grow, shrink or keep the width by what the period saw; True
+        when the width changed."""
+        if now - self._since < _ADJUST_SECONDS:
+            return False
+        was = self.now
+        waited = self._seconds >= SLOW_FETCH_SECONDS * max(1, self._samples)
+        if self._held and self._close and waited and self.now < self.most:
+            self.now = min(self.most, self.now + max(1, self.now // 2))
+            self.grown += 1
+        elif not self._held and self.now > self.least:
+            self.now -= 1
+            self.shrunk += 1
+        self._held = self._close = False
+        self._samples, self._seconds = 0, 0.0
+        self._since = now
+        return self.now != was
 
 
 def unknown_registration(handle) -> str:

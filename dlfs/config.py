@@ -70,7 +70,8 @@ class MountConfig:
     lookahead: bool = True  # listen for samplers' announcements (off: --lookahead 0)
     lookahead_samples: int = 256  # samples fetched ahead of the readers, at most
     lookahead_bytes: int = 256 << 20  # bytes fetched ahead, at most
-    lookahead_streams: int = 8  # fetches at once (threads; one paced store stream each)
+    # fetches at once, (MIN, MAX): the width follows the readers (one paced store stream each)
+    lookahead_streams: tuple[int, int] = (8, 32)
     lookahead_stale: float = 60.0  # seconds without a read before an announcement is dropped
 
     # -- the checkpoint tier (dlfsd.ckpt, docs/CKPT.md): needs cache_dir --
@@ -94,4 +95,6 @@ class MountConfig:
         data = json.loads(text)
         data["datasets"] = tuple(data.get("datasets", ()))
         data["nodes"] = tuple(data.get("nodes", ()))
+        if "lookahead_streams" in data:
+            data["lookahead_streams"] = tuple(data["lookahead_streams"])
         return cls(**data)

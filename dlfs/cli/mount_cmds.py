@@ -187,9 +187,12 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                    help="fetch at most SAMPLES samples and SIZE bytes ahead of the first "
                         "sample not read yet (default 256:256M); 0 switches the look-ahead "
                         "off (no order socket)")
-    g.add_argument("--lookahead-streams", type=_positive, default=MountConfig.lookahead_streams,
-                   help="samples fetched at once (default 8; with a parallel file system "
-                        "each is one read stream)")
+    g.add_argument("--lookahead-streams", type=_streams, default=MountConfig.lookahead_streams,
+                   metavar="[MIN:]MAX",
+                   help="samples fetched at once; with a parallel file system each is one "
+                        "read stream. The look-ahead starts at MIN and opens more, up to MAX, "
+                        "while the readers catch up with it (default 8:32; N alone is "
+                        "min(8,N):N; 8:8 keeps 8)")
     g.add_argument("--lookahead-stale", type=_seconds, default=MountConfig.lookahead_stale,
                    metavar="SECONDS",
                    help="forget an announced epoch nothing was read from for this long "
@@ -210,6 +213,18 @@ def _stall_seconds(text: str) -> float:
         if float(text) == 0:
             return 0.0
     return _seconds(text)
+
+
+def _streams(text: str) -> tuple[int, int]:
+    """[MIN:]MAX of --lookahead-streams."""
+    low, _, high = text.rpartition(":")
+    if not high.isdigit() or (low and not low.isdigit()):
+        raise argparse.ArgumentTypeError(f"must be MAX or MIN:MAX, e.g. 8:32, got {text!r}")
+    most = int(high)
+    least = int(low) if low else min(MountConfig.lookahead_streams[0], most)
+    if not 1 <= least <= most:
+        raise argparse.ArgumentTypeError(f"must be 1 <= MIN <= MAX, got {text!r}")
+    return least, most
 
 
 def _lookahead(text: str) -> tuple[int, int]:
