@@ -471,9 +471,7 @@ class LookAhead:
         if self.pool is not None:
             cache = self.pool.caches[ds]
             if cache.is_staged(chunk):
-                fd = cache.cached_fd(chunk)
-                if fd < 0:
-                    fd = cache.open_fd(chunk)
+                fd = cache.fd(chunk)
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)

@@ -293,15 +293,13 @@ class SampleReader:
         self.stats.record_source(self.ds, source, nbytes, time.perf_counter_ns() - started)
 
     def _read_local(self, ext: int, rel: int, length: int, chunk: int, span: bool):
-        fd = self._cache.cached_fd(chunk)
+        try:
+            fd = self._cache.fd(chunk)
+        except OSError as err:  # out of descriptors, permissions, a failing NVMe
+            self._local_open_failed(chunk, err)
+            return None  # the read goes on to the peers or the store
         if fd < 0:
-            try:
-                fd = self._cache.open_fd(chunk)
-            except OSError as err:  # out of descriptors, permissions, a failing NVMe
-                self._local_open_failed(chunk, err)
-                return None  # the read goes on to the peers or the store
-            if fd < 0:
-                return None
+            return None
         if self._state[ext] & LOCAL_OK:
             pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
             if span:  # if the splice fails, the worker reads again without a span:

@@ -53,6 +53,22 @@ def test_restaged_copy_is_reopened_not_taken_for_the_evicted_one(cache):
     assert os.fstat(new_fd).st_ino == os.stat(cache.path(0)).st_ino
 
 
+def test_fd_opens_once_reopens_a_new_copy_and_is_minus_one_when_absent(cache):
+    """ChunkCache.fd is the one way to a staged copy's descriptor (reader, look-ahead,
+    peer server, scrub): the same number while the copy stays, the new copy's after a
+    re-staging, -1 (nothing opened) when the chunk is not staged."""
+    assert cache.fd(0) == -1
+    stage(cache, 0)
+    first = cache.fd(0)
+    assert first >= 0 and cache.fd(0) == first == cache.cached_fd(0)
+    cache.evict(0)
+    assert cache.fd(0) == -1
+    stage(cache, 0)
+    again = cache.fd(0)
+    assert again != first
+    assert os.fstat(again).st_ino == os.stat(cache.path(0)).st_ino
+
+
 def test_generations_keep_changing_over_many_restagings(cache):
     stage(cache, 1)
     seen = cache.open_fd(1)

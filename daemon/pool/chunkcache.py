@@ -159,8 +159,21 @@ class ChunkCache:
         return length == self.lengths[chunk] and size == CHUNK_HEADER_SIZE + length
 
     # -- per-process file descriptors -------------------------------------------
+    def fd(self, chunk: int) -> int:
+        """This process's descriptor of the current staged copy, -1 if it is not staged.
+
+        The one way its users get one (the reader, the look-ahead, the peer server,
+        the scrub): kept open once opened, reopened when a new copy replaced it. Does
+        not block when it is open already; opening may (OSError: out of descriptors,
+        a failing disk)."""
+        gen = self._state[chunk]
+        if gen != 0 and self._fd_gen[chunk] == gen:
+            return self._fds[chunk]
+        return self.open_fd(chunk) if gen != 0 else -1
+
     def cached_fd(self, chunk: int) -> int:
-        """The open fd of the current staged copy, or -1 (absent, or must be opened)."""
+        """The open fd of the current staged copy, or -1 (absent, or not opened by this
+        process): whether a descriptor handed out earlier is still the current copy's."""
         gen = self._state[chunk]
         if gen != 0 and self._fd_gen[chunk] == gen:
             return self._fds[chunk]
@@ -168,6 +181,7 @@ class ChunkCache:
 
     def open_fd(self, chunk: int) -> int:
         """Open (or reopen) the current staged copy; -1 if it is not staged. May block.
+        Callers want `fd`, which opens only when needed.
 
         Threads of one process may call it at once (the peer server's, the reader's
         pool): a lock keeps one from closing an fd another has just handed out.

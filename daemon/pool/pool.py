@@ -381,10 +381,7 @@ class ChunkPool:
         """(fd, data position) of the staged copy for the peer server (dlfsd.pool.peerserver,
         which reads from it); None if it is not staged, and then it is staged next."""
         ds = self._by_id[dataset_id]
-        cache = self.caches[ds]
-        fd = cache.cached_fd(chunk)
-        if fd < 0:
-            fd = cache.open_fd(chunk)
+        fd = self.caches[ds].fd(chunk)
         if fd < 0:
             if self.owned[ds][chunk]:
                 self.demand.send(ds, chunk)  # a peer needs it: stage it next
@@ -437,10 +434,7 @@ class ChunkPool:
         ds = self._by_id.get(dataset_id)
         if ds is None:
             return None
-        cache = self.caches[ds]
-        fd = cache.cached_fd(chunk)
-        if fd < 0:
-            fd = cache.open_fd(chunk)
+        fd = self.caches[ds].fd(chunk)
         if fd < 0:
             return None
         if self.copy_is_good(ds, fd, self.extents_in(ds, chunk, offset, length)):

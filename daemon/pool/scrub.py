@@ -77,9 +77,7 @@ class Scrubber:
         """Check one staged copy, batch by batch; evict it at the first bad extent.
         False if it was not staged (any more)."""
         cache = self.pool.caches[ds]
-        fd = cache.cached_fd(chunk)
-        if fd < 0:
-            fd = await trio.to_thread.run_sync(cache.open_fd, chunk)
+        fd = await trio.to_thread.run_sync(cache.fd, chunk)  # opening it may block
         if fd < 0:
             return False
         length = int(self.pool.datasets[ds].chunk_lengths[chunk])
