@@ -65,9 +65,10 @@ import numpy as np
 from dlfs.errors import DlfsError
 from dlfs.sizes import format_size
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
 from dlfsd.namespace import Namespace
 from dlfsd.pool.peershare import extent_key
-from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, TAKEN, SampleReader, open_chunk
+from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, TAKEN, SampleReader
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,6 @@ class LookAhead:
         self._next_handle = 1
         self._streams: OrderedDict[tuple[int, int], _Stream] = OrderedDict()
         self._lock = threading.Condition()
-        self._fds: dict[tuple[int, int], int] = {}
-        self._fd_lock = threading.Lock()
         self._demanded: set[tuple[int, int]] = set()  # this announcement's, sent once
         # chunks no owner peer had staged, and until when to believe it (it stages them)
         self._not_on_peers: dict[tuple[int, int], float] = {}
@@ -178,10 +177,8 @@ class LookAhead:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self._flag_map[0] = 0
-        with self._fd_lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        for reader in self.ns.readers:  # what its fetch threads opened in this process
+            reader.source.close_store_fds()
 
     def close(self) -> None:
         """Drop the views of the readers' state (before the Namespace closes it)."""
@@ -462,34 +459,39 @@ class LookAhead:
             self.counters[counter] += 1
 
     def _fetch_extent(self, reader: SampleReader, ds: int, ext: int) -> int:
+        """Fetch one extent ahead where the readers' plan (dlfsd.extentsource) would
+        read it: its length when it is fetched (or on its way), 0 when left to them."""
         state = self._states[ds]
         if state[ext] & (AHEAD | TAKEN):
             return 0
+        source = reader.source
         chunk = int(reader.ext_chunks[ext])
         offset = CHUNK_HEADER_SIZE + int(reader.ext_offsets[ext])
         length = int(reader.ext_lengths[ext])
-        if self.pool is not None:
-            cache = self.pool.caches[ds]
-            if cache.is_staged(chunk):
-                fd = cache.fd(chunk)
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-                    # Not AHEAD (that sends the reader to the store copy): the bit that
-                    # counts the read as a hit and lets the pooled read serve it, as for
-                    # a peer's extent. Without it every read of a staged chunk was a miss.
-                    state[ext] |= PEER_AHEAD
-                    return length
-            if self.pool.owned[ds][chunk]:
-                self._demand(ds, chunk)
-            elif self.pool.remote_owners[ds][chunk] and self.pool.share is not None:
-                fetched = self._from_peer(reader, ds, ext, chunk)
-                if fetched is not None:
-                    return fetched
-        fd = self._store_fd(reader, ds, chunk)
+        plan = source.plan(chunk, ahead=True)
+        if plan & TRY_LOCAL and _will_need(source.cache.fd(chunk), offset, length):
+            # Not AHEAD (that sends the reader to the store copy): the bit that counts
+            # the read as a hit and lets the pooled read serve it, as for a peer's
+            # extent. Without it every read of a staged chunk was a miss.
+            state[ext] |= PEER_AHEAD
+            return length
+        if plan & DEMAND:
+            self._demand(source, chunk)
+        if plan & TRY_PEER:
+            fetched = self._from_peer(reader, ds, ext, chunk)
+            if fetched is not None:
+                return fetched
+        return self._from_store(reader, ds, ext, chunk, offset, length)
+
+    def _from_store(self, reader: SampleReader, ds: int, ext: int, chunk: int, offset: int,
+                    length: int) -> int:
+        """Read an extent ahead from the store and check it (STORE_OK | AHEAD: the reader
+        takes it from the page cache, unpaced); one verified already and not throttled
+        only gets WILLNEED. Its length, or 0 when the reader must read it itself."""
+        state = self._states[ds]
+        fd = reader.source.store_fd(chunk, ahead=True)
         if state[ext] & STORE_OK and not self.store_rate:
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            _will_need(fd, offset, length)
             return length
         started = time.monotonic()
         data = os.pread(fd, length, offset)
@@ -522,19 +524,13 @@ class LookAhead:
             self._count(SKIPPED_PEER)
         return fetched
 
-    def _demand(self, ds: int, chunk: int) -> None:
-        if (ds, chunk) not in self._demanded:
-            self._demanded.add((ds, chunk))
-            self.pool.demand.send(ds, chunk)
+    def _demand(self, source: ExtentSource, chunk: int) -> None:
+        """Demand an owned chunk once per announcement (the readers demand it at every
+        store read): staging then follows the announced order."""
+        if (source.ds, chunk) not in self._demanded:
+            self._demanded.add((source.ds, chunk))
+            source.demand(chunk)
             self._count(DEMANDED)
-
-    def _store_fd(self, reader: SampleReader, ds: int, chunk: int) -> int:
-        with self._fd_lock:
-            fd = self._fds.get((ds, chunk), -1)
-            if fd < 0:
-                fd = open_chunk(reader.dataset.chunk_path(chunk), chunk, reader.dataset.uuid)
-                self._fds[(ds, chunk)] = fd
-            return fd
 
 
 class Width:
@@ -589,6 +585,16 @@ class Width:
         self._samples, self._seconds = 0, 0.0
         self._since = now
         return self.now != was
+
+
+def _will_need(fd: int, offset: int, length: int) -> bool:
+    """Ask the page cache for a range of an open file (asynchronous; only a hint, so
+    a failure is no error); False if there is no file (`fd` -1: not staged now)."""
+    if fd < 0:
+        return False
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    return True
 
 
 def unknown_registration(handle) -> str:

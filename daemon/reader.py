@@ -1,10 +1,12 @@
 """SampleReader: file bytes of one dataset, read from its chunk files.
 
-Where the bytes come from: with a chunk pool (cluster mode), a chunk staged
-on local NVMe is read there, else from an owner peer (the extent's byte
-range, checked against its checksum), else from the store (and the chunk is
-demanded from the stager if this node owns it). Without a pool, from the
-store only.
+Where the bytes come from is dlfsd.extentsource's plan, which the look-ahead
+follows too: with a chunk pool (cluster mode), a chunk staged on local NVMe
+is read there, else from an owner peer (the extent's byte range, checked
+against its checksum), else from the store (and the chunk is demanded from
+the stager if this node owns it). Without a pool, from the store only. An
+extent the look-ahead read ahead from the store (AHEAD) comes from the
+store's page cache first.
 
 Every call is blocking and synchronous: the worker processes that serve FUSE
 handle one request at a time each (see dlfsd.main), the libfuse multi-thread
@@ -21,13 +23,13 @@ import errno
 import logging
 import mmap
 import os
-import resource
 import time
 
-from dlfs.errors import CorruptDataError, FormatError
+from dlfs.errors import CorruptDataError
 from dlfs.store.directory import display_path
-from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
+from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.store import Dataset
+from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.pool.peershare import extent_key
@@ -88,16 +90,16 @@ class SampleReader:
                  store_rate: int = 0, prefetch: bool = False):
         self.dataset = dataset
         self.directory = dataset.directory
-        self._fds: list[int] = [-1] * dataset.chunk_count
+        # Where extents come from and the descriptors to read them (shared with the
+        # look-ahead, which fetches through the same plan).
+        self.source = ExtentSource(dataset, pool, ds_index)
         # One byte of state bits per extent in an anonymous shared mapping, so
         # worker processes forked later share it: an extent is verified once per
         # copy per mount and a corrupt one logged once.
         self._state = mmap.mmap(-1, max(1, self.directory.extent_count))
         if not verify:
             self._state.write(bytes([STORE_OK | LOCAL_OK]) * self.directory.extent_count)
-        self._unusable_chunks: set[int] = set()  # logged already
         self._unusable_copies: set[int] = set()  # staged copies that failed to open: logged
-        self._fd_purges = 0  # times this worker ran out of descriptors (see _open)
         self._store_rate = store_rate
         d = self.directory
         self._ext_chunk, self._ext_off, self._ext_len = (
@@ -109,8 +111,6 @@ class SampleReader:
         self.pool = pool
         if pool is not None:
             self._cache = pool.caches[ds_index]
-            self._remote = pool.remote_owners[ds_index]
-            self._owned = memoryview(pool.owned[ds_index].view("u1"))
             self._by_chunk = d.extents_by_chunk(dataset.chunk_count)
             self._share = pool.share
         self._prefetch = ChunkPrefetch(
@@ -156,32 +156,7 @@ class SampleReader:
         self._state.close()
         if self._prefetch is not None:
             self._prefetch.close()
-        self._close_fds()
-
-    def _close_fds(self) -> None:
-        for i, fd in enumerate(self._fds):
-            if fd >= 0:
-                os.close(fd)
-                self._fds[i] = -1
-
-    def _open(self, path, chunk: int) -> int:
-        """Open a chunk file; out of descriptors, a worker process closes the ones it
-        keeps open and tries again (a dataset with more chunk files than the open-file
-        limit). A worker serves one request at a time, so none of them is in use."""
-        try:
-            return open_chunk(path, chunk, self.dataset.uuid)
-        except OSError as err:
-            if err.errno not in (errno.EMFILE, errno.ENFILE):
-                raise
-        if not self._fd_purges:
-            log.warning("worker %d: out of file descriptors (open-file limit %d) with %d "
-                        "chunk files of dataset %s open; closing them, and again whenever "
-                        "it runs out (raise the limit: see the mount log's first lines)",
-                        os.getpid(), resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-                        sum(fd >= 0 for fd in self._fds), self.dataset.name)
-        self._fd_purges += 1
-        self._close_fds()
-        return open_chunk(path, chunk, self.dataset.uuid)
+        self.source.close_store_fds()
 
     def read(self, row: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Up to `size` bytes of file `row` at `offset` (short at end of file)."""
@@ -237,7 +212,7 @@ class SampleReader:
             return None
         started = time.perf_counter_ns()
         self.requests.waiting(WAIT_STORE)
-        fd = self._fd(self._ext_chunk[ext])
+        fd = self.source.store_fd(self._ext_chunk[ext])
         data = _pread_exact(fd, length, CHUNK_HEADER_SIZE + self._ext_off[ext] + rel)
         if rel + length >= self._ext_len[ext]:
             self._state[ext] &= ~AHEAD & 0xFF  # taken whole: the next read pays again
@@ -259,7 +234,7 @@ class SampleReader:
             if not in_place:
                 return _slice(data, rel, length)
         pos = CHUNK_HEADER_SIZE + self._ext_off[ext] + rel
-        fd = self._fd(self._ext_chunk[ext])
+        fd = self.source.store_fd(self._ext_chunk[ext])
         if span:
             return self._span.set(fd, pos, length)
         if self._store_rate:
@@ -269,10 +244,12 @@ class SampleReader:
     # -- the chunk pool: local NVMe, then peers -----------------------------------------
     def _read_pooled(self, ext: int, rel: int, length: int, span: bool,
                            lasting: bool):
-        """From the staged copy or an owner peer; None: go to the store."""
+        """From the staged copy or an owner peer, as the source's plan says; None: go to
+        the store."""
         chunk = self._ext_chunk[ext]
+        plan = self.source.plan(chunk)
         started = time.perf_counter_ns()
-        if self._cache.is_staged(chunk):
+        if plan & TRY_LOCAL:
             self.requests.waiting(WAIT_LOCAL)
             data = self._read_local(ext, rel, length, chunk, span)
             if data is not None:
@@ -280,13 +257,13 @@ class SampleReader:
                 if self._cache.is_adopted(chunk):  # a hit from an earlier job's staging
                     self.stats.record_adopted(self.ds, length)
                 return data
-        if self._remote[chunk]:
+        if plan & TRY_PEER:
             data = self._read_peer(ext, rel, length, chunk, lasting)
             if data is not None:
                 self._count(SOURCE_PEER, length, started)
                 return data
-        if self._owned[chunk]:
-            self.pool.demand.send(self.ds, chunk)  # we read it from the store: stage it next
+        if plan & DEMAND:
+            self.source.demand(chunk)  # we read it from the store: stage it next
         return None
 
     def _count(self, source: int, nbytes: int, started: int) -> None:
@@ -377,7 +354,7 @@ class SampleReader:
         """
         self._state[ext] |= STORE_LOADING
         try:
-            fd = self._fd(self._ext_chunk[ext])
+            fd = self.source.store_fd(self._ext_chunk[ext])
             pos = CHUNK_HEADER_SIZE + self._ext_off[ext]
             try:
                 if keep:
@@ -404,22 +381,6 @@ class SampleReader:
         log.error("%s: dataset %s, file %s, chunk %d (%s); reads return EIO",
                   what, self.dataset.name, display_path(self.directory.path(row)),
                   self._ext_chunk[ext], self.dataset.chunk_path(self._ext_chunk[ext]))
-
-    def _fd(self, chunk: int) -> int:
-        """The store's chunk file, opened once per process."""
-        fd = self._fds[chunk]
-        if fd < 0:
-            path = self.dataset.chunk_path(chunk)
-            try:
-                fd = self._open(path, chunk)
-            except (OSError, FormatError) as err:
-                if chunk not in self._unusable_chunks:
-                    self._unusable_chunks.add(chunk)
-                    log.error("cannot use chunk %d of dataset %s: %s; reads return EIO",
-                              chunk, self.dataset.name, err)
-                raise CorruptDataError(str(err)) from None
-            self._fds[chunk] = fd
-        return fd
 
 
 def _pread_exact(fd: int, length: int, pos: int) -> bytes:
@@ -492,14 +453,3 @@ def _slice(data, rel: int, length: int):
 
 
 _NO_LOOKAHEAD = b"\0"
-
-
-def open_chunk(path, index: int, dataset_uuid: bytes) -> int:
-    """Open a chunk file and check its header once (magic, version, owner)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        check_chunk_header(os.pread(fd, CHUNK_HEADER_SIZE, 0), path, index, dataset_uuid)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd

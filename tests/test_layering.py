@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                        "dlfsd.ckpt.nodeids"]),
     ("daemon observability", ["dlfsd.obs"]),
     ("chunk pool", ["dlfsd.pool"]),
+    # where an extent's bytes come from: what the reader and the look-ahead both follow
+    ("extent sources", ["dlfsd.extentsource"]),
     ("namespace and reader", ["dlfsd.namespace", "dlfsd.reader", "dlfsd.prefetch",
                               "dlfsd.lookahead", "dlfsd.ordersock"]),
     # the writable checkpoint subtree: a passthrough onto the node cache, and its drain

@@ -1,0 +1,174 @@
+"""ExtentSource: where one dataset's extents come from, and the descriptors to read them.
+
+Two parts of the daemon fetch extents: the reader (dlfsd.reader), for a FUSE
+read, and the look-ahead (dlfsd.lookahead), before the readers ask. They used
+to decide each on its own which copy to go to (this node's staged copy, an
+owner peer, the store) and to keep descriptors each its own way; both now ask
+this module (`plan`) and read through the descriptors it keeps (`store_fd`; a
+staged copy's is ChunkCache.fd), so they cannot drift apart. What each does at
+a source stays its own: the reader reads and checks the bytes it answers
+with; the look-ahead asks the page cache for them (WILLNEED), fetches them
+into the node's PeerShare, or reads and checks them ahead.
+
+The plan for an extent of a chunk, tried in this order:
+
+1. TRY_LOCAL: this node has a staged copy (ChunkCache).
+2. TRY_PEER: another node owns the chunk (the pool asks its owners in
+   placement order and skips peers marked down).
+3. the store, always last. DEMAND: this node owns the chunk, so reaching the
+   store asks the stager to stage it next (the reader each time, the
+   look-ahead once per announcement).
+
+The look-ahead's plan (`ahead=True`) leaves the peers out for a chunk this
+node owns: it demands the chunk, so staging follows the announced order, and
+reads the extent ahead from the store (docs/ORDER.md). Without a pool the
+plan is 0: the store only.
+
+The reader's plan is asked on every pooled read: it reads shared bytes and
+allocates nothing; store descriptors are kept per process in a list, taken
+without a lock once open (opening, the rare case, takes one: the look-ahead's
+threads share them).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import threading
+
+from dlfs.errors import CorruptDataError, FormatError
+from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header
+from dlfs.store.store import Dataset
+from dlfsd.pool.chunkcache import ChunkCache
+
+log = logging.getLogger(__name__)
+
+# Bits of a plan (ExtentSource.plan); the store is always the last source.
+TRY_LOCAL = 1  # this node's staged copy
+TRY_PEER = 2  # an owner peer
+DEMAND = 4  # this node owns the chunk: a read that reaches the store demands it
+
+
+class ExtentSource:
+    """The sources of one dataset's extents in this process: the plan, the descriptors.
+
+    `pool` (a dlfsd.pool.pool.ChunkPool, cluster mode) gives the staged copies, who
+    owns each chunk and the demand channel; `ds` is the dataset's index in it.
+    """
+
+    def __init__(self, dataset: Dataset, pool=None, ds: int = 0) -> None:
+        self.dataset = dataset
+        self.ds = ds
+        self._store_fds: list[int] = [-1] * dataset.chunk_count
+        self._open_lock = threading.Lock()  # opening only; a kept descriptor needs none
+        self._unusable: set[int] = set()  # store chunk files that failed to open: logged
+        self._purges = 0  # times a reader ran out of descriptors (see _open_store)
+        self._pool = pool
+        self.cache: ChunkCache | None = None  # this node's staged copies
+        if pool is not None:
+            self.cache = pool.caches[ds]
+            self._remote = pool.remote_owners[ds]  # per chunk: the other owners (a tuple)
+            self._owned = memoryview(pool.owned[ds].view("u1"))
+
+    # -- where from ------------------------------------------------------------------
+    def plan(self, chunk: int, ahead: bool = False) -> int:
+        """The sources to try for an extent of `chunk` before the store: TRY_LOCAL,
+        TRY_PEER and DEMAND bits (see the module docstring). `ahead`: the look-ahead's
+        plan, which tries no peer for a chunk this node owns."""
+        if self.cache is None:
+            return 0
+        plan = TRY_LOCAL if self.cache.is_staged(chunk) else 0
+        if self._owned[chunk]:
+            plan |= DEMAND
+            if ahead:
+                return plan
+        if self._remote[chunk]:
+            plan |= TRY_PEER
+        return plan
+
+    def demand(self, chunk: int) -> None:
+        """Ask the stager to stage `chunk` next (a plan with DEMAND reached the store)."""
+        self._pool.demand.send(self.ds, chunk)
+
+    # -- the store's chunk files -----------------------------------------------------
+    def store_fd(self, chunk: int, ahead: bool = False) -> int:
+        """This process's descriptor of the store's chunk file: opened and its header
+        checked on first use, then kept.
+
+        For a reader (a worker serves one request at a time), a file that cannot be
+        used is logged once per chunk and raised as CorruptDataError (the read is EIO),
+        and out of descriptors it closes the ones kept and tries again. `ahead` (the
+        look-ahead's threads): neither; another thread may be reading through a kept
+        descriptor, and the reader reports a bad file when it meets it. OSError or
+        FormatError then come out as they are.
+        """
+        fd = self._store_fds[chunk]
+        if fd >= 0:
+            return fd
+        return self._open_store(chunk, ahead)
+
+    def _open_store(self, chunk: int, ahead: bool) -> int:
+        with self._open_lock:
+            fd = self._store_fds[chunk]
+            if fd < 0:
+                path = self.dataset.chunk_path(chunk)
+                if ahead:
+                    fd = open_chunk(path, chunk, self.dataset.uuid)
+                else:
+                    fd = self._open_for_reader(path, chunk)
+                self._store_fds[chunk] = fd
+            return fd
+
+    def _open_for_reader(self, path, chunk: int) -> int:
+        try:
+            return self._open_or_purge(path, chunk)
+        except (OSError, FormatError) as err:
+            if chunk not in self._unusable:
+                self._unusable.add(chunk)
+                log.error("cannot use chunk %d of dataset %s: %s; reads return EIO",
+                          chunk, self.dataset.name, err)
+            raise CorruptDataError(str(err)) from None
+
+    def _open_or_purge(self, path, chunk: int) -> int:
+        """Open a chunk file; out of descriptors, a worker process closes the ones it
+        keeps open and tries again (a dataset with more chunk files than the open-file
+        limit). A worker serves one request at a time, so none of them is in use."""
+        try:
+            return open_chunk(path, chunk, self.dataset.uuid)
+        except OSError as err:
+            if err.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        if not self._purges:
+            log.warning("worker %d: out of file descriptors (open-file limit %d) with %d "
+                        "chunk files of dataset %s open; closing them, and again whenever "
+                        "it runs out (raise the limit: see the mount log's first lines)",
+                        os.getpid(), resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                        sum(fd >= 0 for fd in self._store_fds), self.dataset.name)
+        self._purges += 1
+        self._close_store_fds()
+        return open_chunk(path, chunk, self.dataset.uuid)
+
+    def close_store_fds(self) -> None:
+        """Close the store descriptors kept (they are opened again when needed): the
+        look-ahead's when it stops, all of them when the reader closes."""
+        with self._open_lock:
+            self._close_store_fds()
+
+    def _close_store_fds(self) -> None:
+        for i, fd in enumerate(self._store_fds):
+            if fd >= 0:
+                os.close(fd)
+                self._store_fds[i] = -1
+
+
+def open_chunk(path, index: int, dataset_uuid: bytes) -> int:
+    """Open a chunk file and check its header once (magic, version, owner)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check_chunk_header(os.pread(fd, CHUNK_HEADER_SIZE, 0), path, index, dataset_uuid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
