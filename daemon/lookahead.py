@@ -33,6 +33,9 @@ Per extent:
   the look-ahead's stream paid for it). An extent verified already and not
   throttled only gets WILLNEED.
 
+Which of these an extent gets is the readers' own plan (dlfsd.extentsource,
+`ahead=True`), read through the same descriptors, so the two agree.
+
 Readers mark the extents they read TAKEN while any announcement is active
 (one shared flag byte: without announcements the read path tests one byte).
 The look-ahead moves its window by those marks; a stream whose readers take
