@@ -24,19 +24,24 @@ node owns: it demands the chunk, so staging follows the announced order, and
 reads the extent ahead from the store (docs/ORDER.md). Without a pool the
 plan is 0: the store only.
 
-The reader's plan is asked on every pooled read: it reads shared bytes and
-allocates nothing; store descriptors are kept per process in a list, taken
-without a lock once open (opening, the rare case, takes one: the look-ahead's
-threads share them).
+The reader asks for a plan on every read of a pooled mount, so a plan is two
+byte lookups: who owns a chunk never changes during a mount, so its bits are
+worked out once per chunk (for readers and for the look-ahead), and only
+whether it is staged is read at the time (ChunkCache's shared map). Store
+descriptors are kept per process in a list, taken without a lock once open
+(opening, the rare case, takes one: the look-ahead's threads share them).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import resource
 import threading
+
+import numpy as np
 
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header
@@ -67,26 +72,23 @@ class ExtentSource:
         self._purges = 0  # times a reader ran out of descriptors (see _open_store)
         self._pool = pool
         self.cache: ChunkCache | None = None  # this node's staged copies
+        # Per chunk: staged (non-zero) or not; the plan bits besides TRY_LOCAL, for a
+        # reader and for the look-ahead. Without a pool: nothing, the store only.
+        self._staged: bytes | mmap.mmap = bytes(dataset.chunk_count)
+        self._read_plans = self._ahead_plans = self._staged
         if pool is not None:
             self.cache = pool.caches[ds]
-            self._remote = pool.remote_owners[ds]  # per chunk: the other owners (a tuple)
-            self._owned = memoryview(pool.owned[ds].view("u1"))
+            self._staged = self.cache.state_map
+            self._read_plans, self._ahead_plans = _plans(pool.owned[ds],
+                                                         pool.remote_owners[ds])
 
     # -- where from ------------------------------------------------------------------
     def plan(self, chunk: int, ahead: bool = False) -> int:
         """The sources to try for an extent of `chunk` before the store: TRY_LOCAL,
         TRY_PEER and DEMAND bits (see the module docstring). `ahead`: the look-ahead's
         plan, which tries no peer for a chunk this node owns."""
-        if self.cache is None:
-            return 0
-        plan = TRY_LOCAL if self.cache.is_staged(chunk) else 0
-        if self._owned[chunk]:
-            plan |= DEMAND
-            if ahead:
-                return plan
-        if self._remote[chunk]:
-            plan |= TRY_PEER
-        return plan
+        plan = (self._ahead_plans if ahead else self._read_plans)[chunk]
+        return plan | TRY_LOCAL if self._staged[chunk] else plan
 
     def demand(self, chunk: int) -> None:
         """Ask the stager to stage `chunk` next (a plan with DEMAND reached the store)."""
@@ -161,6 +163,17 @@ class ExtentSource:
             if fd >= 0:
                 os.close(fd)
                 self._store_fds[i] = -1
+
+
+def _plans(owned: np.ndarray, remote: list[tuple[int, ...]]) -> tuple[bytes, bytes]:
+    """The plan bits of each chunk besides TRY_LOCAL, for a reader and for the look-ahead:
+    DEMAND where this node owns the chunk, TRY_PEER where another node does (the
+    look-ahead: only where this node does not)."""
+    on_peers = np.fromiter((bool(r) for r in remote), bool, len(remote))
+    demand = np.where(owned, DEMAND, 0)
+    read = demand | np.where(on_peers, TRY_PEER, 0)
+    ahead = demand | np.where(on_peers & ~owned, TRY_PEER, 0)
+    return read.astype(np.uint8).tobytes(), ahead.astype(np.uint8).tobytes()
 
 
 def open_chunk(path, index: int, dataset_uuid: bytes) -> int:

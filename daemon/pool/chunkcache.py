@@ -66,6 +66,12 @@ class ChunkCache:
     def is_staged(self, chunk: int) -> bool:
         return self._state[chunk] != 0
 
+    @property
+    def state_map(self) -> mmap.mmap:
+        """The shared byte per chunk (0: not staged, else the copy's generation), to
+        read only: ExtentSource's plan tests it on every pooled read, without a call."""
+        return self._state
+
     def generation(self, chunk: int) -> int:
         """The current copy's generation (1-255, new at every publish), 0 if none."""
         return self._state[chunk]
