@@ -40,6 +40,7 @@ import mmap
 import os
 import resource
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header
 from dlfs.store.store import Dataset
 from dlfsd.pool.chunkcache import ChunkCache
+
+if TYPE_CHECKING:
+    from dlfsd.pool.pool import ChunkPool
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +63,17 @@ DEMAND = 4  # this node owns the chunk: a read that reaches the store demands it
 class ExtentSource:
     """The sources of one dataset's extents in this process: the plan, the descriptors.
 
-    `pool` (a dlfsd.pool.pool.ChunkPool, cluster mode) gives the staged copies, who
-    owns each chunk and the demand channel; `ds` is the dataset's index in it.
+    `pool` (cluster mode) gives the staged copies, who owns each chunk and the demand
+    channel; `ds` is the dataset's index in it.
     """
 
-    def __init__(self, dataset: Dataset, pool=None, ds: int = 0) -> None:
+    def __init__(self, dataset: Dataset, pool: ChunkPool | None = None, ds: int = 0) -> None:
         self.dataset = dataset
         self.ds = ds
         self._store_fds: list[int] = [-1] * dataset.chunk_count
         self._open_lock = threading.Lock()  # opening only; a kept descriptor needs none
         self._unusable: set[int] = set()  # store chunk files that failed to open: logged
-        self._purges = 0  # times a reader ran out of descriptors (see _open_store)
+        self._purges = 0  # times a reader ran out of descriptors (see _open_or_purge)
         self._pool = pool
         self.cache: ChunkCache | None = None  # this node's staged copies
         # Per chunk: staged (non-zero) or not; the plan bits besides TRY_LOCAL, for a
