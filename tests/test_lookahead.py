@@ -308,3 +308,21 @@ def test_lookahead_streams_takes_min_max_and_refuses_the_rest_in_one_line(
                       "--lookahead-streams", value)
     assert result.returncode == 2
     assert "--lookahead-streams" in result.stderr and "MIN" in result.stderr
+
+
+def test_the_window_counts_what_is_held_not_the_span_from_the_slowest_reader(
+        mounted, la_store, la_source):
+    """A DataLoader's workers spread over the order: here one sample is never read (a
+    worker far behind); the look-ahead must go on fetching for the others, where a
+    window counted from the slowest reader stopped one window past it."""
+    mount = mounted(la_store, "--store-bandwidth", "16M", "--lookahead", "20")
+    paths = mount_paths(mount)
+    client = connect(paths)
+    order = np.random.default_rng(3).permutation(FILES)
+    client.announce(0, order)
+    for i in order[1:]:
+        data = open(paths[i], "rb").read()  # noqa: SIM115
+        assert data == (la_source / f"f{i:04d}").read_bytes()
+    counters = stats(mount)
+    assert counters["lookahead"]["samples_prefetched"] >= FILES // 2, counters["lookahead"]
+    assert counters["mount"]["lookahead"]["hits"] >= FILES // 2, counters["mount"]
