@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,10 +276,9 @@ def test_the_lookahead_opens_more_streams_while_the_readers_catch_up(
     readers = 4  # each its share of the order, as DataLoader workers
 
     def read_share(k: int) -> list[tuple[int, bytes]]:
-        return [(i, hashlib.sha256(open(paths[i], "rb").read()).digest())  # noqa: SIM115
+        return [(i, hashlib.sha256(Path(paths[i]).read_bytes()).digest())
                 for i in order[k::readers]]
 
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(readers) as pool:
         got = [d for share in pool.map(read_share, range(readers)) for d in share]
     assert sorted(i for i, _ in got) == list(range(FILES))

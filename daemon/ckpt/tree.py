@@ -140,7 +140,7 @@ class CkptTree:
         return path, st
 
     def _walk(self, ino: int) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         root = self.tier.root_ino
         current = ino
         for _ in range(4096):
