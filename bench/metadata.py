@@ -24,15 +24,28 @@ cache drop, for information), then a fresh mount's first pass and second pass
 first pass <= 2x the warm source pass (stricter than against the cold source;
 both ratios are printed).
 
+Part 3 (walk): listings only, as a DataLoader's dataset class or `find` does:
+os.walk of a tree (getdents, no stat), each directory's entries counted. Trees
+(--walk-trees FILES:PER_DIR,...; default 20,000 files in one directory, and
+100,000 files 1000 per directory) are generated and populated once. Each round,
+in alternating order: the source tree cold (after a cache drop) and a fresh
+mount's first walk (cold: the kernel has no name of it yet), plus the mount's
+second walk (cached by the kernel); with --baseline, a mount of another DLFS
+tree's code too. Reported per tree: us per entry and the mount/source ratio of each
+round, min/median/max over the rounds. Target: cold mount walk <= 2x the cold
+source walk.
+
 examples (from the repository root; run as root for cache drops):
   .venv/bin/python bench/metadata.py --quick
   .venv/bin/python bench/metadata.py
   .venv/bin/python bench/metadata.py --dirs 10000   # 10 M files
+  .venv/bin/python bench/metadata.py --parts walk --rounds 5   # listings only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,6 +54,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +97,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stat-files", type=int, default=20_000,
                    help="files in the tree stat'ed through the mount (default 20000; "
                         "--quick: 1000)")
+    p.add_argument("--parts", default="manifest,stat,walk",
+                   help="which parts to run, comma-separated: manifest, stat, walk "
+                        "(default all three)")
+    p.add_argument("--walk-trees", default="20000:20000,100000:1000",
+                   help="trees the walk part lists, FILES:FILES_PER_DIR,... (default "
+                        "20000:20000 (one directory), 100000:1000; --quick: a twentieth "
+                        "of the files)")
+    p.add_argument("--baseline", type=Path, metavar="DIR",
+                   help="walk part: also mount with the DLFS code of DIR each round (a "
+                        "source tree such as `git archive main | tar -x -C DIR`), for "
+                        "before/after ratios of the same run")
     p.add_argument("--mount-args", default="",
                    help="extra arguments for `dlfs mount`, e.g. --mount-args='--cache-timeout 1'")
     args = p.parse_args(argv)
@@ -90,6 +115,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.dirs = max(1, args.dirs // 20)
         args.lookups = max(1, args.lookups // 20)
         args.stat_files = max(1, args.stat_files // 20)
+    args.parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    unknown = args.parts - {"manifest", "stat", "walk"}
+    if unknown:
+        p.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}")
+    try:
+        args.walk_trees = [tuple(int(x) for x in tree.split(":")) for tree in
+                           args.walk_trees.split(",") if tree]
+        if any(len(t) != 2 or min(t) < 1 for t in args.walk_trees):
+            raise ValueError
+    except ValueError:
+        p.error("--walk-trees: FILES:FILES_PER_DIR,... with positive numbers")
+    if args.quick:
+        args.walk_trees = [(max(1, files // 20), per_dir) for files, per_dir in args.walk_trees]
     return args
 
 
@@ -289,12 +327,108 @@ def part2(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
                           med["source warm"], "<=", 2.0, "x"))
 
 
+# -- part 3: listings (os.walk, no stat) --------------------------------------------
+def walk_list(root: Path) -> tuple[int, float]:
+    """os.walk of root (the listing only: d_type says what is a directory): (entries,
+    seconds)."""
+    count = 0
+    started = time.perf_counter()
+    for _, dirnames, filenames in os.walk(root):
+        count += len(dirnames) + len(filenames)
+    return count, time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def code_of(tree: Path | None, work: Path) -> Iterator[None]:
+    """Run `dlfs mount` (and so its daemon) with the packages of source tree `tree`
+    (None: this one): PYTHONPATH names links dlfs -> tree/dlfs and dlfsd -> tree/daemon,
+    and the working directory is one where no other `dlfs` package can be found."""
+    if tree is None:
+        yield
+        return
+    links = work / "baseline-path"
+    if not links.exists():
+        links.mkdir()
+        (links / "dlfs").symlink_to(tree.resolve() / "dlfs")
+        (links / "dlfsd").symlink_to(tree.resolve() / "daemon")
+    before, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = str(links)
+    os.chdir("/")
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def part3(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
+    for files, per_dir in args.walk_trees:
+        print(f"\n== part 3: walk (listings, no stat) of {files:,} files, {per_dir:,} per "
+              "directory")
+        name = f"walk{files}"
+        src = work / f"src-{name}"
+        generate_tree(src, files, 64, files_per_dir=per_dir, seed=3)
+        store = work / f"store-{name}"
+        took = populate(src, store, name)
+        print(f"  populated in {took:.1f} s")
+        mp = work / "mnt"
+        sides = ["source", "mount"] + (["baseline"] if args.baseline else [])
+        times: dict[str, list[float]] = {"source cold": [], "mount 1st": [], "mount 2nd": []}
+        if args.baseline:
+            times.update({"baseline 1st": [], "baseline 2nd": []})
+        expected = None
+        for rnd in range(args.rounds):
+            for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
+                drop_caches()  # the same start for every side
+                if side == "source":
+                    n, s = walk_list(src)
+                    times["source cold"].append(s)
+                    counts = [n]
+                else:
+                    with code_of(args.baseline if side == "baseline" else None, work), \
+                            mounted(store, mp, split_args(args.mount_args), work / "dlfsd.log"):
+                        n1, s1 = walk_list(mp / name)
+                        n2, s2 = walk_list(mp / name)
+                    times[f"{side} 1st"].append(s1)
+                    times[f"{side} 2nd"].append(s2)
+                    counts = [n1, n2]
+                expected = expected or counts[0]
+                if any(c != expected for c in counts):
+                    raise RuntimeError(f"{side} saw {counts} entries, expected {expected}")
+            print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
+                f"{k} {v[-1] * 1e6 / expected:.2f}" for k, v in times.items())
+                + " us/entry; 1st / source cold: " + ", ".join(
+                f"{side} {times[f'{side} 1st'][-1] / times['source cold'][-1]:.2f}x"
+                for side in sides[1:]), flush=True)
+        med = {k: median(v) for k, v in times.items()}
+        print_table(("walk", "entries", "us/entry (median)", "x source cold (median)"),
+                    [(k, expected, v * 1e6 / expected, v / med["source cold"])
+                     for k, v in med.items()],
+                    title=f"{files:,} files: medians of {args.rounds} rounds")
+        for side in sides[1:]:
+            ratios = sorted(m / s for m, s in zip(times[f"{side} 1st"], times["source cold"],
+                                                  strict=True))
+            print(f"  {side} 1st / source cold, same round: min {ratios[0]:.2f}x, median "
+                  f"{median(ratios):.2f}x, max {ratios[-1]:.2f}x")
+            if side == "mount":
+                targets.append(Target(f"walk of {files:,} files: cold mount / cold source "
+                                      "(median of the rounds' ratios)", median(ratios), "<=",
+                                      2.0, "x"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     targets: list[Target] = []
     with workdir(args.workdir, args.keep, "metadata") as work:
-        part1(args, work, targets)
-        part2(args, work, targets)
+        if "manifest" in args.parts:
+            part1(args, work, targets)
+        if "stat" in args.parts:
+            part2(args, work, targets)
+        if "walk" in args.parts:
+            part3(args, work, targets)
     print_targets(targets, args.quick)
     return 0
 
