@@ -1,0 +1,148 @@
+"""INIT answered by DLFS itself (dlfsd.fuse.rawsession), issue 32.
+
+`negotiate`, the whole INIT answer, is fed synthetic kernel INIT requests as they come
+from kernels of several ages (with and without INIT_EXT, passthrough, the request
+timeout, max_pages) and its reply is decoded field by field: this is the code the
+daemon runs, not a stand-in.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from dlfsd.fuse import fusewire as fw
+from dlfsd.fuse import rawsession as rs
+
+UNIQUE = 2
+INIT_REST = 11 * 4  # fuse_init_in's unused[11]
+
+# What kernels offer in INIT (fs/fuse/inode.c, fuse_send_init), by age.
+OLD_FLAGS = (rs.ASYNC_READ | rs.ATOMIC_O_TRUNC | rs.BIG_WRITES | rs.AUTO_INVAL_DATA
+             | rs.DO_READDIRPLUS | rs.READDIRPLUS_AUTO | rs.PARALLEL_DIROPS | rs.ABORT_ERROR
+             | rs.MAX_PAGES | rs.CACHE_SYMLINKS)
+KERNEL_5_4 = (31, OLD_FLAGS)  # no INIT_EXT: flags2 is not there to read
+KERNEL_6_9 = (40, OLD_FLAGS | rs.INIT_EXT | rs.PASSTHROUGH)  # no request timeout
+KERNEL_6_18 = (45, OLD_FLAGS | rs.INIT_EXT | rs.PASSTHROUGH | rs.REQUEST_TIMEOUT)
+
+
+def init_request(minor: int, offered: int, major: int = 7, opcode: int = fw.INIT,
+                 flags2_garbage: int = 0) -> bytes:
+    """A kernel's INIT request: header, fuse_init_in (flags2 only with INIT_EXT)."""
+    flags2 = offered >> 32 if offered & rs.INIT_EXT else flags2_garbage
+    body = rs.INIT_IN.pack(major, minor, 128 << 10, offered & 0xFFFFFFFF, flags2, 0)
+    body += b"\0" * (INIT_REST - 4)
+    head = fw.IN_HEADER.pack(fw.IN_HEADER.size + len(body), opcode, UNIQUE, 0, 0, 0, 1, 0, 0)
+    return head + body
+
+
+def decode(reply: bytes) -> dict:
+    """The reply as the kernel reads it: header, then fuse_init_out."""
+    length, error, unique = fw.OUT_HEADER.unpack_from(reply)
+    assert (length, error, unique) == (len(reply), 0, UNIQUE)
+    assert length == fw.OUT_HEADER.size + 64  # sizeof(struct fuse_init_out)
+    (major, minor, readahead, flags, max_background, congestion, max_write, time_gran,
+     max_pages, map_alignment, flags2, max_stack_depth, request_timeout,
+     *unused) = rs.INIT_OUT.unpack_from(reply, fw.OUT_HEADER.size)
+    assert not any(unused)
+    # the kernel's defaults for background requests, ns time stamps, no DAX
+    assert (max_background, congestion, time_gran, map_alignment) == (0, 0, 1, 0)
+    return {"major": major, "minor": minor, "readahead": readahead,
+            "flags": flags | flags2 << 32, "max_write": max_write, "max_pages": max_pages,
+            "max_stack_depth": max_stack_depth, "request_timeout": request_timeout}
+
+
+# -- negotiate: synthetic INIT requests -------------------------------------------------
+def test_a_current_kernel_grants_what_a_read_only_dataset_mount_asks():
+    reply, got = rs.negotiate(init_request(*KERNEL_6_18), rs.dataset_wants(600))
+    out = decode(reply)
+    for flag in (rs.PARALLEL_DIROPS, rs.MAX_PAGES, rs.REQUEST_TIMEOUT, rs.DO_READDIRPLUS,
+                 rs.READDIRPLUS_AUTO, rs.ABORT_ERROR, rs.CACHE_SYMLINKS, rs.INIT_EXT):
+        assert out["flags"] & flag and got.has(flag), rs.FLAG_NAMES[flag]
+    # offered, and refused: nothing is written on a dataset mount
+    for flag in (rs.ATOMIC_O_TRUNC, rs.BIG_WRITES, rs.PASSTHROUGH):
+        assert not out["flags"] & flag and not got.has(flag), rs.FLAG_NAMES[flag]
+    assert out["flags"] == got.granted
+    assert (out["major"], out["minor"], got.minor, got.kernel_minor) == (7, 40, 40, 45)
+    assert out["request_timeout"] == 600 and got.request_timeout == 600
+    assert out["max_pages"] == 256 and got.max_pages == 256
+    assert out["readahead"] == 128 << 10  # as offered: the daemon sets its own after INIT
+    assert out["max_stack_depth"] == 0
+    line = got.describe(rs.dataset_wants(600))
+    assert "parallel_dirops" in line and "request timeout 600 s" in line
+    assert "not offered" not in line
+    report = got.report(rs.dataset_wants(600))
+    assert report["not_granted"] == [] and "atomic_o_trunc" not in report["granted"]
+
+
+def test_a_kernel_without_request_timeouts_is_told_none_and_it_is_said():
+    """Linux 6.9-6.13: INIT_EXT and passthrough, no FUSE_REQUEST_TIMEOUT."""
+    wants = rs.dataset_wants(600)
+    reply, got = rs.negotiate(init_request(*KERNEL_6_9), wants)
+    out = decode(reply)
+    assert not out["flags"] & rs.REQUEST_TIMEOUT and not got.has(rs.REQUEST_TIMEOUT)
+    assert out["request_timeout"] == 0 and got.request_timeout == 0
+    assert out["flags"] & rs.PARALLEL_DIROPS and out["max_pages"] == 256
+    assert got.report(wants)["not_granted"] == ["request_timeout"]
+    assert "no request timeout (the kernel does not offer one" in got.describe(wants)
+
+
+def test_a_kernel_without_init_ext_gets_no_high_flags_whatever_flags2_holds():
+    """Before 7.36 there is no flags2: whatever is in its place is not an offer."""
+    reply, got = rs.negotiate(init_request(*KERNEL_5_4, flags2_garbage=0xFFFFFFFF),
+                              rs.dataset_wants(600))
+    out = decode(reply)
+    assert out["flags"] >> 32 == 0 and got.offered >> 32 == 0
+    assert not got.has(rs.REQUEST_TIMEOUT) and not got.has(rs.INIT_EXT)
+    assert (out["minor"], got.kernel_minor) == (31, 31)  # the kernel's, being older
+    assert got.has(rs.PARALLEL_DIROPS) and got.max_pages == 256
+
+
+def test_no_max_pages_offered_means_the_kernels_128k_requests():
+    reply, got = rs.negotiate(init_request(40, KERNEL_6_9[1] & ~rs.MAX_PAGES),
+                              rs.dataset_wants(0))
+    assert not decode(reply)["flags"] & rs.MAX_PAGES
+    assert got.max_pages == rs.DEFAULT_MAX_PAGES
+
+
+def test_the_kernels_caps_decide_the_timeout_in_force():
+    """fs.fuse.max_request_timeout caps ours, 15 s is the least the kernel takes,
+    default_request_timeout applies when we ask none, max_pages_limit caps max_pages."""
+    request = init_request(*KERNEL_6_18)
+    capped = rs.KernelLimits(max_pages=128, max_request_timeout=60)
+    _, got = rs.negotiate(request, rs.dataset_wants(600), capped)
+    assert (got.request_timeout, got.max_pages) == (60, 128)
+    reply, got = rs.negotiate(request, rs.dataset_wants(5))
+    assert decode(reply)["request_timeout"] == 5 and got.request_timeout == 15
+    reply, got = rs.negotiate(request, rs.dataset_wants(0),
+                              rs.KernelLimits(default_request_timeout=30))
+    out = decode(reply)
+    assert not out["flags"] & rs.REQUEST_TIMEOUT and out["request_timeout"] == 0
+    assert got.request_timeout == 30  # the kernel's own default, not asked by us
+    _, got = rs.negotiate(request, rs.dataset_wants(70_000))
+    assert got.request_timeout == rs.MAX_REQUEST_TIMEOUT  # a u16 on the wire
+
+
+def test_the_checkpoint_connection_keeps_its_own_answer():
+    """Atomic O_TRUNC and 1 MiB writes; passthrough (and its stack depth) only if offered
+    and wanted; no request timeout asked."""
+    reply, got = rs.negotiate(init_request(*KERNEL_6_18), rs.ckpt_wants(True))
+    out = decode(reply)
+    assert got.passthrough and out["max_stack_depth"] == rs.MAX_STACK_DEPTH
+    assert out["flags"] & rs.ATOMIC_O_TRUNC and out["flags"] & rs.BIG_WRITES
+    assert not out["flags"] & rs.REQUEST_TIMEOUT and out["request_timeout"] == 0
+    reply, got = rs.negotiate(init_request(*KERNEL_6_18), rs.ckpt_wants(False))
+    assert not got.passthrough and decode(reply)["max_stack_depth"] == 0
+    _, got = rs.negotiate(init_request(*KERNEL_5_4), rs.ckpt_wants(True))
+    assert not got.passthrough
+
+
+def test_a_request_that_is_no_init_or_another_major_is_refused():
+    with pytest.raises(rs.InitRefused) as refused:
+        rs.negotiate(init_request(*KERNEL_6_18, major=8), rs.dataset_wants(600))
+    assert refused.value.errno == errno.EPROTO
+    assert fw.OUT_HEADER.unpack(refused.value.reply) == (16, -errno.EPROTO, UNIQUE)
+    with pytest.raises(rs.InitRefused) as refused:
+        rs.negotiate(init_request(*KERNEL_6_18, opcode=fw.LOOKUP), rs.dataset_wants(600))
+    assert refused.value.reply is None
