@@ -1,19 +1,31 @@
-"""INIT answered by DLFS itself (dlfsd.fuse.rawsession), issue 32.
+"""The datasets' FUSE connection answers INIT itself (dlfsd.fuse.rawsession), issue 32.
 
-`negotiate`, the whole INIT answer, is fed synthetic kernel INIT requests as they come
-from kernels of several ages (with and without INIT_EXT, passthrough, the request
-timeout, max_pages) and its reply is decoded field by field: this is the code the
-daemon runs, not a stand-in.
+Two layers. `negotiate`, the whole INIT answer, is fed synthetic kernel INIT requests
+as they come from kernels of several ages (with and without INIT_EXT, passthrough, the
+request timeout, max_pages) and its reply is decoded field by field: this is the code
+the daemon runs, not a stand-in. Then real mounts: what the kernel here granted is in
+the log and in `dlfs status`, and with every worker SIGSTOPped a read fails within the
+request timeout (plus the kernel's 15 s check interval) instead of hanging, and the
+daemon takes the dead mount down once they continue. That test skips, saying why, on
+a kernel without FUSE_REQUEST_TIMEOUT (Linux < 6.14).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse import rawsession as rs
+from dlfsd.kernel import kernel_version
 
 UNIQUE = 2
 INIT_REST = 11 * 4  # fuse_init_in's unused[11]
@@ -146,3 +158,111 @@ def test_a_request_that_is_no_init_or_another_major_is_refused():
     with pytest.raises(rs.InitRefused) as refused:
         rs.negotiate(init_request(*KERNEL_6_18, opcode=fw.LOOKUP), rs.dataset_wants(600))
     assert refused.value.reply is None
+
+
+# -- real mounts ---------------------------------------------------------------------
+def kernel_has_request_timeout() -> bool:
+    """FUSE_REQUEST_TIMEOUT came with Linux 6.14 (protocol 7.43)."""
+    return kernel_version(os.uname().release) >= (6, 14)
+
+
+def status_of(dlfs_cli, m) -> dict:
+    result = dlfs_cli("status", m.path, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def small_store(store_with, tmp_path):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(8):
+        (src / "d" / f"f{i}").write_bytes(bytes([i]) * 5000)
+    return store_with(src)
+
+
+def test_a_mount_logs_and_reports_what_the_kernel_granted(mounted, small_store, dlfs_cli):
+    m = mounted(small_store, "--request-timeout", "120")
+    assert (m / "ds/d/f3").read_bytes() == b"\3" * 5000
+    fuse = status_of(dlfs_cli, m)["fuse"]
+    assert {"parallel_dirops", "max_pages", "readdirplus", "readdirplus_auto",
+            "abort_error"} <= set(fuse["granted"])
+    assert "atomic_o_trunc" not in fuse["granted"]
+    assert fuse["max_pages"] == min(256, rs.KernelLimits.read().max_pages)
+    if kernel_has_request_timeout():
+        assert "request_timeout" in fuse["granted"] and fuse["request_timeout"] >= 120
+    else:
+        assert fuse["not_granted"] == ["request_timeout"] and fuse["request_timeout"] == 0
+    lines = [line for line in m.log_text().splitlines() if "FUSE connection" in line]
+    assert len(lines) == 1 and "parallel_dirops" in lines[0], lines  # once, at mount
+    assert " INFO " in lines[0]
+    plain = dlfs_cli("status", m.path).stdout
+    assert "FUSE protocol 7." in plain and "parallel_dirops" in plain
+
+
+def test_no_request_timeout_asked_none_granted(mounted, small_store, dlfs_cli):
+    m = mounted(small_store, "--request-timeout", "0")
+    fuse = status_of(dlfs_cli, m)["fuse"]
+    assert "request_timeout" not in fuse["granted"] + fuse["not_granted"]
+
+
+def fuse_workers(main_pid: int) -> list[int]:
+    """The main daemon process's children that hold /dev/fuse: its FUSE workers."""
+    found = []
+    for task in os.listdir(f"/proc/{main_pid}/task"):
+        with open(f"/proc/{main_pid}/task/{task}/children") as f:
+            for pid in map(int, f.read().split()):
+                try:
+                    fds = os.listdir(f"/proc/{pid}/fd")
+                except OSError:
+                    continue
+                if any(_readlink(f"/proc/{pid}/fd/{fd}") == "/dev/fuse" for fd in fds):
+                    found.append(pid)
+    return found
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def test_stopped_workers_fail_a_read_within_the_request_timeout(mounted, small_store,
+                                                                  dlfs_cli, sysproc):
+    """Every worker SIGSTOPped: the kernel aborts the connection once a request waits past
+    the timeout (it checks every 15 s: the error comes between T and T + 15 s), the read
+    fails instead of hanging, and once the workers continue the daemon finds its
+    connection aborted and takes the dead mount down."""
+    if not kernel_has_request_timeout():
+        pytest.skip(f"kernel {os.uname().release} has no FUSE_REQUEST_TIMEOUT (Linux >= "
+                    "6.14): a stopped daemon leaves readers waiting")
+    timeout = 15  # the least the kernel takes
+    m = mounted(small_store, "--request-timeout", str(timeout))
+    assert status_of(dlfs_cli, m)["fuse"]["request_timeout"] == timeout
+    workers = fuse_workers(m.pid)
+    assert workers, "no worker process holds /dev/fuse"
+    reader = [sys.executable, "-c", "import sys; open(sys.argv[1], 'rb').read()",
+              str(m / "ds/d/f5")]
+    try:
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        result = subprocess.run(reader, capture_output=True, text=True,
+                                timeout=timeout + rs.TIMEOUT_CHECK_SECONDS + 30)
+        took = time.monotonic() - started
+    finally:
+        for pid in workers:  # whatever happened: no process left stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert result.returncode != 0
+    assert "Software caused connection abort" in result.stderr or \
+        "Transport endpoint is not connected" in result.stderr, result.stderr
+    assert timeout - 1 <= took <= timeout + rs.TIMEOUT_CHECK_SECONDS + 5, took
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (sysproc.pid_alive(m.pid)
+                                           or sysproc.fstype_at(m.path)):
+        time.sleep(0.2)
+    assert not sysproc.pid_alive(m.pid), "the daemon did not notice its aborted connection"
+    assert sysproc.fstype_at(m.path) is None, "the dead mount is still there"
+    assert "FUSE connection was aborted" in m.log_text()
