@@ -104,8 +104,6 @@ def configure_logging(config: MountConfig) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if config.debug else logging.INFO)
-    if not config.debug:
-        logging.getLogger("pyfuse3").setLevel(logging.WARNING)
 
 
 def load_datasets(config: MountConfig) -> list[Dataset]:
