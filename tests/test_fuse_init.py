@@ -70,10 +70,11 @@ def test_a_current_kernel_grants_what_a_read_only_dataset_mount_asks():
     reply, got = rs.negotiate(init_request(*KERNEL_6_18), rs.dataset_wants(600))
     out = decode(reply)
     for flag in (rs.PARALLEL_DIROPS, rs.MAX_PAGES, rs.REQUEST_TIMEOUT, rs.DO_READDIRPLUS,
-                 rs.READDIRPLUS_AUTO, rs.ABORT_ERROR, rs.CACHE_SYMLINKS, rs.INIT_EXT):
+                 rs.ABORT_ERROR, rs.CACHE_SYMLINKS, rs.INIT_EXT):
         assert out["flags"] & flag and got.has(flag), rs.FLAG_NAMES[flag]
-    # offered, and refused: nothing is written on a dataset mount
-    for flag in (rs.ATOMIC_O_TRUNC, rs.BIG_WRITES, rs.PASSTHROUGH):
+    # offered, and refused: nothing is written on a dataset mount, and every listing
+    # reply carries attributes (readdirplus_auto would send them with the first only)
+    for flag in (rs.ATOMIC_O_TRUNC, rs.BIG_WRITES, rs.PASSTHROUGH, rs.READDIRPLUS_AUTO):
         assert not out["flags"] & flag and not got.has(flag), rs.FLAG_NAMES[flag]
     assert out["flags"] == got.granted
     assert (out["major"], out["minor"], got.minor, got.kernel_minor) == (7, 40, 40, 45)
@@ -185,9 +186,9 @@ def test_a_mount_logs_and_reports_what_the_kernel_granted(mounted, small_store, 
     m = mounted(small_store, "--request-timeout", "120")
     assert (m / "ds/d/f3").read_bytes() == b"\3" * 5000
     fuse = status_of(dlfs_cli, m)["fuse"]
-    assert {"parallel_dirops", "max_pages", "readdirplus", "readdirplus_auto",
-            "abort_error"} <= set(fuse["granted"])
-    assert "atomic_o_trunc" not in fuse["granted"]
+    assert {"parallel_dirops", "max_pages", "readdirplus", "abort_error"} <= set(
+        fuse["granted"])
+    assert not {"atomic_o_trunc", "readdirplus_auto"} & set(fuse["granted"])
     assert fuse["max_pages"] == min(256, rs.KernelLimits.read().max_pages)
     if kernel_has_request_timeout():
         assert "request_timeout" in fuse["granted"] and fuse["request_timeout"] >= 120
@@ -266,3 +267,26 @@ def test_stopped_workers_fail_a_read_within_the_request_timeout(mounted, small_s
     assert not sysproc.pid_alive(m.pid), "the daemon did not notice its aborted connection"
     assert sysproc.fstype_at(m.path) is None, "the dead mount is still there"
     assert "FUSE connection was aborted" in m.log_text()
+
+
+def test_every_listing_reply_carries_attributes(mounted, store_with, tmp_path):
+    """A directory larger than one READDIRPLUS reply (~6,000 entries of 1 MiB): with
+    readdirplus_auto the kernel asked for the rest as plain READDIR, and each later
+    stat of those entries cost a LOOKUP round trip. Now a listing leaves every entry
+    known to the kernel: stat'ing all 9,000 afterwards sends no LOOKUP (the daemon's
+    --debug log has one line per request it reads)."""
+    src = tmp_path / "src"
+    (src / "big").mkdir(parents=True)
+    for i in range(9000):
+        (src / "big" / f"sample_{i:07d}.bin").touch()
+    m = mounted(store_with(src), "--debug")
+    big = m / "ds/big"
+    names = [entry.name for entry in os.scandir(big)]
+    assert len(names) == 9000
+    before = m.log_text().count(" lookup inode ")
+    for name in names:
+        os.lstat(big / name)
+    lookups = m.log_text().count(" lookup inode ") - before
+    assert lookups == 0, f"{lookups} LOOKUPs after the listing"
+    plus = m.log_text().count(" readdirplus inode ")
+    assert plus >= 2, "the listing took one READDIRPLUS reply"

@@ -90,16 +90,19 @@ def dataset_wants(request_timeout: int) -> Wants:
 
     parallel_dirops: DataLoader workers look up names of one directory at once (without
     it the kernel serializes them on the directory's lock). max_pages 256: 1 MiB READ
-    and READDIRPLUS requests. readdirplus, readdirplus_auto, async_read and
-    auto_inval_data: what libfuse asked for before (listing and read-ahead unchanged).
+    and READDIRPLUS requests. readdirplus without readdirplus_auto: every listing
+    reply carries the entries' attributes, not only the first (~6,000 entries of 1
+    MiB): with readdirplus_auto the rest of a larger directory came without them, and
+    each later stat or open of one cost a LOOKUP round trip (docs/ARCHITECTURE.md,
+    "Listings"). async_read and auto_inval_data: as libfuse asked before.
     cache_symlinks: a link's target never changes, so the kernel may keep it. No
     atomic_o_trunc, big_writes, locks: nothing is ever written. abort_error: see
     ABORT_ERROR. request_timeout: a hung or stopped daemon fails readers' requests
     (the kernel aborts the connection) instead of leaving them in D state forever.
     Opens and opendirs are not negotiated here: the workers' ENOSYS answers make the
     kernel stop sending them (dlfsd.fuse.wireworker)."""
-    flags = (ASYNC_READ | AUTO_INVAL_DATA | DO_READDIRPLUS | READDIRPLUS_AUTO
-             | PARALLEL_DIROPS | ABORT_ERROR | MAX_PAGES | CACHE_SYMLINKS | INIT_EXT)
+    flags = (ASYNC_READ | AUTO_INVAL_DATA | DO_READDIRPLUS | PARALLEL_DIROPS | ABORT_ERROR
+             | MAX_PAGES | CACHE_SYMLINKS | INIT_EXT)
     if request_timeout:
         flags |= REQUEST_TIMEOUT
     return Wants(flags, request_timeout=min(request_timeout, MAX_REQUEST_TIMEOUT))
