@@ -104,8 +104,6 @@ def configure_logging(config: MountConfig) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if config.debug else logging.INFO)
-    if not config.debug:
-        logging.getLogger("pyfuse3").setLevel(logging.WARNING)
 
 
 def load_datasets(config: MountConfig) -> list[Dataset]:
@@ -468,6 +466,7 @@ class Services:
         self.drainer = None  # the checkpoint tier's drain (attach_ckpt)
         self.connection_lost = False  # a connection aborted or its workers died
         self.ckpt_passthrough: str | None = None  # "on", or "off (why)"
+        self.fuse_connection: dict | None = None  # what the datasets' INIT granted
         self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
                                   observe.health, observe.peer_marks, pool, self.stager)
 
@@ -489,6 +488,8 @@ class Services:
             status["replication"] = self.replicas.snapshot()
         if self.drainer is not None:
             status["ckpt"] = self.ckpt_report()
+        if self.fuse_connection is not None:
+            status["fuse"] = self.fuse_connection
         return status
 
     def attach_ckpt(self, drainer, written, report) -> None:
@@ -731,7 +732,8 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
     release.callback(services.stop_listening)
     ready = False
     try:
-        session.answer_init(INIT_TIMEOUT)
+        negotiated = session.answer_init(INIT_TIMEOUT, config.request_timeout)
+        services.fuse_connection = session.report(negotiated)  # for `dlfs status`
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         state.workers = start_workers(config, namespace, daemon.fds_before_mount, daemon.pool)
@@ -829,10 +831,12 @@ def _still_mounted(mountpoint: str, ours) -> bool:
 
 def _unmount_dead(mountpoint: str) -> None:
     """The workers saw the connection end, yet our mount is still there: it was
-    aborted (fusectl, umount -f) and answers ENOTCONN for good. libfuse leaves an
-    aborted connection's mount alone, so take it down here, lazily (a process may
+    aborted (fusectl, umount -f, an expired request timeout) and answers ENOTCONN for
+    good. Closing the session leaves an aborted connection's mount alone, so take it
+    down here, lazily (a process may
     still have it as its cwd)."""
-    log.error("the FUSE connection was aborted with %s still mounted; unmounting it",
+    log.error("the FUSE connection was aborted (fusectl, umount -f, or a request left "
+              "unanswered past the request timeout) with %s still mounted; unmounting it",
               mountpoint)
     try:
         done = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,

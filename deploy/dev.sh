@@ -19,8 +19,9 @@ PY=${PYTHON:-python3}
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 install_debian_packages() {
-    local want=(fuse3 libfuse3-dev pkg-config gcc openmpi-bin libopenmpi-dev)
-    # Debian's own python needs these to build venvs and C extensions (pyfuse3).
+    # fuse3: fusermount3 (mounts as a user); gcc and libopenmpi-dev build mpi4py.
+    local want=(fuse3 gcc openmpi-bin libopenmpi-dev)
+    # Debian's own python needs these to build venvs and C extensions (mpi4py).
     if [ "$(command -v "$PY")" = /usr/bin/python3 ]; then
         want+=(python3-venv python3-dev)
     fi
