@@ -86,11 +86,25 @@ def mount_options(config: MountConfig) -> set[str]:
     options = {"fsname=dlfs", "subtype=dlfs", "default_permissions", "noatime"}
     if not config.ckpt_store:  # with a checkpoint tier the core refuses writes (EROFS)
         options.add("ro")
-    if config.allow_other or config.uid is not None:
-        options.add("allow_other")  # a root-made mount for one user: 0700 root keeps others out
+    if admits_others(config):
+        options.add("allow_other")
     if config.debug:
         options.add("debug")
     return options
+
+
+def shown_owner(config: MountConfig) -> tuple[int, int]:
+    """The owner (uid, gid) every entry of the mount shows, datasets and ckpt/ alike:
+    --uid/--gid (a root daemon mounting for a job's user), else the daemon's own."""
+    uid = os.getuid() if config.uid is None else config.uid
+    gid = os.getgid() if config.gid is None else config.gid
+    return uid, gid
+
+
+def admits_others(config: MountConfig) -> bool:
+    """Whether the kernel lets users other than the mounter in (allow_other): asked
+    for, or a root-made mount for one user, whose 0700 root keeps the others out."""
+    return config.allow_other or config.uid is not None
 
 
 def configure_logging(config: MountConfig) -> None:
@@ -785,11 +799,8 @@ def _mount_ckpt(config: MountConfig, daemon: _Loaded,
     INIT (asking for passthrough if wanted) and fork its workers."""
     from dlfsd.fuse.rawsession import RawSession
 
-    uid = os.getuid() if config.uid is None else config.uid
-    gid = os.getgid() if config.gid is None else config.gid
     before = fuse_fds()
-    ckpt = RawSession(ckpt_mountpoint(config)[0], uid, gid,
-                      config.allow_other or config.uid is not None)
+    ckpt = RawSession(ckpt_mountpoint(config)[0], *shown_owner(config), admits_others(config))
     try:
         ckpt.mount()
     except OSError as err:
@@ -868,8 +879,7 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
     the main process's trio loop reached 0.07-0.41 of the source's rate in
     bench/random_read.py where the workers reach 0.6-0.9 (docs/ARCHITECTURE.md).
     """
-    uid = os.getuid() if config.uid is None else config.uid  # owner shown for every entry
-    gid = os.getgid() if config.gid is None else config.gid
+    uid, gid = shown_owner(config)
     fuse_fd = find_fuse_fd(fds_before_mount)
     pipe_size = usable_pipe_size() if config.splice else 0
     if config.splice:
@@ -894,8 +904,7 @@ def start_ckpt_workers(config: MountConfig, namespace: Namespace, ckpt_fd: int,
     """Fork the processes serving the checkpoint connection (dlfsd.fuse.ckptworker):
     as many as the datasets have (a checkpoint save writes from every rank at once;
     with passthrough the bytes never reach them, and they idle in read())."""
-    uid = os.getuid() if config.uid is None else config.uid
-    gid = os.getgid() if config.gid is None else config.gid
+    uid, gid = shown_owner(config)
     tree = namespace.ckpt
 
     def serve() -> int:
