@@ -57,7 +57,7 @@ from dlfs.store.store import Dataset, Store
 from dlfsd import __version__
 from dlfsd.access import served_to_user
 from dlfsd.ckpt.nodeids import CKPT_NAME
-from dlfsd.commit import LaunchCommit, discard_launch_secret
+from dlfsd.commit import LaunchCommit, LaunchSecret
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse import session
 from dlfsd.fuse.ckptworker import CkptWorker
@@ -391,7 +391,7 @@ class HeldStopSignals:
         self.caught.append(signum)
 
 
-async def supervise(config: MountConfig, workers: dict[int, int], services,
+async def supervise(mountpoint: str, workers: dict[int, int], services,
                     held: HeldStopSignals | None = None,
                     commit: LaunchCommit | None = None) -> bool:
     """The main process: run the background services (stager, peer server, status) and
@@ -415,7 +415,7 @@ async def supervise(config: MountConfig, workers: dict[int, int], services,
                     await _send_self(held.caught[0])
                 async for signum in sigs:
                     log.info("got %s; unmounting %s", signal.Signals(signum).name,
-                             config.mountpoint)
+                             mountpoint)
                     stop()
                     return
 
@@ -423,8 +423,8 @@ async def supervise(config: MountConfig, workers: dict[int, int], services,
             if not await commit.wait():
                 log.error("the `dlfs mount --mpi` rank that started this daemon exited or "
                           "gave up before committing this mount; unmounting %s",
-                          config.mountpoint)
-                discard_launch_secret(config)
+                          mountpoint)
+                commit.give_up()
                 stop()
 
         nursery.start_soon(watch_signals)
@@ -566,7 +566,8 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     taken, whichever step fails: the order lives where each is acquired.
     """
     readiness = readiness or Readiness()
-    commit = LaunchCommit.from_env()
+    commit = LaunchCommit.from_env(LaunchSecret(config.secret_file, config.node,
+                                                config.mountpoint))
     configure_logging(config)
     with contextlib.ExitStack() as release:
         try:
@@ -761,7 +762,8 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
         write_status(status_path(config.mountpoint), services.status())  # before READY
         readiness.send(READY)
         ready = True
-        state.unmount = trio.run(supervise, config, state.workers, services, held, commit)
+        state.unmount = trio.run(supervise, config.mountpoint, state.workers, services, held,
+                                 commit)
         state.aborted = _still_mounted(config.mountpoint, ours) if not state.unmount else False
     except DlfsError as err:
         if ready:
