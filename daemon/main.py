@@ -55,56 +55,54 @@ from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
 from dlfsd import __version__
-from dlfsd.access import served_to_user
+from dlfsd.access import admits_others, served_to_user, shown_owner
+from dlfsd.ckpt.control import CkptControl
+from dlfsd.ckpt.counters import WriteCounter
+from dlfsd.ckpt.creds import Creds
+from dlfsd.ckpt.drain import Drainer, scan
 from dlfsd.ckpt.nodeids import CKPT_NAME
+from dlfsd.ckpt.openfiles import OpenFiles
+from dlfsd.ckpt.tier import Tier
+from dlfsd.ckpt.tree import CkptTree
 from dlfsd.commit import LaunchCommit, LaunchSecret
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse import session
 from dlfsd.fuse.ckptworker import CkptWorker
+from dlfsd.fuse.rawsession import RawSession
 from dlfsd.fuse.wireworker import WORKER_ABORTED, WireWorker, find_fuse_fd, fuse_fds
-from dlfsd.kernel import kernel_release, kernel_skips_opens
+from dlfsd.kernel import INIT_TIMEOUT, kernel_release, kernel_skips_opens
 from dlfsd.lineage import die_with_parent, parent_alive
 from dlfsd.lookahead import LookAhead
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
 from dlfsd.obs.health import HealthWatch
-from dlfsd.obs.observe import Observability, ObserveConfig
-from dlfsd.obs.status import build_status, keep_status, write_status
+from dlfsd.obs.observe import ObserveConfig
+from dlfsd.obs.sharedjson import SharedJson
+from dlfsd.obs.status import StatusConfig, build_status, keep_status, write_status
 from dlfsd.ordersock import OrderService
 from dlfsd.prefetch import available_memory, prefetch_decision
 
 if TYPE_CHECKING:
+    from dlfsd.pool.peerserver import PeerLoopServer
     from dlfsd.pool.pool import ChunkPool
+    from dlfsd.pool.replicate import ReplicaSource
+    from dlfsd.pool.scrub import Scrubber
+    from dlfsd.pool.stager import Stager
 
 log = logging.getLogger("dlfsd")
 
 PICK_ANOTHER_PORT = "pick another port (in --nodes; with --slurm or --mpi, --port-base)"
-INIT_TIMEOUT = 60.0  # seconds the kernel may take to send FUSE INIT after mounting
 
 
 def mount_options(config: MountConfig) -> set[str]:
     options = {"fsname=dlfs", "subtype=dlfs", "default_permissions", "noatime"}
     if not config.ckpt_store:  # with a checkpoint tier the core refuses writes (EROFS)
         options.add("ro")
-    if admits_others(config):
+    if admits_others(config.allow_other, config.uid):
         options.add("allow_other")
     if config.debug:
         options.add("debug")
     return options
-
-
-def shown_owner(config: MountConfig) -> tuple[int, int]:
-    """The owner (uid, gid) every entry of the mount shows, datasets and ckpt/ alike:
-    --uid/--gid (a root daemon mounting for a job's user), else the daemon's own."""
-    uid = os.getuid() if config.uid is None else config.uid
-    gid = os.getgid() if config.gid is None else config.gid
-    return uid, gid
-
-
-def admits_others(config: MountConfig) -> bool:
-    """Whether the kernel lets users other than the mounter in (allow_other): asked
-    for, or a root-made mount for one user, whose 0700 root keeps the others out."""
-    return config.allow_other or config.uid is not None
 
 
 def configure_logging(config: MountConfig) -> None:
@@ -132,10 +130,11 @@ def load_datasets(config: MountConfig) -> list[Dataset]:
     return sorted((store.open(name) for name in names), key=lambda d: d.name)
 
 
-def load_pool(config: MountConfig, datasets: list[Dataset]):
-    """The chunk pool of a cluster-mode mount (None without --cache-dir)."""
+def load_pool(config: MountConfig, datasets: list[Dataset]) -> tuple[ChunkPool | None, int]:
+    """The chunk pool of a cluster-mode mount (None without --cache-dir), and how many
+    bytes it may stage (limit_for_node; 0: no limit)."""
     if not config.pooled:
-        return None
+        return None, 0
     from dlfsd.pool.pool import ChunkPool  # cluster mode only
 
     seen: dict[bytes, str] = {}
@@ -160,8 +159,8 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
                      processes=config.workers + 2,
                      ahead=(config.lookahead_samples, config.lookahead_bytes)
                      if config.lookahead else (0, 0))
-    pool.cache_limit = limit_for_node(config, pool)
-    adopted = pool.scan_caches(pool.cache_limit)
+    cache_limit = limit_for_node(config, pool)
+    adopted = pool.scan_caches(cache_limit)
     log.info("chunk pool: node %s of %d, %d replicas, peer port %s:%d, cache %s (%d staged "
              "chunks reused)", view.me.name, len(view.nodes), view.replicas, view.me.host,
              view.me.port, cache_root, adopted)
@@ -171,7 +170,7 @@ def load_pool(config: MountConfig, datasets: list[Dataset]):
                     "not use (re-populated or removed datasets, or another mount's); they "
                     "count against no --cache-limit: delete those no mount uses", cache_root,
                     format_size(nbytes), dirs)
-    return pool
+    return pool, cache_limit
 
 
 def limit_for_node(config: MountConfig, pool) -> int:
@@ -437,85 +436,25 @@ async def supervise(mountpoint: str, workers: dict[int, int], services,
     return must_unmount
 
 
-class Services:
-    """What the main process runs besides FUSE: staging, the peer server, the status file."""
+@dataclass
+class PoolServices:
+    """What the main process runs for a chunk pool; made before the fork (the stager
+    decides what the pool stages, and the workers demand chunks through the pool)."""
 
-    def __init__(self, config: MountConfig, datasets: list[Dataset], observe: Observability,
-                 pool=None) -> None:
-        self.config = config
-        self.datasets = datasets
-        self.stats = observe.stats
-        self.pool = pool
-        self.stager = None
-        self.replicas = None
-        self.server = None
-        self.scrubber = None
-        if pool is not None:
-            from dlfsd.pool.stager import Stager
+    pool: ChunkPool
+    stager: Stager
+    replicas: ReplicaSource | None = None  # secondary owners copy from primaries
+    server: PeerLoopServer | None = None  # other nodes read our staged copies
+    scrubber: Scrubber | None = None  # --scrub-rate: re-reads the staged copies
 
-            if len(pool.view.nodes) > 1 and pool.view.replicas > 1 and config.replica_wait:
-                from dlfsd.pool.replicate import ReplicaSource
-
-                self.replicas = ReplicaSource(pool.view, datasets, pool.tables,
-                                              config.peer_timeout, config.replica_wait)
-            self.stager = Stager(datasets, pool.caches, pool.owned, pool.demand,
-                                 jobs=config.stage_jobs, cache_limit=pool.cache_limit,
-                                 store_rate=config.store_bandwidth, replicas=self.replicas)
-            pool.set_stager(self.stager.will_stage)
-            if len(pool.view.nodes) > 1:
-                from dlfsd.pool.peerserver import (
-                    PeerLoopServer,
-                    connection_slots,
-                    serve_threads,
-                )
-
-                self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
-                                             max_connections=connection_slots(
-                                                 len(pool.view.nodes), config.workers),
-                                             trusted=node_addresses(pool.view.nodes),
-                                             verify_served=config.verify_served,
-                                             threads=serve_threads())
-            if config.scrub_rate:
-                from dlfsd.pool.scrub import Scrubber
-
-                self.scrubber = Scrubber(pool, config.scrub_rate)
-        self.drainer = None  # the checkpoint tier's drain (attach_ckpt)
-        self.connection_lost = False  # a connection aborted or its workers died
-        self.ckpt_passthrough: str | None = None  # "on", or "off (why)"
-        self.health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
-                                  observe.health, observe.peer_marks, pool, self.stager)
-
-    def _current(self) -> bool:
-        """This daemon still serves its mountpoint: no later one has written its record."""
-        record = read_record(self.config.mountpoint)
-        return record is None or record.pid == os.getpid()
-
-    def status(self) -> dict:
-        """The status file's contents; also scans for stalled reads (the status task's
-        second is the stall detector's) and publishes the health for .dlfs/metrics."""
-        status = build_status(self.config, self.datasets, self.stats, self.stager,
-                              self.pool, self.server, self.health.check())
-        if self.pool is not None and self.pool.share is not None:
+    def report(self, status: dict) -> None:
+        """Add the node's pool counters to the status file's contents."""
+        if self.pool.share is not None:
             status["peer_fetch"] = self.pool.fetch_counters()  # the node's, not per worker
         if self.scrubber is not None:
             status["scrub"] = self.scrubber.counters()
         if self.replicas is not None:
             status["replication"] = self.replicas.snapshot()
-        if self.drainer is not None:
-            status["ckpt"] = self.ckpt_report()
-        return status
-
-    def attach_ckpt(self, drainer, written, report) -> None:
-        """The checkpoint tier's drain (run here), its write counter and the shared
-        report `.dlfs/metrics` renders in the workers."""
-        self.drainer, self.ckpt_written, self.ckpt_shared = drainer, written, report
-
-    def ckpt_report(self) -> dict:
-        report = self.drainer.report()
-        report["written_bytes"], report["write_requests"] = self.ckpt_written.totals()
-        report["passthrough"] = self.ckpt_passthrough
-        self.ckpt_shared.publish(report)
-        return report
 
     def listen(self) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a
@@ -537,26 +476,110 @@ class Services:
         if self.server is not None:
             self.server.stop()
 
+    def start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self.stager.run)
+        if self.scrubber is not None:
+            nursery.start_soon(self.scrubber.run)
+
+    def stop(self) -> None:
+        self.stop_listening()
+        if self.replicas is not None:
+            self.replicas.close()
+
+
+class Services:
+    """What the main process runs besides FUSE: staging, the peer server, the status
+    file, the checkpoint drain. Made once all of them exist (the drain only after
+    the checkpoint connection's INIT said whether the kernel passes bytes through);
+    supervise runs them."""
+
+    def __init__(self, status: StatusConfig, datasets: list[Dataset], stats,
+                 health: HealthWatch, staging: PoolServices | None = None,
+                 ckpt: CkptConnection | None = None) -> None:
+        """`stats`: the mount's dlfsd.obs.stats.Stats (NullStats under --no-stats)."""
+        self.config = status
+        self.datasets = datasets
+        self.stats = stats
+        self.health = health
+        self.staging = staging
+        self.ckpt = ckpt
+        self.connection_lost = False  # a connection aborted or its workers died
+
+    def _current(self) -> bool:
+        """This daemon still serves its mountpoint: no later one has written its record."""
+        record = read_record(self.config.mountpoint)
+        return record is None or record.pid == os.getpid()
+
+    def status(self) -> dict:
+        """The status file's contents; also scans for stalled reads (the status task's
+        second is the stall detector's) and publishes the health for .dlfs/metrics."""
+        staging = self.staging
+        pool, stager, server = ((staging.pool, staging.stager, staging.server)
+                                if staging is not None else (None, None, None))
+        status = build_status(self.config, self.datasets, self.stats, stager, pool, server,
+                              self.health.check())
+        if staging is not None:
+            staging.report(status)
+        if self.ckpt is not None:
+            status["ckpt"] = self.ckpt.report()
+        return status
+
+    def listen(self) -> None:
+        """Take the peer port (see PoolServices.listen)."""
+        if self.staging is not None:
+            self.staging.listen()
+
+    def stop_listening(self) -> None:
+        if self.staging is not None:
+            self.staging.stop_listening()
+
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                if self.stager is not None:
-                    nursery.start_soon(self.stager.run)
-                if self.scrubber is not None:
-                    nursery.start_soon(self.scrubber.run)
-                if self.drainer is not None:  # threads: started after every fork
-                    self.drainer.start()
+                if self.staging is not None:
+                    self.staging.start(nursery)
+                if self.ckpt is not None:  # threads: started after every fork
+                    self.ckpt.start()
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint),
                                    self.status, self._current)
                 task_status.started()
         finally:
-            self.stop_listening()
-            if self.replicas is not None:
-                self.replicas.close()
-            if self.drainer is not None:
-                if self.connection_lost:
-                    self.drainer.finish(drain_on_loss())
-                self.drainer.stop()
+            if self.staging is not None:
+                self.staging.stop()
+            if self.ckpt is not None:
+                self.ckpt.stop(self.connection_lost)
+
+
+class CkptConnection:
+    """The checkpoint connection as the main process keeps it once it is up: the drain
+    (its threads start after every fork), the write counter the workers add to, the
+    shared report `.dlfs/metrics` renders in the workers, and whether the kernel
+    passes checkpoint bytes through."""
+
+    def __init__(self, drainer: Drainer, written: WriteCounter, shared: SharedJson,
+                 passthrough: str) -> None:
+        """`passthrough`: "on", or "off (why)"."""
+        self.drainer = drainer
+        self.written = written
+        self.shared = shared
+        self.passthrough = passthrough
+
+    def report(self) -> dict:
+        """The drain's counters for the status file, also published for `.dlfs/metrics`."""
+        report = self.drainer.report()
+        report["written_bytes"], report["write_requests"] = self.written.totals()
+        report["passthrough"] = self.passthrough
+        self.shared.publish(report)
+        return report
+
+    def start(self) -> None:
+        self.drainer.start()
+
+    def stop(self, connection_lost: bool) -> None:
+        """Stop the drain; a lost connection first drains what it can (drain_on_loss)."""
+        if connection_lost:
+            self.drainer.finish(drain_on_loss())
+        self.drainer.stop()
 
 
 def run(config: MountConfig, readiness: Readiness | None = None) -> int:
@@ -571,7 +594,7 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
     configure_logging(config)
     with contextlib.ExitStack() as release:
         try:
-            daemon = _load(config, release)
+            daemon = assemble(config, release)
         except DlfsError as err:
             log.error("%s", err)
             readiness.send(f"{ERROR_PREFIX}{err}")
@@ -595,22 +618,22 @@ def run(config: MountConfig, readiness: Readiness | None = None) -> int:
 
 
 @dataclass
-class _Loaded:
+class Daemon:
     """What is ready before the mount: the namespace and what serves it."""
 
     namespace: Namespace
     pool: ChunkPool | None
-    services: Services
+    staging: PoolServices | None  # the pool's stager, peer server, replication, scrub
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
     order: OrderService | None  # samplers' announcements -> the look-ahead
-    ckpt: object | None = None  # dlfsd.ckpt.control.CkptControl: `dlfs flush`
-    open_files: object | None = None  # dlfsd.ckpt.openfiles.OpenFiles: ckpt/'s open files
+    ckpt: CkptTier | None = None  # the checkpoint tier (--ckpt-store)
 
 
-def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
-    """Datasets, chunk pool, namespace and the services, before mounting."""
+def assemble(config: MountConfig, release: contextlib.ExitStack) -> Daemon:
+    """Datasets, chunk pool, namespace and what serves them, before mounting; made
+    before the workers fork, which share what they hold in shared memory."""
     datasets = load_datasets(config)
-    pool = load_pool(config, datasets)
+    pool, cache_limit = load_pool(config, datasets)
     if pool is not None:
         release.callback(pool.close)
     prefetch, why = prefetch_decision(
@@ -631,60 +654,196 @@ def _load(config: MountConfig, release: contextlib.ExitStack) -> _Loaded:
         peer_fds = connection_slots(len(pool.view.nodes), config.workers)
     raise_fd_limit(sum(d.chunk_count for d in datasets) * (2 if pool is not None else 1)
                    + peer_fds)
-    services = Services(config, namespace.datasets, namespace.observe, pool)
-    ckpt, open_files = _ckpt_tier(config, namespace, services, release)
+    staging = (pool_services(config, pool, namespace.datasets, cache_limit)
+               if pool is not None else None)
+    ckpt = _ckpt_tier(config, namespace, release)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)
-    return _Loaded(namespace, pool, services, fuse_fds(), order, ckpt, open_files)
+    return Daemon(namespace, pool, staging, fuse_fds(), order, ckpt)
 
 
-def _ckpt_tier(config: MountConfig, namespace: Namespace, services: Services,
-               release: contextlib.ExitStack):
-    """The writable `ckpt/` subtree, its drain, and its open-files table ((None, None)
-    without --ckpt-store); made before the fork: the workers share its epoch word,
+def pool_services(config: MountConfig, pool: ChunkPool, datasets: list[Dataset],
+                  cache_limit: int) -> PoolServices:
+    """The stager (at most `cache_limit` bytes staged, 0: no limit) and, as the job
+    asks for them, replication from primaries, the peer server and the scrub."""
+    from dlfsd.pool.stager import Stager
+
+    view = pool.view
+    replicas = None
+    if len(view.nodes) > 1 and view.replicas > 1 and config.replica_wait:
+        from dlfsd.pool.replicate import ReplicaSource
+
+        replicas = ReplicaSource(view, datasets, pool.tables, config.peer_timeout,
+                                 config.replica_wait)
+    stager = Stager(datasets, pool.caches, pool.owned, pool.demand, jobs=config.stage_jobs,
+                    cache_limit=cache_limit, store_rate=config.store_bandwidth,
+                    replicas=replicas)
+    pool.set_stager(stager.will_stage)
+    server = None
+    if len(view.nodes) > 1:
+        from dlfsd.pool.peerserver import PeerLoopServer, connection_slots, serve_threads
+
+        server = PeerLoopServer(view.secret, pool, view.me.name,
+                                max_connections=connection_slots(len(view.nodes),
+                                                                 config.workers),
+                                trusted=node_addresses(view.nodes),
+                                verify_served=config.verify_served, threads=serve_threads())
+    scrubber = None
+    if config.scrub_rate:
+        from dlfsd.pool.scrub import Scrubber
+
+        scrubber = Scrubber(pool, config.scrub_rate)
+    return PoolServices(pool, stager, replicas, server, scrubber)
+
+
+def _ckpt_tier(config: MountConfig, namespace: Namespace,
+               release: contextlib.ExitStack) -> CkptTier | None:
+    """The checkpoint tier (None without --ckpt-store), shown as `ckpt/` in the root."""
+    ckpt_config = CkptConfig.from_mount(config)
+    if ckpt_config is None:
+        return None
+    return open_tier(ckpt_config, namespace, release)
+
+
+def build_services(config: MountConfig, daemon: Daemon,
+                   ckpt: CkptConnection | None) -> Services:
+    """The main process's services, once the checkpoint connection (if any) is up."""
+    observe = daemon.namespace.observe
+    stager = daemon.staging.stager if daemon.staging is not None else None
+    health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
+                         observe.health, observe.peer_marks, daemon.pool, stager)
+    return Services(StatusConfig.from_mount(config), daemon.namespace.datasets, observe.stats,
+                    health, daemon.staging, ckpt)
+
+
+def control_server(config: MountConfig, daemon: Daemon) -> ControlServer:
+    """The socket of `dlfs trace` and `dlfs flush` (started after the workers fork)."""
+    return ControlServer(str(control_socket_path(config.mountpoint)), daemon.namespace.observe,
+                         (daemon.order,) if daemon.order is not None else (),
+                         ckpt=daemon.ckpt.control if daemon.ckpt is not None else None,
+                         ckpt_uid=config.uid)
+
+
+@dataclass(frozen=True)
+class CkptConfig:
+    """The checkpoint tier's settings and what its connection shows (--ckpt-*, --uid)."""
+
+    mountpoint: str
+    cache_dir: str
+    store: str  # --ckpt-store
+    uid: int | None = None  # --uid: the tier acts as this user, ckpt/ shows it as owner
+    gid: int | None = None  # --gid
+    allow_other: bool = False
+    workers: int = 1  # processes serving the connection, as many as the datasets'
+    limit: int = 0  # --ckpt-limit: bytes the local copies may take (0: no limit)
+    limit_wait: float = 60.0  # seconds a write waits for room under the limit
+    keep: int = 1  # newest checkpoints never evicted
+    idle: float = 2.0  # seconds without a write before an unclosed file is drained
+    drain_jobs: int = 2
+    drain_bandwidth: int = 0  # bytes/s of all drain copies together (0: unpaced)
+
+    @classmethod
+    def from_mount(cls, config: MountConfig) -> CkptConfig | None:
+        """None without --ckpt-store."""
+        if not config.ckpt_store:
+            return None
+        return cls(mountpoint=config.mountpoint, cache_dir=config.cache_dir,
+                   store=config.ckpt_store, uid=config.uid, gid=config.gid,
+                   allow_other=config.allow_other, workers=config.workers,
+                   limit=config.ckpt_limit, limit_wait=config.ckpt_limit_wait,
+                   keep=config.ckpt_keep, idle=config.ckpt_idle, drain_jobs=config.drain_jobs,
+                   drain_bandwidth=config.drain_bandwidth)
+
+    def creds(self) -> Creds:
+        """The credentials the tier acts with: the mount's --uid/--gid user (a root
+        daemon mounting for a job; its group defaults to the uid), else the daemon's
+        own."""
+        if self.uid is None:
+            return Creds.none()
+        return Creds.for_user(self.uid, self.gid if self.gid is not None else self.uid)
+
+
+@dataclass
+class CkptTier:
+    """The checkpoint tier as made before the fork: the workers share its epoch word,
     write counter and open files."""
-    if not config.ckpt_store:
-        return None, None
-    from dlfsd.ckpt.control import CkptControl
-    from dlfsd.ckpt.counters import WriteCounter
-    from dlfsd.ckpt.drain import Drainer, scan
-    from dlfsd.ckpt.openfiles import OpenFiles
-    from dlfsd.ckpt.tier import Tier
-    from dlfsd.ckpt.tree import CkptTree
-    from dlfsd.obs.sharedjson import SharedJson
 
+    config: CkptConfig
+    tier: Tier
+    where: str  # where its connection is mounted (ckpt_mountpoint)
+    written: WriteCounter  # bytes written into ckpt/, per process
+    shared: SharedJson  # the drain's report, which `.dlfs/metrics` renders in the workers
+    open_files: OpenFiles  # ckpt/'s open files: never evicted, never replaced
+    control: CkptControl  # `dlfs flush` (the control process)
+
+
+def open_tier(config: CkptConfig, namespace: Namespace,
+              release: contextlib.ExitStack) -> CkptTier:
+    """Open the tier, resume what an earlier mount left, and show `ckpt/` in the
+    namespace's root (a symlink where the connection is mounted elsewhere)."""
     # Every file operation of the tier runs as the job's user (docs/SECURITY.md)
-    tier = Tier(config.cache_dir, config.ckpt_store, ckpt_creds(config))
+    tier = Tier(config.cache_dir, config.store, config.creds())
     release.callback(tier.close)
     tier.state.reset_nodes(tier.root_ino)
     undrained = scan(tier)  # resume: files an earlier mount did not drain
     written = WriteCounter(namespace.observe.slot)
-    where, link = ckpt_mountpoint(config)
-    namespace.attach_ckpt(CkptTree(tier, written, config.ckpt_limit_wait), link)
-    report = SharedJson()
-    namespace.observe.add_section("ckpt", report.read)
+    where, link = ckpt_mountpoint(config.mountpoint)
     open_files = OpenFiles(str(tier.root / ".open"))
-    namespace.ckpt.open_files = open_files  # the union never replaces a file being written
-    services.attach_ckpt(Drainer(tier, config.drain_jobs, config.drain_bandwidth,
-                                 config.ckpt_idle, config.ckpt_limit, config.ckpt_keep,
-                                 open_files=open_files),
-                         written, report)
+    namespace.attach_ckpt(CkptTree(tier, written, config.limit_wait, open_files), link)
+    shared = SharedJson()
+    namespace.observe.add_section("ckpt", shared.read)
     log.info("checkpoint directory %s/ckpt%s: written to %s, drained to %s%s",
              config.mountpoint, f" (a symlink to {where})" if link else "", tier.tree,
              tier.store,
              f" ({len(undrained)} files from an earlier mount still to drain)"
              if undrained else "")
-    return CkptControl(tier), open_files
+    return CkptTier(config, tier, where, written, shared, open_files, CkptControl(tier))
 
 
-def ckpt_creds(config: MountConfig):
-    """The credentials the checkpoint tier acts with: the mount's --uid/--gid user (a
-    root daemon mounting for a job), else the daemon's own."""
-    from dlfsd.ckpt.creds import Creds
-    if config.uid is None:
-        return Creds.none()
-    return Creds.for_user(config.uid, config.gid if config.gid is not None else config.uid)
+def ckpt_mountpoint(mountpoint: str) -> tuple[str, bytes | None]:
+    """Where the checkpoint connection is mounted, and the symlink target MOUNTPOINT/ckpt
+    shows (None: it is mounted on MOUNTPOINT/ckpt itself, as a root daemon does; one
+    that is not root mounts through fusermount3, which cannot reach inside our mount:
+    see dlfs.runtime.ckpt_mount_path)."""
+    if os.geteuid() == 0:
+        return os.path.join(mountpoint, CKPT_NAME.decode()), None
+    where = ckpt_mount_path(mountpoint)
+    where.mkdir(mode=0o700, exist_ok=True)
+    return str(where), os.fsencode(where)
+
+
+def connect(ckpt: CkptTier, namespace: Namespace,
+            release: contextlib.ExitStack) -> tuple[dict[int, int], CkptConnection]:
+    """Mount the checkpoint directory's own connection, answer its INIT (asking for
+    passthrough if wanted), fork its workers, and make its drain. Returns the workers
+    (pid -> the connection's /dev/fuse descriptor) and the connection."""
+    config = ckpt.config
+    before = fuse_fds()
+    session = RawSession(ckpt.where, *shown_owner(config.uid, config.gid),
+                         admits_others(config.allow_other, config.uid))
+    try:
+        session.mount()
+    except OSError as err:
+        raise DlfsError(f"cannot mount the checkpoint directory: {err.strerror}") from None
+    release.callback(session.unmount)
+    wanted, why = passthrough_wanted(config.limit)
+    try:
+        negotiated = session.answer_init(INIT_TIMEOUT, wanted)
+    except (OSError, TimeoutError) as err:
+        raise DlfsError(f"cannot start the checkpoint directory {session.mountpoint}: {err}") \
+            from None
+    if wanted and not negotiated.passthrough:
+        why = (f"off (kernel {kernel_release()} does not offer FUSE passthrough; "
+               "Linux >= 6.9 with CONFIG_FUSE_PASSTHROUGH does)")
+    log.info("checkpoint directory %s: its own FUSE connection (protocol 7.%d), "
+             "passthrough %s", session.mountpoint, negotiated.minor, why)
+    workers = start_ckpt_workers(config, namespace, session.fd, before, ckpt.open_files,
+                                 negotiated.passthrough)
+    drainer = Drainer(ckpt.tier, config.drain_jobs, config.drain_bandwidth, config.idle,
+                      config.limit, config.keep, open_files=ckpt.open_files,
+                      passthrough=negotiated.passthrough)
+    return workers, CkptConnection(drainer, ckpt.written, ckpt.shared, why)
 
 
 DRAIN_ON_LOSS_VAR = "DLFS_CKPT_DRAIN_ON_LOSS"  # seconds; default DRAIN_ON_LOSS
@@ -703,7 +862,7 @@ def drain_on_loss() -> float:
 PASSTHROUGH_VAR = "DLFS_CKPT_PASSTHROUGH"  # 0: checkpoint bytes through the daemon
 
 
-def passthrough_wanted(config: MountConfig) -> tuple[bool, str]:
+def passthrough_wanted(limit: int) -> tuple[bool, str]:
     """Whether to ask the kernel for FUSE passthrough on the checkpoint connection, and
     why (for the log and status): the kernel then writes and reads checkpoint files'
     local copies itself. It needs CAP_SYS_ADMIN; and --ckpt-limit needs every write to
@@ -712,7 +871,7 @@ def passthrough_wanted(config: MountConfig) -> tuple[bool, str]:
         return False, f"off ({PASSTHROUGH_VAR}=0)"
     if os.geteuid() != 0:
         return False, "off (needs root)"
-    if config.ckpt_limit:
+    if limit:
         return False, "off (--ckpt-limit: writes wait for room in the daemon)"
     return True, "on"
 
@@ -728,30 +887,31 @@ def _order_service(config: MountConfig, namespace: Namespace, pool) -> OrderServ
     return OrderService(config.mountpoint, lookahead, config.uid)
 
 
-def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: LaunchCommit,
+def _serve(config: MountConfig, daemon: Daemon, readiness: Readiness, commit: LaunchCommit,
            held: HeldStopSignals, release: contextlib.ExitStack) -> int:
     """Mounted: start workers and services, say READY, supervise until unmounted."""
-    namespace, services = daemon.namespace, daemon.services
     state = _Teardown()
     release.callback(log.info, "unmounted %s; daemon exits", config.mountpoint)
     release.callback(remove_record, config.mountpoint, os.getpid())
     release.callback(lambda: state.aborted and _unmount_dead(config.mountpoint))
     release.callback(lambda: session.close(unmount=state.unmount))
-    release.callback(namespace.observe.write_summary, config.summary_file)
-    control = ControlServer(str(control_socket_path(config.mountpoint)), namespace.observe,
-                            (daemon.order,) if daemon.order is not None else (),
-                            ckpt=daemon.ckpt, ckpt_uid=config.uid)
+    release.callback(daemon.namespace.observe.write_summary, config.summary_file)
+    control = control_server(config, daemon)
     release.callback(control.stop)
     release.callback(lambda: stop_workers(list(state.workers)))
-    release.callback(services.stop_listening)
+    if daemon.staging is not None:
+        release.callback(daemon.staging.stop_listening)
     ready = False
     try:
         session.answer_init(INIT_TIMEOUT)
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
-        state.workers = start_workers(config, namespace, daemon.fds_before_mount, daemon.pool)
+        state.workers = start_workers(config, daemon)
+        ckpt = None
         if daemon.ckpt is not None:  # after the datasets' workers: they answer its LOOKUP
-            state.workers.update(_mount_ckpt(config, daemon, release))
+            ckpt_workers, ckpt = connect(daemon.ckpt, daemon.namespace, release)
+            state.workers.update(ckpt_workers)
+        services = build_services(config, daemon, ckpt)
         if daemon.order is not None and daemon.order.listen():  # after the workers fork
             release.callback(daemon.order.close)
         # `dlfs trace` (after the workers: it must not serve FUSE, nor hold /dev/fuse)
@@ -781,48 +941,6 @@ class _Teardown:
     workers: dict[int, int] = field(default_factory=dict)  # pid -> its /dev/fuse descriptor
     unmount: bool = True  # unless the kernel already unmounted us (fusermount3 -u)
     aborted: bool = False  # the connection was aborted and the dead mount is still there
-
-
-def ckpt_mountpoint(config: MountConfig) -> tuple[str, bytes | None]:
-    """Where the checkpoint connection is mounted, and the symlink target MOUNTPOINT/ckpt
-    shows (None: it is mounted on MOUNTPOINT/ckpt itself, as a root daemon does; one
-    that is not root mounts through fusermount3, which cannot reach inside our mount:
-    see dlfs.runtime.ckpt_mount_path)."""
-    if os.geteuid() == 0:
-        return os.path.join(config.mountpoint, CKPT_NAME.decode()), None
-    where = ckpt_mount_path(config.mountpoint)
-    where.mkdir(mode=0o700, exist_ok=True)
-    return str(where), os.fsencode(where)
-
-
-def _mount_ckpt(config: MountConfig, daemon: _Loaded,
-                release: contextlib.ExitStack) -> dict[int, int]:
-    """Mount the checkpoint directory's own connection on MOUNTPOINT/ckpt, answer its
-    INIT (asking for passthrough if wanted) and fork its workers."""
-    from dlfsd.fuse.rawsession import RawSession
-
-    before = fuse_fds()
-    ckpt = RawSession(ckpt_mountpoint(config)[0], *shown_owner(config), admits_others(config))
-    try:
-        ckpt.mount()
-    except OSError as err:
-        raise DlfsError(f"cannot mount the checkpoint directory: {err.strerror}") from None
-    release.callback(ckpt.unmount)
-    wanted, why = passthrough_wanted(config)
-    try:
-        negotiated = ckpt.answer_init(INIT_TIMEOUT, wanted)
-    except (OSError, TimeoutError) as err:
-        raise DlfsError(f"cannot start the checkpoint directory {ckpt.mountpoint}: {err}") \
-            from None
-    if wanted and not negotiated.passthrough:
-        why = (f"off (kernel {kernel_release()} does not offer FUSE passthrough; "
-               "Linux >= 6.9 with CONFIG_FUSE_PASSTHROUGH does)")
-    daemon.services.ckpt_passthrough = why
-    daemon.services.drainer.passthrough = negotiated.passthrough
-    log.info("checkpoint directory %s: its own FUSE connection (protocol 7.%d), "
-             "passthrough %s", ckpt.mountpoint, negotiated.minor, why)
-    return start_ckpt_workers(config, daemon.namespace, ckpt.fd, before, daemon.open_files,
-                              negotiated.passthrough)
 
 
 def _mount_failed(config: MountConfig, readiness: Readiness, err: Exception) -> int:
@@ -864,8 +982,7 @@ async def _send_self(signum: int) -> None:
     await trio.lowlevel.checkpoint()
 
 
-def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: set[int],
-                  pool=None) -> dict[int, int]:
+def start_workers(config: MountConfig, daemon: Daemon) -> dict[int, int]:
     """Fork config.workers processes (at least one) serving the same FUSE session;
     returns pid -> the session's /dev/fuse descriptor (what watch_workers wants).
 
@@ -881,8 +998,9 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
     the main process's trio loop reached 0.07-0.41 of the source's rate in
     bench/random_read.py where the workers reach 0.6-0.9 (docs/ARCHITECTURE.md).
     """
-    uid, gid = shown_owner(config)
-    fuse_fd = find_fuse_fd(fds_before_mount)
+    namespace, pool = daemon.namespace, daemon.pool
+    uid, gid = shown_owner(config.uid, config.gid)
+    fuse_fd = find_fuse_fd(daemon.fds_before_mount)
     pipe_size = usable_pipe_size() if config.splice else 0
     if config.splice:
         log.info(describe_pipe_size(pipe_size))
@@ -900,13 +1018,13 @@ def start_workers(config: MountConfig, namespace: Namespace, fds_before_mount: s
     return {pid: fuse_fd for pid in fork_workers(config.workers, serve, config.mountpoint)}
 
 
-def start_ckpt_workers(config: MountConfig, namespace: Namespace, ckpt_fd: int,
-                       close_fds: set[int], open_files,
+def start_ckpt_workers(config: CkptConfig, namespace: Namespace, ckpt_fd: int,
+                       close_fds: set[int], open_files: OpenFiles,
                        passthrough: bool) -> dict[int, int]:
     """Fork the processes serving the checkpoint connection (dlfsd.fuse.ckptworker):
     as many as the datasets have (a checkpoint save writes from every rank at once;
     with passthrough the bytes never reach them, and they idle in read())."""
-    uid, gid = shown_owner(config)
+    uid, gid = shown_owner(config.uid, config.gid)
     tree = namespace.ckpt
 
     def serve() -> int:
