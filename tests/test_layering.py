@@ -35,7 +35,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the writable checkpoint subtree: a passthrough onto the node cache, and its drain
     ("checkpoint tier", ["dlfsd.ckpt"]),
     ("fuse adapters", ["dlfsd.fuse"]),
-    ("daemon lifecycle", ["dlfsd.main", "dlfsd.commit", "dlfsd.warmup", "dlfsd.__main__"]),
+    # The main process above the workers it forks: watching them and the stop signals,
+    # the launcher's commit.
+    ("main process", ["dlfsd.supervise", "dlfsd.commit"]),
+    ("daemon lifecycle", ["dlfsd.main", "dlfsd.warmup", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other
     # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
     # the shell that registers them.
