@@ -36,9 +36,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("checkpoint tier", ["dlfsd.ckpt"]),
     ("fuse adapters", ["dlfsd.fuse"]),
     # The main process above the workers it forks: watching them and the stop signals,
-    # the launcher's commit; the checkpoint connection's start-up (it mounts with
-    # dlfsd.fuse.rawsession and forks dlfsd.fuse.ckptworker), kept beside its tier.
-    ("main process", ["dlfsd.supervise", "dlfsd.commit", "dlfsd.ckpt.connect"]),
+    # the launcher's commit, the services it runs; the checkpoint connection's start-up
+    # (it mounts with dlfsd.fuse.rawsession and forks dlfsd.fuse.ckptworker), kept
+    # beside its tier.
+    ("main process", ["dlfsd.supervise", "dlfsd.commit", "dlfsd.services",
+                      "dlfsd.ckpt.connect"]),
     ("daemon lifecycle", ["dlfsd.main", "dlfsd.warmup", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other
     # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
