@@ -41,6 +41,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     # beside its tier.
     ("main process", ["dlfsd.supervise", "dlfsd.commit", "dlfsd.services",
                       "dlfsd.ckpt.connect"]),
+    # Each part of the daemon built from its own settings (reads MountConfig)
+    ("assembly", ["dlfsd.assemble"]),
     ("daemon lifecycle", ["dlfsd.main", "dlfsd.warmup", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other
     # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
