@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -30,6 +31,16 @@ from dlfsd.fuse.wireworker import WORKER_ABORTED
 from dlfsd.lineage import die_with_parent, parent_alive
 
 log = logging.getLogger("dlfsd")
+
+
+class Running(Protocol):
+    """What supervise runs beside watching the workers: dlfsd.services.Services (a
+    protocol, not an import: the services' checkpoint part starts from dlfsd.ckpt.connect,
+    which forks its workers through this module)."""
+
+    connection_lost: bool  # set when a connection aborted or its workers died
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None: ...
 
 
 async def watch_workers(served: dict[int, int]) -> bool:
@@ -109,7 +120,7 @@ class HeldStopSignals:
         self.caught.append(signum)
 
 
-async def supervise(mountpoint: str, workers: dict[int, int], services,
+async def supervise(mountpoint: str, workers: dict[int, int], services: Running,
                     held: HeldStopSignals | None = None,
                     commit: LaunchCommit | None = None) -> bool:
     """The main process: run the background services (stager, peer server, status) and
