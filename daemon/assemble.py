@@ -1,9 +1,10 @@
 """Assembly: each part of the daemon built from its own settings, before and after the mount.
 
-MountConfig is read here (and by the small XConfig.from_mount of a part that
-takes a config object: dlfsd.obs.observe, dlfsd.obs.status, dlfsd.ckpt.connect),
-never by the parts themselves: each gets constructor arguments, whole, and
-none is patched after it is made. What the workers share (the namespace's
+MountConfig is read here (besides dlfsd.main, which only orders the steps, and
+the small XConfig.from_mount of a part that takes a config object:
+dlfsd.obs.observe, dlfsd.obs.status, dlfsd.ckpt.connect), never by the parts
+themselves: each gets constructor arguments, whole, and none is patched after
+it is made. What the workers share (the namespace's
 counters and flags, the pool's tables and demand pipe, the checkpoint tier,
 the look-ahead's flag) is made by assemble(), before they fork; what only the
 main process runs is made once all of its parts exist (build_services).
@@ -54,6 +55,9 @@ log = logging.getLogger("dlfsd")
 
 
 def configure_logging(config: MountConfig) -> None:
+    """One handler for the whole process (the daemon's log file, else stderr), set
+    before anything logs: a background daemon's stdio already goes to that file,
+    and checksum errors and the like must be found in one place."""
     handler: logging.Handler
     if config.log_file:
         os.close(open_log_file(config.log_file))  # made 0640 (a foreground mount's too)
@@ -69,6 +73,7 @@ def configure_logging(config: MountConfig) -> None:
 
 
 def mount_options(config: MountConfig) -> set[str]:
+    """The datasets' connection's kernel mount options (libfuse's -o)."""
     options = {"fsname=dlfs", "subtype=dlfs", "default_permissions", "noatime"}
     if not config.ckpt_store:  # with a checkpoint tier the core refuses writes (EROFS)
         options.add("ro")
@@ -126,6 +131,8 @@ def assemble(config: MountConfig, release: contextlib.ExitStack) -> Daemon:
 
 
 def load_datasets(config: MountConfig) -> list[Dataset]:
+    """The datasets to serve, opened and sorted by name (the order inodes and the
+    pool's tables follow); a store with none fails the mount in one line."""
     store = Store(config.store).require()
     names = list(config.datasets) or store.dataset_names()
     if not names:
@@ -355,6 +362,7 @@ def start_workers(config: MountConfig, daemon: Daemon) -> dict[int, int]:
         log.info("kernel %s: the workers answer %s (this kernel would pass on the ENOSYS "
                  "that tells newer ones to stop asking)", kernel_release(),
                  "OPENDIR" if no_open else "OPEN and OPENDIR")
+
     def serve() -> int:
         if pool is not None:
             pool.after_fork()
