@@ -68,8 +68,6 @@ def configure_logging(config: MountConfig) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if config.debug else logging.INFO)
-    if not config.debug:
-        logging.getLogger("pyfuse3").setLevel(logging.WARNING)
 
 
 def mount_options(config: MountConfig) -> set[str]:
@@ -372,15 +370,16 @@ def start_workers(config: MountConfig, daemon: Daemon) -> dict[int, int]:
     return {pid: fuse_fd for pid in fork_workers(config.workers, serve, config.mountpoint)}
 
 
-def build_services(config: MountConfig, daemon: Daemon,
-                   ckpt: CkptConnection | None) -> Services:
-    """The main process's services, once the checkpoint connection (if any) is up."""
+def build_services(config: MountConfig, daemon: Daemon, ckpt: CkptConnection | None,
+                   fuse: dict) -> Services:
+    """The main process's services, once the checkpoint connection (if any) is up;
+    `fuse`: what the datasets' INIT granted, for the status file."""
     observe = daemon.namespace.observe
     stager = daemon.staging.stager if daemon.staging is not None else None
     health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
                          observe.health, observe.peer_marks, daemon.pool, stager)
     return Services(StatusConfig.from_mount(config), daemon.namespace.datasets, observe.stats,
-                    health, daemon.staging, ckpt)
+                    health, daemon.staging, ckpt, fuse)
 
 
 def control_server(config: MountConfig, daemon: Daemon) -> ControlServer:

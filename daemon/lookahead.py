@@ -3,10 +3,18 @@
 A sampler (dlfs.sampler) registers its dataset's paths once and announces,
 at the start of each epoch, the order its rank will read them in
 (dlfs.orderwire). The daemon then fetches the samples' extents ahead of the
-readers, in that order, on `streams` threads of the control process, never
-more than `samples` samples or `nbytes` bytes ahead of the first sample the
-readers have not taken yet (back-pressure: readers that fall behind stop
-the look-ahead, not the other way round):
+readers, in that order, on threads of the control process, never holding more
+than `samples` samples or `nbytes` bytes fetched that no reader has taken yet,
+nor reaching more than MAX_SPAN windows past the first sample not taken
+(back-pressure: readers that fall behind stop the look-ahead, not the other way
+round). How many samples it fetches at once
+(its width: with a parallel file system, its read streams) follows the
+readers: it starts at the low end of `streams` = (MIN, MAX) and opens more,
+up to MAX, while its fetches are what holds it back and the readers are
+close behind; it closes them again one by one while its window is full. More
+readers read faster, so a fixed width fell behind them (8 fetches kept epoch
+1 at 0.6-0.8 of the unannounced time with 8 DataLoader workers, 0.5 with 4).
+Per extent:
 
 - an extent whose chunk is staged on this node: its range of the staged copy
   is asked into the page cache (fadvise WILLNEED, asynchronous);
@@ -26,8 +34,9 @@ the look-ahead, not the other way round):
   the look-ahead's stream paid for it). An extent verified already and not
   throttled only gets WILLNEED.
 
-Readers mark the extents they read TAKEN while any announcement is active
-(one shared flag byte: without announcements the read path tests one byte).
+Readers mark the extents they read taken (a shared byte per extent, apart from
+the state bits) while any announcement is active (one shared flag byte: without
+announcements the read path tests one byte).
 The look-ahead moves its window by those marks; a stream whose readers take
 nothing for `stale_seconds` (a killed job, an abandoned epoch) is dropped,
 and so is the oldest one beyond MAX_STREAMS. Registrations are kept per
@@ -60,7 +69,7 @@ from dlfs.sizes import format_size
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfsd.namespace import Namespace
 from dlfsd.pool.peershare import extent_key
-from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, TAKEN, SampleReader, open_chunk
+from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, SampleReader, open_chunk
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
@@ -70,6 +79,14 @@ MAX_REGISTRATIONS = 32
 STALE_SECONDS = 60.0
 _TICK = 0.002  # seconds between scheduler passes when nothing changed
 _BATCH = 8  # samples per fetch task beyond the front of the window
+# How far past the slowest reader the window may reach, in windows: readers spread
+# over the order, but a reader that stopped for good must not let it run on forever.
+MAX_SPAN = 16
+_ADJUST_SECONDS = 0.2  # how often the width follows the readers
+# A fetch slower than this (per sample) waits on its source (a store stream, a peer):
+# more fetches at once then go faster. Faster ones are the control process's CPU
+# (page-cache copies, WILLNEED), which more threads only contend for.
+SLOW_FETCH_SECONDS = 0.0005
 NOT_ON_PEERS_SECONDS = 1.0  # a chunk no owner had staged is read from the store this long
 # What registrations and streams may hold together, per entry of the mount: a
 # registration costs 10 B per sample, a stream 26 B, and one job's samplers hold
@@ -79,11 +96,11 @@ MIN_HELD_BYTES = 256 << 10  # a small mount still follows a few dozen epochs
 
 # Counters (int64, written by the control process only; read by `.dlfs/` renders).
 (ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
- FETCH_ERRORS, SKIPPED_PEER, PEER_FETCHES, PEER_BYTES) = range(10)
+ FETCH_ERRORS, SKIPPED_PEER, PEER_FETCHES, PEER_BYTES, WIDTH, WIDENED) = range(12)
 COUNTER_NAMES = ("announcements", "samples_prefetched", "bytes_prefetched",
                  "chunks_demanded", "streams_dropped_stale", "streams_dropped_full",
                  "fetch_errors", "extents_left_to_peers", "peer_fetches",
-                 "bytes_prefetched_from_peers")
+                 "bytes_prefetched_from_peers", "fetch_width", "fetch_width_grown")
 
 
 @dataclass
@@ -107,6 +124,8 @@ class _Stream:
     next: int = 0
     low: int = 0
     progress_at: float = field(default_factory=time.monotonic)
+    taken_at: float = float("-inf")  # when the readers last took a sample
+    single: int = -1  # the dataset of every sample, when they share one (the usual case)
 
 
 class LookAhead:
@@ -114,19 +133,23 @@ class LookAhead:
     counters are shared memory); `start` runs it in the control process."""
 
     def __init__(self, namespace: Namespace, pool=None, samples: int = 256,
-                 nbytes: int = 256 << 20, streams: int = 8, store_rate: int = 0,
-                 stale_seconds: float = STALE_SECONDS) -> None:
+                 nbytes: int = 256 << 20, streams: tuple[int, int] = (8, 32),
+                 store_rate: int = 0, stale_seconds: float = STALE_SECONDS) -> None:
         self.ns = namespace
         self.pool = pool
-        self.samples, self.nbytes, self.streams = samples, nbytes, streams
+        self.samples, self.nbytes = samples, nbytes
+        self.width = Width(*streams)
         self.store_rate = store_rate
         self.stale_seconds = stale_seconds
         self._flag_map = mmap.mmap(-1, 1)
         self._counter_map = mmap.mmap(-1, 8 * len(COUNTER_NAMES))
         self.counters = np.frombuffer(self._counter_map, np.int64)
+        self.counters[WIDTH] = self.width.now
         for reader in namespace.readers:
             reader.follow_lookahead(self._flag_map)
         self._states = [np.frombuffer(r.state_map, np.uint8) for r in namespace.readers]
+        # what the readers took since the announcement, a byte per extent (taken_map)
+        self._marks = [np.frombuffer(r.taken_map, np.uint8) for r in namespace.readers]
         self._registrations: OrderedDict[int, Registration] = OrderedDict()
         self._next_handle = 1
         self._streams: OrderedDict[tuple[int, int], _Stream] = OrderedDict()
@@ -150,7 +173,7 @@ class LookAhead:
         peer connections of its own, as a worker does)."""
         if self.pool is not None:
             self.pool.after_fork()
-        self._executor = ThreadPoolExecutor(self.streams, thread_name_prefix="lookahead")
+        self._executor = ThreadPoolExecutor(self.width.most, thread_name_prefix="lookahead")
         self._thread = threading.Thread(target=self._schedule, name="lookahead", daemon=True)
         self._thread.start()
 
@@ -172,7 +195,7 @@ class LookAhead:
         """Drop the views of the readers' state (before the Namespace closes it)."""
         for reader in self.ns.readers:
             reader.follow_lookahead(b"\0")
-        self._states = []
+        self._states, self._marks = [], []
         self.counters = np.zeros(len(COUNTER_NAMES), np.int64)
         for mapping in (self._flag_map, self._counter_map):
             with contextlib.suppress(BufferError):  # a snapshot still holds it: dies with us
@@ -326,10 +349,12 @@ class LookAhead:
                 sizes[mine] = arrays["size"][rows[mine]]
                 # Marks of earlier epochs must not count in this one: on every extent of
                 # the samples (a large file's later extents were marked too).
-                self._states[k][_extents_of(arrays["ext_start"], rows[mine])] &= \
-                    np.uint8(~(TAKEN | PEER_AHEAD) & 0xFF)
+                extents = _extents_of(arrays["ext_start"], rows[mine])
+                self._marks[k][extents] = 0
+                self._states[k][extents] &= np.uint8(~PEER_AHEAD & 0xFF)
         ends = np.concatenate([[0], np.cumsum(sizes)])
-        return _Stream(key, ds, rows, first, ends)
+        single = int(ds[0]) if ds.size and (ds == ds[0]).all() else -1
+        return _Stream(key, ds, rows, first, ends, single=single)
 
     def status(self) -> dict:
         with self._lock:
@@ -337,7 +362,8 @@ class LookAhead:
                         "taken": s.low, "fetched": s.next} for s in self._streams.values()]
             held = self.held_bytes()
         return {"streams": streams, "counters": self.counter_dict(), "held_bytes": held,
-                "memory_limit": self.memory_limit}
+                "memory_limit": self.memory_limit, "width": self.width.now,
+                "width_bounds": [self.width.least, self.width.most]}
 
     def counter_dict(self) -> dict:
         return {name: int(v) for name, v in zip(COUNTER_NAMES, self.counters, strict=True)}
@@ -356,8 +382,11 @@ class LookAhead:
             busy = False
             for stream in streams:
                 busy |= self._advance(stream)
+            if self.width.follow(time.monotonic()):
+                self.counters[WIDTH], self.counters[WIDENED] = self.width.now, self.width.grown
             if not busy:
-                time.sleep(_TICK)
+                with self._lock:  # a finished fetch wakes it: its slot is free again
+                    self._lock.wait(_TICK)
 
     def _advance(self, s: _Stream) -> bool:
         """Move the window of one stream; True if it submitted work."""
@@ -366,24 +395,34 @@ class LookAhead:
         while low < s.next and self._taken(s, low):
             low += 1
         if low != s.low:
-            s.low, s.progress_at = low, now
+            s.low, s.progress_at, s.taken_at = low, now, now
         if s.low >= s.rows.size or now - s.progress_at > self.stale_seconds:
             self._drop(s, finished=s.low >= s.rows.size)
             return False
         submitted = False
         batch: list[tuple[int, int]] = []
-        while (s.next < s.rows.size and s.next - s.low < self.samples
-               and s.ends[s.next] - s.ends[s.low] < self.nbytes
-               and self._inflight < 2 * self.streams):
+        width = self.width.now
+        held, held_bytes = self._outstanding(s)
+        while (s.next < s.rows.size and held < self.samples and held_bytes < self.nbytes
+               and s.next - s.low < MAX_SPAN * self.samples):
+            if self._inflight >= width:
+                # close behind: the readers are taking samples and less than half a
+                # window is fetched ahead of them (before they read at all, no hurry)
+                self.width.note_held(close=held < self.samples // 2
+                                     and now - s.taken_at < _ADJUST_SECONDS)
+                break
             pos = s.next
             s.next += 1
             if self._taken(s, pos):
-                continue  # a reader got there first
+                self.width.note_held(close=True)  # a reader got there first
+                continue
             batch.append((int(s.ds[pos]), int(s.rows[pos])))
+            held += 1
+            held_bytes += int(s.ends[pos + 1] - s.ends[pos])
             # Near the readers one sample per task (they are needed first, in parallel);
             # further ahead a few per task: a task per sample costs the control process
             # more CPU than a warm page-cache read costs the reader.
-            if len(batch) >= (1 if s.next - s.low < 2 * self.streams else _BATCH):
+            if len(batch) >= (1 if held < 2 * width else _BATCH):
                 self._submit(batch)
                 batch, submitted = [], True
         if batch:
@@ -391,8 +430,30 @@ class LookAhead:
             submitted = True
         return submitted
 
+    def _outstanding(self, s: _Stream) -> tuple[int, int]:
+        """Samples (and their bytes) in [low, next) no reader has taken yet: what the
+        window holds. Not the span from `low`: the processes of a DataLoader spread
+        over the order (a worker that hits runs ahead of one that waits on the store;
+        with batches, each worker is a batch apart), and a window counted from the
+        slowest one left the fast ones past its end, reading the store themselves."""
+        if s.next <= s.low:
+            return 0, 0
+        pending = ~self._taken_mask(s, s.low, s.next)
+        sizes = np.diff(s.ends[s.low:s.next + 1])
+        return int(pending.sum()), int(sizes[pending].sum())
+
+    def _taken_mask(self, s: _Stream, lo: int, hi: int) -> np.ndarray:
+        ds, first = s.ds[lo:hi], s.first[lo:hi]
+        if s.single >= 0:
+            return self._marks[s.single][first] != 0
+        taken = np.zeros(hi - lo, bool)
+        for k in np.unique(ds):
+            mine = ds == k
+            taken[mine] = self._marks[k][first[mine]] != 0
+        return taken
+
     def _taken(self, s: _Stream, pos: int) -> bool:
-        return bool(self._states[s.ds[pos]][s.first[pos]] & TAKEN)
+        return bool(self._marks[s.ds[pos]][s.first[pos]])
 
     def _drop(self, s: _Stream, finished: bool) -> None:
         with self._lock:
@@ -408,12 +469,16 @@ class LookAhead:
 
     # -- the fetch threads -----------------------------------------------------------
     def _fetch_batch(self, batch: list[tuple[int, int]]) -> None:
+        started = time.monotonic()
         try:
             for ds, row in batch:
                 self._fetch_sample(ds, row)
         finally:
+            spent = time.monotonic() - started
             with self._lock:
                 self._inflight -= 1
+                self.width.note_fetches(len(batch), spent)
+                self._lock.notify_all()
 
     def _fetch_sample(self, ds: int, row: int) -> None:
         try:
@@ -433,7 +498,7 @@ class LookAhead:
 
     def _fetch_extent(self, reader: SampleReader, ds: int, ext: int) -> int:
         state = self._states[ds]
-        if state[ext] & (AHEAD | TAKEN):
+        if state[ext] & AHEAD or self._marks[ds][ext]:
             return 0
         chunk = int(reader.ext_chunks[ext])
         offset = CHUNK_HEADER_SIZE + int(reader.ext_offsets[ext])
@@ -507,6 +572,60 @@ class LookAhead:
                 fd = open_chunk(reader.dataset.chunk_path(chunk), chunk, reader.dataset.uuid)
                 self._fds[(ds, chunk)] = fd
             return fd
+
+
+class Width:
+    """How many fetches the look-ahead runs at once, between `least` and `most`.
+
+    Growing is asked for by the scheduler when its fetches, not its window, hold it
+    back while the readers are close behind (less than half the window ahead, or a
+    reader took a sample before the look-ahead got to it): then the readers read the
+    store themselves, on their own streams, and the announcement buys little. It
+    grows only while fetches wait on their source (SLOW_FETCH_SECONDS per sample):
+    with the bytes in the page cache more threads would only take the readers' CPU. It
+    grows by half at most every _ADJUST_SECONDS (a few steps from 8 to 32), and
+    shrinks by one per period in which nothing held it back (the window was full):
+    the streams a parallel file system serves are shared, and a look-ahead that
+    keeps its lead needs no more. Written by the scheduler thread only.
+    """
+
+    def __init__(self, least: int, most: int) -> None:
+        if not 1 <= least <= most:
+            raise ValueError(f"look-ahead streams must be 1 <= MIN <= MAX, got {least}:{most}")
+        self.least, self.most, self.now = least, most, least
+        self.grown = self.shrunk = 0
+        self._held = self._close = False
+        self._samples, self._seconds = 0, 0.0
+        self._since = time.monotonic()
+
+    def note_fetches(self, samples: int, seconds: float) -> None:
+        """`samples` fetched in `seconds` by one thread (called under the look-ahead's
+        lock)."""
+        self._samples += samples
+        self._seconds += seconds
+
+    def note_held(self, close: bool) -> None:
+        """The fetches in flight (not the window) stopped the scheduler this pass."""
+        self._held = True
+        self._close |= close
+
+    def follow(self, now: float) -> bool:
+        """Once a period: grow, shrink or keep the width by what the period saw; True
+        when the width changed."""
+        if now - self._since < _ADJUST_SECONDS:
+            return False
+        was = self.now
+        waited = self._seconds >= SLOW_FETCH_SECONDS * max(1, self._samples)
+        if self._held and self._close and waited and self.now < self.most:
+            self.now = min(self.most, self.now + max(1, self.now // 2))
+            self.grown += 1
+        elif not self._held and self.now > self.least:
+            self.now -= 1
+            self.shrunk += 1
+        self._held = self._close = False
+        self._samples, self._seconds = 0, 0.0
+        self._since = now
+        return self.now != was
 
 
 def unknown_registration(handle) -> str:

@@ -137,7 +137,7 @@ def _serve(config: MountConfig, daemon: Daemon, readiness: Readiness, commit: La
         release.callback(daemon.staging.stop_listening)
     ready = False
     try:
-        session.answer_init(INIT_TIMEOUT)
+        negotiated = session.answer_init(INIT_TIMEOUT, config.request_timeout)
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         state.workers = start_workers(config, daemon)
@@ -145,7 +145,7 @@ def _serve(config: MountConfig, daemon: Daemon, readiness: Readiness, commit: La
         if daemon.ckpt is not None:  # after the datasets' workers: they answer its LOOKUP
             ckpt_workers, ckpt = connect(daemon.ckpt, daemon.namespace, release)
             state.workers.update(ckpt_workers)
-        services = build_services(config, daemon, ckpt)
+        services = build_services(config, daemon, ckpt, session.report(negotiated))
         if daemon.order is not None and daemon.order.listen():  # after the workers fork
             release.callback(daemon.order.close)
         # `dlfs trace` (after the workers: it must not serve FUSE, nor hold /dev/fuse)

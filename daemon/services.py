@@ -93,14 +93,16 @@ class Services:
 
     def __init__(self, status: StatusConfig, datasets: list[Dataset], stats,
                  health: HealthWatch, staging: PoolServices | None = None,
-                 ckpt: CkptConnection | None = None) -> None:
-        """`stats`: the mount's dlfsd.obs.stats.Stats (NullStats under --no-stats)."""
+                 ckpt: CkptConnection | None = None, fuse: dict | None = None) -> None:
+        """`stats`: the mount's dlfsd.obs.stats.Stats (NullStats under --no-stats);
+        `fuse`: what the datasets' INIT granted (dlfsd.fuse.session.report)."""
         self.config = status
         self.datasets = datasets
         self.stats = stats
         self.health = health
         self.staging = staging
         self.ckpt = ckpt
+        self.fuse_connection = fuse
         self.connection_lost = False  # a connection aborted or its workers died
 
     def _current(self) -> bool:
@@ -120,6 +122,8 @@ class Services:
             staging.report(status)
         if self.ckpt is not None:
             status["ckpt"] = self.ckpt.report()
+        if self.fuse_connection is not None:
+            status["fuse"] = self.fuse_connection
         return status
 
     def listen(self) -> None:

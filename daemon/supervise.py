@@ -184,10 +184,12 @@ def still_mounted(mountpoint: str, ours) -> bool:
 
 def unmount_dead(mountpoint: str) -> None:
     """The workers saw the connection end, yet our mount is still there: it was
-    aborted (fusectl, umount -f) and answers ENOTCONN for good. libfuse leaves an
-    aborted connection's mount alone, so take it down here, lazily (a process may
+    aborted (fusectl, umount -f, an expired request timeout) and answers ENOTCONN for
+    good. Closing the session leaves an aborted connection's mount alone, so take it
+    down here, lazily (a process may
     still have it as its cwd)."""
-    log.error("the FUSE connection was aborted with %s still mounted; unmounting it",
+    log.error("the FUSE connection was aborted (fusectl, umount -f, or a request left "
+              "unanswered past the request timeout) with %s still mounted; unmounting it",
               mountpoint)
     try:
         done = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,

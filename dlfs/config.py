@@ -49,6 +49,11 @@ class MountConfig:
     # A read outstanding this long is a stall: logged once, counted, shown by `dlfs status`
     # and .dlfs/metrics (a hung peer, a stuck store); 0: not watched.
     stall_seconds: float = 10.0
+    # Seconds the kernel waits for the daemon to answer a request before it aborts the
+    # connection (FUSE_REQUEST_TIMEOUT, Linux >= 6.14; 0: forever): readers of a hung or
+    # stopped daemon then get an error instead of hanging in D state. Longer than a
+    # parallel file system's failover, which a read may wait out.
+    request_timeout: int = 600
     # -- the chunk pool (cluster mode: on when cache_dir is set) --
     cache_dir: str | None = None  # node-local NVMe directory for staged chunks
     nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us
@@ -70,7 +75,8 @@ class MountConfig:
     lookahead: bool = True  # listen for samplers' announcements (off: --lookahead 0)
     lookahead_samples: int = 256  # samples fetched ahead of the readers, at most
     lookahead_bytes: int = 256 << 20  # bytes fetched ahead, at most
-    lookahead_streams: int = 8  # fetches at once (threads; one paced store stream each)
+    # fetches at once, (MIN, MAX): the width follows the readers (one paced store stream each)
+    lookahead_streams: tuple[int, int] = (8, 32)
     lookahead_stale: float = 60.0  # seconds without a read before an announcement is dropped
 
     # -- the checkpoint tier (dlfsd.ckpt, docs/CKPT.md): needs cache_dir --
@@ -94,4 +100,6 @@ class MountConfig:
         data = json.loads(text)
         data["datasets"] = tuple(data.get("datasets", ()))
         data["nodes"] = tuple(data.get("nodes", ()))
+        if "lookahead_streams" in data:
+            data["lookahead_streams"] = tuple(data["lookahead_streams"])
         return cls(**data)

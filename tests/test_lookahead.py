@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -262,3 +264,66 @@ def test_reads_of_staged_chunks_fetched_ahead_count_as_hits(mounted, la_store, t
         open(p, "rb").read()  # noqa: SIM115
     taken = stats(mount)["mount"]["lookahead"]
     assert (taken["hits"], taken["misses"]) == (len(paths), 0), taken
+
+
+def test_the_lookahead_opens_more_streams_while_the_readers_catch_up(
+        mounted, la_store, la_source):
+    mount = mounted(la_store, "--store-bandwidth", "4M", "--lookahead-streams", "2:16")
+    paths = mount_paths(mount)
+    client = connect(paths)
+    order = np.random.default_rng(2).permutation(FILES)
+    client.announce(0, order)
+    readers = 4  # each its share of the order, as DataLoader workers
+
+    def read_share(k: int) -> list[tuple[int, bytes]]:
+        return [(i, hashlib.sha256(Path(paths[i]).read_bytes()).digest())
+                for i in order[k::readers]]
+
+    with ThreadPoolExecutor(readers) as pool:
+        got = [d for share in pool.map(read_share, range(readers)) for d in share]
+    assert sorted(i for i, _ in got) == list(range(FILES))
+    for i, digest in got:
+        assert digest == hashlib.sha256((la_source / f"f{i:04d}").read_bytes()).digest()
+    counters = stats(mount)["lookahead"]
+    assert counters["fetch_width_grown"] >= 1, counters
+    assert counters["fetch_width"] > 2, counters
+    assert client.status()["width_bounds"] == [2, 16]
+
+
+def test_a_lookahead_with_no_reader_behind_it_keeps_its_least_width(mounted, la_store):
+    mount = mounted(la_store, "--store-bandwidth", "4M", "--lookahead-streams", "2:16",
+                    "--lookahead", "60")
+    client = connect(mount_paths(mount))
+    client.announce(0, np.arange(FILES))
+    assert wait_for(lambda: client.status()["counters"]["samples_prefetched"] >= 60)
+    time.sleep(0.5)  # a few periods of the width's control with the window full
+    status = client.status()
+    assert status["counters"]["fetch_width_grown"] == 0, status
+    assert status["width"] == 2, status
+
+
+@pytest.mark.parametrize("value", ["0", "9:4", "a:8", "4:", "0:3"])
+def test_lookahead_streams_takes_min_max_and_refuses_the_rest_in_one_line(
+        value, la_store, tmp_path):
+    result = run_dlfs("mount", str(la_store), str(tmp_path / "m"),
+                      "--lookahead-streams", value)
+    assert result.returncode == 2
+    assert "--lookahead-streams" in result.stderr and "MIN" in result.stderr
+
+
+def test_the_window_counts_what_is_held_not_the_span_from_the_slowest_reader(
+        mounted, la_store, la_source):
+    """A DataLoader's workers spread over the order: here one sample is never read (a
+    worker far behind); the look-ahead must go on fetching for the others, where a
+    window counted from the slowest reader stopped one window past it."""
+    mount = mounted(la_store, "--store-bandwidth", "16M", "--lookahead", "20")
+    paths = mount_paths(mount)
+    client = connect(paths)
+    order = np.random.default_rng(3).permutation(FILES)
+    client.announce(0, order)
+    for i in order[1:]:
+        data = open(paths[i], "rb").read()  # noqa: SIM115
+        assert data == (la_source / f"f{i:04d}").read_bytes()
+    counters = stats(mount)
+    assert counters["lookahead"]["samples_prefetched"] >= FILES // 2, counters["lookahead"]
+    assert counters["mount"]["lookahead"]["hits"] >= FILES // 2, counters["mount"]

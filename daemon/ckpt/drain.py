@@ -384,7 +384,7 @@ class Drainer:
         target_dir = os.path.dirname(path)
         self.tier.makedirs_on_store(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
-        copy = None
+        copy, published = None, False
         try:
             digest, extents = self._copy(path, tmp)
             if _changed(local, path, st):
@@ -398,9 +398,9 @@ class Drainer:
             with self.tier.mutating():
                 if not self._publish(tree, ino, touched_ns, st, tmp, copy):
                     return
-            tmp = None
+            published = True
         finally:
-            if tmp is not None:
+            if not published:
                 with contextlib.suppress(OSError):
                     store.unlink(tmp)
                 sums.remove(store, copy)  # (None: none written)
@@ -728,12 +728,14 @@ def _extents_match(fd: int, check: sums.ExtentCheck | None, local: int | None) -
     """The bytes of `fd` pass `check`'s sums, or (without sums) equal those of `local`."""
     buf = bytearray(sums.EXTENT)
     view = memoryview(buf)
-    other = None if local is None else memoryview(bytearray(sums.EXTENT))
+    other = memoryview(bytearray(sums.EXTENT if local is not None else 0))
     offset = index = 0
     while n := sums.read_full(fd, view, offset):
         if check is not None:
             if not check.matches(index, view[:n]):
                 return False
+        elif local is None:
+            return False  # nothing to compare with: not shown to match
         elif sums.read_full(local, other, offset) != n or view[:n] != other[:n]:
             return False
         offset += n

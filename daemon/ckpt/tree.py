@@ -134,7 +134,7 @@ class CkptTree:
         return path, st
 
     def _walk(self, ino: int) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         root = self.tier.root_ino
         current = ino
         for _ in range(4096):

@@ -168,6 +168,12 @@ def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
                         "store): logged once with what it waits for, counted, shown by "
                         "`dlfs status` and .dlfs/metrics (default 10; 0: not watched; off "
                         "with --no-stats)")
+    p.add_argument("--request-timeout", type=_request_timeout,
+                   default=MountConfig.request_timeout, metavar="SECONDS",
+                   help="abort the mount when the daemon leaves a request unanswered this "
+                        "long (a hung or stopped daemon): readers then get an error instead "
+                        "of hanging (Linux >= 6.14; the kernel checks every 15 s and takes "
+                        "at least 15; default 600; 0: wait forever)")
     p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
     _add_lookahead_flags(p)
@@ -187,9 +193,12 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                    help="fetch at most SAMPLES samples and SIZE bytes ahead of the first "
                         "sample not read yet (default 256:256M); 0 switches the look-ahead "
                         "off (no order socket)")
-    g.add_argument("--lookahead-streams", type=_positive, default=MountConfig.lookahead_streams,
-                   help="samples fetched at once (default 8; with a parallel file system "
-                        "each is one read stream)")
+    g.add_argument("--lookahead-streams", type=_streams, default=MountConfig.lookahead_streams,
+                   metavar="[MIN:]MAX",
+                   help="samples fetched at once; with a parallel file system each is one "
+                        "read stream. The look-ahead starts at MIN and opens more, up to MAX, "
+                        "while the readers catch up with it (default 8:32; N alone is "
+                        "min(8,N):N; 8:8 keeps 8)")
     g.add_argument("--lookahead-stale", type=_seconds, default=MountConfig.lookahead_stale,
                    metavar="SECONDS",
                    help="forget an announced epoch nothing was read from for this long "
@@ -210,6 +219,29 @@ def _stall_seconds(text: str) -> float:
         if float(text) == 0:
             return 0.0
     return _seconds(text)
+
+
+def _streams(text: str) -> tuple[int, int]:
+    """[MIN:]MAX of --lookahead-streams."""
+    low, _, high = text.rpartition(":")
+    if not high.isdigit() or (low and not low.isdigit()):
+        raise argparse.ArgumentTypeError(f"must be MAX or MIN:MAX, e.g. 8:32, got {text!r}")
+    most = int(high)
+    least = int(low) if low else min(MountConfig.lookahead_streams[0], most)
+    if not 1 <= least <= most:
+        raise argparse.ArgumentTypeError(f"must be 1 <= MIN <= MAX, got {text!r}")
+    return least, most
+
+
+def _request_timeout(text: str) -> int:
+    """--request-timeout: whole seconds, 0 (none) to 65535 (a u16 in FUSE's INIT)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of seconds: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0 to 65535 seconds, not {value}")
+    return value
 
 
 def _lookahead(text: str) -> tuple[int, int]:
@@ -381,6 +413,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
         lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
+        request_timeout=args.request_timeout,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
 
