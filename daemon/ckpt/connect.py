@@ -64,6 +64,8 @@ class CkptConfig:
         """None without --ckpt-store."""
         if not config.ckpt_store:
             return None
+        if config.cache_dir is None:  # `dlfs mount` says so before a daemon starts
+            raise DlfsError("--ckpt-store needs --cache-dir (the tier lives in CACHE_DIR/ckpt/)")
         return cls(mountpoint=config.mountpoint, cache_dir=config.cache_dir,
                    store=config.ckpt_store, uid=config.uid, gid=config.gid,
                    allow_other=config.allow_other, workers=config.workers,
@@ -87,6 +89,7 @@ class CkptTier:
 
     config: CkptConfig
     tier: Tier
+    tree: CkptTree  # the namespace's ckpt/, which the connection's workers serve
     where: str  # where its connection is mounted (ckpt_mountpoint)
     written: WriteCounter  # bytes written into ckpt/, per process
     shared: SharedJson  # the drain's report, which `.dlfs/metrics` renders in the workers
@@ -106,7 +109,8 @@ def open_tier(config: CkptConfig, namespace: Namespace,
     written = WriteCounter(namespace.observe.slot)
     where, link = ckpt_mountpoint(config.mountpoint)
     open_files = OpenFiles(str(tier.root / ".open"))
-    namespace.attach_ckpt(CkptTree(tier, written, config.limit_wait, open_files), link)
+    tree = CkptTree(tier, written, config.limit_wait, open_files)
+    namespace.attach_ckpt(tree, link)
     shared = SharedJson()
     namespace.observe.add_section("ckpt", shared.read)
     log.info("checkpoint directory %s/ckpt%s: written to %s, drained to %s%s",
@@ -114,7 +118,7 @@ def open_tier(config: CkptConfig, namespace: Namespace,
              tier.store,
              f" ({len(undrained)} files from an earlier mount still to drain)"
              if undrained else "")
-    return CkptTier(config, tier, where, written, shared, open_files, CkptControl(tier))
+    return CkptTier(config, tier, tree, where, written, shared, open_files, CkptControl(tier))
 
 
 def ckpt_mountpoint(mountpoint: str) -> tuple[str, bytes | None]:
@@ -154,28 +158,27 @@ def connect(ckpt: CkptTier, namespace: Namespace,
                "Linux >= 6.9 with CONFIG_FUSE_PASSTHROUGH does)")
     log.info("checkpoint directory %s: its own FUSE connection (protocol 7.%d), "
              "passthrough %s", session.mountpoint, negotiated.minor, why)
-    workers = start_ckpt_workers(config, namespace, session.fd, before, ckpt.open_files,
-                                 negotiated.passthrough)
+    workers = start_ckpt_workers(ckpt, namespace, session.fd, before, negotiated.passthrough)
     drainer = Drainer(ckpt.tier, config.drain_jobs, config.drain_bandwidth, config.idle,
                       config.limit, config.keep, open_files=ckpt.open_files,
                       passthrough=negotiated.passthrough)
     return workers, CkptConnection(drainer, ckpt.written, ckpt.shared, why)
 
 
-def start_ckpt_workers(config: CkptConfig, namespace: Namespace, ckpt_fd: int,
-                       close_fds: set[int], open_files: OpenFiles,
-                       passthrough: bool) -> dict[int, int]:
+def start_ckpt_workers(ckpt: CkptTier, namespace: Namespace, ckpt_fd: int,
+                       close_fds: set[int], passthrough: bool) -> dict[int, int]:
     """Fork the processes serving the checkpoint connection (dlfsd.fuse.ckptworker):
     as many as the datasets have (a checkpoint save writes from every rank at once;
     with passthrough the bytes never reach them, and they idle in read())."""
+    config = ckpt.config
     uid, gid = shown_owner(config.uid, config.gid)
-    tree = namespace.ckpt
 
     def serve() -> int:
         for fd in close_fds:  # the datasets' connection is not ours to hold
             with contextlib.suppress(OSError):
                 os.close(fd)
-        return CkptWorker(namespace, tree, ckpt_fd, uid, gid, open_files, passthrough).serve()
+        return CkptWorker(namespace, ckpt.tree, ckpt_fd, uid, gid, ckpt.open_files,
+                          passthrough).serve()
 
     return {pid: ckpt_fd for pid in fork_workers(config.workers, serve, config.mountpoint)}
 
