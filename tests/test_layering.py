@@ -35,7 +35,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the writable checkpoint subtree: a passthrough onto the node cache, and its drain
     ("checkpoint tier", ["dlfsd.ckpt"]),
     ("fuse adapters", ["dlfsd.fuse"]),
-    ("daemon lifecycle", ["dlfsd.main", "dlfsd.commit", "dlfsd.warmup", "dlfsd.__main__"]),
+    # The main process above the workers it forks: watching them and the stop signals,
+    # the launcher's commit, the services it runs; the checkpoint connection's start-up
+    # (it mounts with dlfsd.fuse.rawsession and forks dlfsd.fuse.ckptworker), kept
+    # beside its tier.
+    ("main process", ["dlfsd.supervise", "dlfsd.commit", "dlfsd.services",
+                      "dlfsd.ckpt.connect"]),
+    # Each part of the daemon built from its own settings (reads MountConfig)
+    ("assembly", ["dlfsd.assemble"]),
+    ("daemon lifecycle", ["dlfsd.main", "dlfsd.warmup", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other
     # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
     # the shell that registers them.

@@ -535,6 +535,7 @@ FAIL_AFTER_FORK = """
 import sys, time
 import dlfsd.main as daemon
 import dlfsd.fuse.wireworker as wireworker
+import dlfsd.services as services
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 real_init = wireworker.WireWorker.__init__
@@ -544,7 +545,7 @@ def slow_init(self, *args, **kwargs):
 wireworker.WireWorker.__init__ = slow_init
 def port_taken(self):
     raise DlfsError("cannot listen for peers: port taken (simulated)")
-daemon.Services.listen = port_taken
+services.Services.listen = port_taken
 started = time.monotonic()
 code = daemon.run(MountConfig(mountpoint=sys.argv[1], store=sys.argv[2], workers=4,
                               log_file=sys.argv[3]))

@@ -123,16 +123,17 @@ class Drainer:
 
     def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
                  idle: float = IDLE, limit: int = 0, keep: int = 1,
-                 open_files=None) -> None:
+                 open_files=None, passthrough: bool = False) -> None:
         """`limit`: bytes the local copies may take (0: none; nothing is evicted);
         `keep`: the newest top-level entries of the tree never evicted (the store's
         copies are made as the job's user, tier.creds, so they are the user's);
         `open_files`: dlfsd.ckpt.openfiles.OpenFiles, the files open on the mount now
         (never evicted; those open through passthrough are timed by mtime, see
-        `_written_lately`)."""
+        `_written_lately`); `passthrough`: the kernel granted FUSE passthrough on the
+        checkpoint connection (reported with the open files)."""
         self.tier = tier
         self.open_files = open_files
-        self.passthrough = False  # set once the kernel granted it (dlfsd.main)
+        self.passthrough = passthrough
         self.limit, self.keep = limit, keep
         self.local_bytes = 0
         self.evicted_files = 0

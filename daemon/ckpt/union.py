@@ -40,7 +40,9 @@ class StoreUnion:
     the tree's: `paths`, `drop_fd`)."""
 
     def __init__(self, tier: Tier, paths: dict[int, bytes],
-                 drop_fd: Callable[[int], None]) -> None:
+                 drop_fd: Callable[[int], None], open_files=None) -> None:
+        """`open_files`: the mount's dlfsd.ckpt.openfiles.OpenFiles (None: nothing is
+        open through this tree)."""
         self.tier = tier
         self.state = tier.state
         self.local: Beneath = tier.local
@@ -48,7 +50,7 @@ class StoreUnion:
         self.paths = paths  # the tree's ino -> path cache, kept right on adoption
         self.drop_fd = drop_fd  # the tree drops its descriptor of a replaced entry
         self.warned: set[str] = set()  # store troubles logged at WARNING (once each)
-        self.open_files = None  # dlfsd.ckpt.openfiles.OpenFiles, once the mount has it
+        self.open_files = open_files
 
     def beside(self, parent: int, directory: bytes, name: bytes,
                       st: os.stat_result | None) -> os.stat_result | None:
