@@ -24,15 +24,29 @@ cache drop, for information), then a fresh mount's first pass and second pass
 first pass <= 2x the warm source pass (stricter than against the cold source;
 both ratios are printed).
 
+Part 3 (walk): a cold walk of a tree two ways: listings only (os.walk, getdents,
+d_type: a dataset class's file list), and listings with an lstat of every entry
+(`ls -lR`, `find -size`, or the opens of a first epoch, which look names up the
+same way). Trees
+(--walk-trees FILES:PER_DIR,...; default 20,000 files in one directory, and
+100,000 files 1000 per directory) are generated and populated once. Each round,
+in alternating order, each walk after a cache drop: the source tree, and a
+fresh mount (the kernel has no name of it yet) for each walk; with --baseline,
+a mount of another DLFS tree's code too. Reported per tree and walk: us per
+entry and the mount/source ratio of each round, min/median/max over the
+rounds. Target: cold mount walk <= 2x the cold source walk.
+
 examples (from the repository root; run as root for cache drops):
   .venv/bin/python bench/metadata.py --quick
   .venv/bin/python bench/metadata.py
   .venv/bin/python bench/metadata.py --dirs 10000   # 10 M files
+  .venv/bin/python bench/metadata.py --parts walk --rounds 5   # listings only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,6 +55,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +98,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stat-files", type=int, default=20_000,
                    help="files in the tree stat'ed through the mount (default 20000; "
                         "--quick: 1000)")
+    p.add_argument("--parts", default="manifest,stat,walk",
+                   help="which parts to run, comma-separated: manifest, stat, walk "
+                        "(default all three)")
+    p.add_argument("--walk-trees", default="20000:20000,100000:1000",
+                   help="trees the walk part lists, FILES:FILES_PER_DIR,... (default "
+                        "20000:20000 (one directory), 100000:1000; --quick: a twentieth "
+                        "of the files)")
+    p.add_argument("--baseline", type=Path, metavar="DIR",
+                   help="walk part: also mount with the DLFS code of DIR each round (a "
+                        "source tree such as `git archive main | tar -x -C DIR`), for "
+                        "before/after ratios of the same run")
     p.add_argument("--mount-args", default="",
                    help="extra arguments for `dlfs mount`, e.g. --mount-args='--cache-timeout 1'")
     args = p.parse_args(argv)
@@ -90,6 +116,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.dirs = max(1, args.dirs // 20)
         args.lookups = max(1, args.lookups // 20)
         args.stat_files = max(1, args.stat_files // 20)
+    args.parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    unknown = args.parts - {"manifest", "stat", "walk"}
+    if unknown:
+        p.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}")
+    try:
+        args.walk_trees = [tuple(int(x) for x in tree.split(":")) for tree in
+                           args.walk_trees.split(",") if tree]
+        if any(len(t) != 2 or min(t) < 1 for t in args.walk_trees):
+            raise ValueError
+    except ValueError:
+        p.error("--walk-trees: FILES:FILES_PER_DIR,... with positive numbers")
+    if args.quick:
+        args.walk_trees = [(max(1, files // 20), per_dir) for files, per_dir in args.walk_trees]
     return args
 
 
@@ -289,12 +328,102 @@ def part2(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
                           med["source warm"], "<=", 2.0, "x"))
 
 
+# -- part 3: listings (os.walk, no stat) --------------------------------------------
+def walk_list(root: Path) -> tuple[int, float]:
+    """os.walk of root (the listing only: d_type says what is a directory): (entries,
+    seconds)."""
+    count = 0
+    started = time.perf_counter()
+    for _, dirnames, filenames in os.walk(root):
+        count += len(dirnames) + len(filenames)
+    return count, time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def code_of(tree: Path | None, work: Path) -> Iterator[None]:
+    """Run `dlfs mount` (and so its daemon) with the packages of source tree `tree`
+    (None: this one): PYTHONPATH names links dlfs -> tree/dlfs and dlfsd -> tree/daemon,
+    and the working directory is one where no other `dlfs` package can be found."""
+    if tree is None:
+        yield
+        return
+    links = work / "baseline-path"
+    if not links.exists():
+        links.mkdir()
+        (links / "dlfs").symlink_to(tree.resolve() / "dlfs")
+        (links / "dlfsd").symlink_to(tree.resolve() / "daemon")
+    before, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = str(links)
+    os.chdir("/")
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def part3(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
+    passes = {"list": walk_list, "list+lstat": walk_stat}
+    for files, per_dir in args.walk_trees:
+        print(f"\n== part 3: walk of {files:,} files, {per_dir:,} per directory: listings "
+              "only (list), and listings with an lstat of every entry (list+lstat)")
+        name = f"walk{files}"
+        src = work / f"src-{name}"
+        generate_tree(src, files, 64, files_per_dir=per_dir, seed=3)
+        store = work / f"store-{name}"
+        took = populate(src, store, name)
+        print(f"  populated in {took:.1f} s")
+        mp = work / "mnt"
+        sides = ["source", "mount"] + (["baseline"] if args.baseline else [])
+        times: dict[str, list[float]] = {f"{side} {kind}": [] for side in sides
+                                         for kind in passes}
+        expected = None
+        for rnd in range(args.rounds):
+            for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
+                for kind, walk in passes.items():
+                    drop_caches()  # cold: the same start for every side and pass
+                    if side == "source":
+                        n, took = walk(src)
+                    else:  # a fresh mount: the kernel knows no name of it yet
+                        with code_of(args.baseline if side == "baseline" else None, work), \
+                                mounted(store, mp, split_args(args.mount_args),
+                                        work / "dlfsd.log"):
+                            n, took = walk(mp / name)
+                    times[f"{side} {kind}"].append(took)
+                    expected = expected or n
+                    if n != expected:
+                        raise RuntimeError(f"{side} {kind} saw {n} entries, not {expected}")
+            print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
+                f"{k} {v[-1] * 1e6 / expected:.2f}" for k, v in times.items())
+                + " us/entry", flush=True)
+        rows = []
+        for key, values in times.items():
+            side, kind = key.split(" ")
+            ratios = sorted(t / s for t, s in zip(values, times[f"source {kind}"], strict=True))
+            rows.append((key, median(values) * 1e6 / expected, ratios[0], median(ratios),
+                         ratios[-1]))
+            if side == "mount":
+                targets.append(Target(f"{files:,} files, {per_dir:,} per dir, {kind}: cold "
+                                      "mount / cold source (median of the rounds' ratios)",
+                                      median(ratios), "<=", 2.0, "x"))
+        print_table(("walk (cold)", "us/entry (median)", "x source min", "median", "max"), rows,
+                    title=f"{files:,} files ({expected:,} entries): {args.rounds} rounds, "
+                          "ratios to the source walk of the same round")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     targets: list[Target] = []
     with workdir(args.workdir, args.keep, "metadata") as work:
-        part1(args, work, targets)
-        part2(args, work, targets)
+        if "manifest" in args.parts:
+            part1(args, work, targets)
+        if "stat" in args.parts:
+            part2(args, work, targets)
+        if "walk" in args.parts:
+            part3(args, work, targets)
     print_targets(targets, args.quick)
     return 0
 

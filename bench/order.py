@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import shutil
 import statistics
@@ -107,9 +108,22 @@ def epoch(mp: Path, rel: list[str], workers: int, seed: int, announce: bool) -> 
         started = time.perf_counter()
         client.announce(seed, shuffle(len(paths), seed))
     r = shuffled_epoch(paths, workers, seed=seed)
+    seconds = time.perf_counter() - started
     if r.files != len(paths):
         raise RuntimeError(f"read {r.files} files, expected {len(paths)}")
-    return time.perf_counter() - started
+    if announce:
+        print(f"    announced: {lookahead_summary(mp)}", flush=True)
+    return seconds
+
+
+def lookahead_summary(mp: Path) -> str:
+    """What the look-ahead did for the epoch just read: hits, and its fetch width."""
+    stats = json.loads((mp / ".dlfs" / "stats.json").read_text())
+    taken, counters = stats["mount"]["lookahead"], stats["lookahead"]
+    reads = max(1, taken["hits"] + taken["misses"])
+    return (f"hits {taken['hits'] / reads:.0%}, fetch width {counters['fetch_width']} "
+            f"(grown {counters['fetch_width_grown']} times), "
+            f"{counters['samples_prefetched']} samples prefetched")
 
 
 def one_round(work: Path, args, rel: list[str], seed: int) -> tuple[float, float]:

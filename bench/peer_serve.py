@@ -2,7 +2,7 @@
 
 No FUSE, no reading daemon: a PeerLoopServer in a process of its own (pinned to
 --holder-cpus) serves a staged chunk file (in the page cache, or dropped before
-each round with --cold) to --clients processes (pinned to --reader-cpu), each a
+each round with --cold) to --clients processes (spread over --reader-cpus), each a
 BlockingPeerClient reading random --size ranges for --seconds. Printed per
 --threads value (the server's loop threads; issue 33 item 1 asks the curve for
 2, 4, 8): READs/s and the server process's CPU per READ (utime + stime from
@@ -125,7 +125,8 @@ def one_round(path: Path, length: int, threads: int, args) -> tuple[float, float
         port = ready.recv()
         start, out = ctx.Event(), ctx.Queue()
         clients = [ctx.Process(target=_client, args=(port, length, args.size, args.seconds,
-                                                     i, args.reader_cpu, start, out))
+                                                     i, args.reader_cpus[i % len(args.reader_cpus)],
+                                                     start, out))
                    for i in range(args.clients)]
         for c in clients:
             c.start()
@@ -163,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer with os.sendfile (zero copy) instead of read + sendmsg")
     p.add_argument("--holder-cpus", type=lambda t: {int(c) for c in t.split(",")},
                    default={1}, help="CPUs of the server process (default 1)")
-    p.add_argument("--reader-cpu", type=int, default=0)
+    p.add_argument("--reader-cpus", type=lambda t: [int(c) for c in t.split(",")],
+                   default=[0], help="CPUs the clients are spread over (default 0; on "
+                                      "many cores give as many as clients)")
     args = p.parse_args(argv)
     if args.quick:
         args.seconds = 1.0

@@ -1,7 +1,8 @@
 """dlfsd: the per-node DLFS daemon (FUSE adapter, sample reader, lifecycle).
 
-Only `dlfsd.fuse.session` (mount and INIT) and `dlfsd.main` import pyfuse3; the
-namespace and the reader are plain blocking code that tests drive directly.
+No libfuse binding: `dlfsd.fuse.session` mounts and answers INIT itself
+(dlfsd.fuse.rawsession); the namespace and the reader are plain blocking code that
+tests drive directly.
 """
 
 # The daemon's own release, written here and not taken from dlfs.__version__: a

@@ -1,4 +1,9 @@
-"""Which datasets a root daemon may serve to the user it mounts for (`--uid`).
+"""Who a mount is for (`--uid`): the owner its entries show, whether other users get
+in, and which datasets a root daemon may serve to that user.
+
+The owner and the admission are plain rules, said once here for both FUSE
+connections (the datasets' and the checkpoint directory's). The rest of this
+module is the dataset check.
 
 Why: the daemon runs as root (the Slurm prolog mounts for the job's user) and
 reads the store as root, so without a check it would show the user every
@@ -34,6 +39,18 @@ from dlfs.errors import DlfsError
 from dlfs.store.format import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
+
+
+def shown_owner(uid: int | None, gid: int | None) -> tuple[int, int]:
+    """The owner (uid, gid) every entry of the mount shows, datasets and ckpt/ alike:
+    --uid/--gid (a root daemon mounting for a job's user), else the daemon's own."""
+    return (os.getuid() if uid is None else uid), (os.getgid() if gid is None else gid)
+
+
+def admits_others(allow_other: bool, uid: int | None) -> bool:
+    """Whether the kernel lets users other than the mounter in (allow_other): asked
+    for, or a root-made mount for one user, whose 0700 root keeps the others out."""
+    return allow_other or uid is not None
 
 
 def served_to_user(names: list[str], store: Path, uid: int | None, gid: int | None,

@@ -16,26 +16,53 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from dataclasses import dataclass
 
 import trio
 
 from dlfs.cluster.mpi_launch import launch_secret_file
-from dlfs.config import MountConfig
 from dlfs.launch import COMMIT, COMMIT_FD_ENV
+
+
+@dataclass(frozen=True)
+class LaunchSecret:
+    """The job secret file this mount was given, and where it runs: what an abandoned
+    launch removes (see discard)."""
+
+    path: str | None  # --secret-file
+    node: str | None  # --node
+    mountpoint: str
+
+    def discard(self) -> None:
+        """Remove the secret file `dlfs mount --mpi` wrote for this node, if this mount
+        used it (its default place): the launch failed, so no `dlfs umount --mpi` will,
+        and the rank that wrote it may have been killed. The daemon read it at start-up
+        already. A file the user named is theirs, and left alone."""
+        if self.node and self.path == launch_secret_file(self.node, self.mountpoint):
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 class LaunchCommit:
     """The daemon's end of the commit pipe ($DLFS_COMMIT_FD), if it was given one."""
 
-    def __init__(self, fd: int | None) -> None:
+    def __init__(self, fd: int | None, secret: LaunchSecret | None = None) -> None:
+        """`secret`: what to remove if the launch is abandoned (give_up)."""
         self.fd = fd
+        self.secret = secret
         # Forked workers and the control process have no use for it.
         os.register_at_fork(after_in_child=self._forget)
 
     @classmethod
-    def from_env(cls) -> LaunchCommit:
+    def from_env(cls, secret: LaunchSecret | None = None) -> LaunchCommit:
         value = os.environ.pop(COMMIT_FD_ENV, None)
-        return cls(int(value) if value else None)
+        return cls(int(value) if value else None, secret)
+
+    def give_up(self) -> None:
+        """The launcher went away without committing: leave none of the launch behind
+        that only it would have removed (its secret file)."""
+        if self.secret is not None:
+            self.secret.discard()
 
     @property
     def pending(self) -> bool:
@@ -68,12 +95,3 @@ class LaunchCommit:
         finally:
             self._forget()
 
-
-def discard_launch_secret(config: MountConfig) -> None:
-    """Remove the secret file `dlfs mount --mpi` wrote for this node, if this mount used
-    it (its default place): the launch failed, so no `dlfs umount --mpi` will, and the
-    rank that wrote it may have been killed. The daemon read it at start-up already."""
-    if config.node and config.secret_file == launch_secret_file(config.node,
-                                                                config.mountpoint):
-        with contextlib.suppress(OSError):
-            os.unlink(config.secret_file)

@@ -15,6 +15,8 @@ import os
 NO_OPEN_SINCE = (3, 15)
 NO_OPENDIR_SINCE = (5, 1)
 KERNEL_RELEASE_VAR = "DLFSD_KERNEL_RELEASE"  # stands in for uname's release (tests)
+# Seconds the kernel may take to send FUSE INIT after a mount (either connection).
+INIT_TIMEOUT = 60.0
 
 
 def kernel_version(release: str) -> tuple[int, int]:

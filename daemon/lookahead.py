@@ -3,10 +3,11 @@
 A sampler (dlfs.sampler) registers its dataset's paths once and announces,
 at the start of each epoch, the order its rank will read them in
 (dlfs.orderwire). The daemon then fetches the samples' extents ahead of the
-readers, in that order, on threads of the control process, never more than
-`samples` samples or `nbytes` bytes ahead of the first sample the readers
-have not taken yet (back-pressure: readers that fall behind stop the
-look-ahead, not the other way round). How many samples it fetches at once
+readers, in that order, on threads of the control process, never holding more
+than `samples` samples or `nbytes` bytes fetched that no reader has taken yet,
+nor reaching more than MAX_SPAN windows past the first sample not taken
+(back-pressure: readers that fall behind stop the look-ahead, not the other way
+round). How many samples it fetches at once
 (its width: with a parallel file system, its read streams) follows the
 readers: it starts at the low end of `streams` = (MIN, MAX) and opens more,
 up to MAX, while its fetches are what holds it back and the readers are
@@ -36,8 +37,9 @@ Per extent:
 Which of these an extent gets is the readers' own plan (dlfsd.extentsource,
 `ahead=True`), read through the same descriptors, so the two agree.
 
-Readers mark the extents they read TAKEN while any announcement is active
-(one shared flag byte: without announcements the read path tests one byte).
+Readers mark the extents they read taken (a shared byte per extent, apart from
+the state bits) while any announcement is active (one shared flag byte: without
+announcements the read path tests one byte).
 The look-ahead moves its window by those marks; a stream whose readers take
 nothing for `stale_seconds` (a killed job, an abandoned epoch) is dropped,
 and so is the oldest one beyond MAX_STREAMS. Registrations are kept per
@@ -71,7 +73,7 @@ from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
 from dlfsd.namespace import Namespace
 from dlfsd.pool.peershare import extent_key
-from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, TAKEN, SampleReader
+from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, SampleReader
 from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,9 @@ MAX_REGISTRATIONS = 32
 STALE_SECONDS = 60.0
 _TICK = 0.002  # seconds between scheduler passes when nothing changed
 _BATCH = 8  # samples per fetch task beyond the front of the window
+# How far past the slowest reader the window may reach, in windows: readers spread
+# over the order, but a reader that stopped for good must not let it run on forever.
+MAX_SPAN = 16
 _ADJUST_SECONDS = 0.2  # how often the width follows the readers
 # A fetch slower than this (per sample) waits on its source (a store stream, a peer):
 # more fetches at once then go faster. Faster ones are the control process's CPU
@@ -124,6 +129,7 @@ class _Stream:
     low: int = 0
     progress_at: float = field(default_factory=time.monotonic)
     taken_at: float = float("-inf")  # when the readers last took a sample
+    single: int = -1  # the dataset of every sample, when they share one (the usual case)
 
 
 class LookAhead:
@@ -146,6 +152,8 @@ class LookAhead:
         for reader in namespace.readers:
             reader.follow_lookahead(self._flag_map)
         self._states = [np.frombuffer(r.state_map, np.uint8) for r in namespace.readers]
+        # what the readers took since the announcement, a byte per extent (taken_map)
+        self._marks = [np.frombuffer(r.taken_map, np.uint8) for r in namespace.readers]
         self._registrations: OrderedDict[int, Registration] = OrderedDict()
         self._next_handle = 1
         self._streams: OrderedDict[tuple[int, int], _Stream] = OrderedDict()
@@ -187,7 +195,7 @@ class LookAhead:
         """Drop the views of the readers' state (before the Namespace closes it)."""
         for reader in self.ns.readers:
             reader.follow_lookahead(b"\0")
-        self._states = []
+        self._states, self._marks = [], []
         self.counters = np.zeros(len(COUNTER_NAMES), np.int64)
         for mapping in (self._flag_map, self._counter_map):
             with contextlib.suppress(BufferError):  # a snapshot still holds it: dies with us
@@ -341,10 +349,12 @@ class LookAhead:
                 sizes[mine] = arrays["size"][rows[mine]]
                 # Marks of earlier epochs must not count in this one: on every extent of
                 # the samples (a large file's later extents were marked too).
-                self._states[k][_extents_of(arrays["ext_start"], rows[mine])] &= \
-                    np.uint8(~(TAKEN | PEER_AHEAD) & 0xFF)
+                extents = _extents_of(arrays["ext_start"], rows[mine])
+                self._marks[k][extents] = 0
+                self._states[k][extents] &= np.uint8(~PEER_AHEAD & 0xFF)
         ends = np.concatenate([[0], np.cumsum(sizes)])
-        return _Stream(key, ds, rows, first, ends)
+        single = int(ds[0]) if ds.size and (ds == ds[0]).all() else -1
+        return _Stream(key, ds, rows, first, ends, single=single)
 
     def status(self) -> dict:
         with self._lock:
@@ -392,12 +402,13 @@ class LookAhead:
         submitted = False
         batch: list[tuple[int, int]] = []
         width = self.width.now
-        while (s.next < s.rows.size and s.next - s.low < self.samples
-               and s.ends[s.next] - s.ends[s.low] < self.nbytes):
+        held, held_bytes = self._outstanding(s)
+        while (s.next < s.rows.size and held < self.samples and held_bytes < self.nbytes
+               and s.next - s.low < MAX_SPAN * self.samples):
             if self._inflight >= width:
-                # close behind: the readers are taking samples, less than half a window
-                # behind the look-ahead's front (before they read at all, no hurry)
-                self.width.note_held(close=s.next - s.low < self.samples // 2
+                # close behind: the readers are taking samples and less than half a
+                # window is fetched ahead of them (before they read at all, no hurry)
+                self.width.note_held(close=held < self.samples // 2
                                      and now - s.taken_at < _ADJUST_SECONDS)
                 break
             pos = s.next
@@ -406,10 +417,12 @@ class LookAhead:
                 self.width.note_held(close=True)  # a reader got there first
                 continue
             batch.append((int(s.ds[pos]), int(s.rows[pos])))
+            held += 1
+            held_bytes += int(s.ends[pos + 1] - s.ends[pos])
             # Near the readers one sample per task (they are needed first, in parallel);
             # further ahead a few per task: a task per sample costs the control process
             # more CPU than a warm page-cache read costs the reader.
-            if len(batch) >= (1 if s.next - s.low < 2 * width else _BATCH):
+            if len(batch) >= (1 if held < 2 * width else _BATCH):
                 self._submit(batch)
                 batch, submitted = [], True
         if batch:
@@ -417,8 +430,30 @@ class LookAhead:
             submitted = True
         return submitted
 
+    def _outstanding(self, s: _Stream) -> tuple[int, int]:
+        """Samples (and their bytes) in [low, next) no reader has taken yet: what the
+        window holds. Not the span from `low`: the processes of a DataLoader spread
+        over the order (a worker that hits runs ahead of one that waits on the store;
+        with batches, each worker is a batch apart), and a window counted from the
+        slowest one left the fast ones past its end, reading the store themselves."""
+        if s.next <= s.low:
+            return 0, 0
+        pending = ~self._taken_mask(s, s.low, s.next)
+        sizes = np.diff(s.ends[s.low:s.next + 1])
+        return int(pending.sum()), int(sizes[pending].sum())
+
+    def _taken_mask(self, s: _Stream, lo: int, hi: int) -> np.ndarray:
+        ds, first = s.ds[lo:hi], s.first[lo:hi]
+        if s.single >= 0:
+            return self._marks[s.single][first] != 0
+        taken = np.zeros(hi - lo, bool)
+        for k in np.unique(ds):
+            mine = ds == k
+            taken[mine] = self._marks[k][first[mine]] != 0
+        return taken
+
     def _taken(self, s: _Stream, pos: int) -> bool:
-        return bool(self._states[s.ds[pos]][s.first[pos]] & TAKEN)
+        return bool(self._marks[s.ds[pos]][s.first[pos]])
 
     def _drop(self, s: _Stream, finished: bool) -> None:
         with self._lock:
@@ -465,7 +500,7 @@ class LookAhead:
         """Fetch one extent ahead where the readers' plan (dlfsd.extentsource) would
         read it: its length when it is fetched (or on its way), 0 when left to them."""
         state = self._states[ds]
-        if state[ext] & (AHEAD | TAKEN):
+        if state[ext] & AHEAD or self._marks[ds][ext]:
             return 0
         source = reader.source
         chunk = int(reader.ext_chunks[ext])

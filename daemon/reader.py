@@ -47,7 +47,6 @@ LOCAL_OK = 2  # the staged copy on local NVMe did
 STORE_BAD = 4  # the store copy did not (logged once)
 STORE_LOADING = 8  # a worker process is loading and checking the store copy right now
 AHEAD = 16  # the look-ahead read the store copy into the page cache and checked it
-TAKEN = 32  # a reader read this extent since the look-ahead was told of it
 PEER_AHEAD = 64  # the look-ahead fetched it from a peer into the node's PeerShare
 LOADING_WAIT = 2.0  # seconds a worker waits for another one's load before loading itself
 #: Reads at least this large of verified bytes may be answered as a FileSpan (the
@@ -99,6 +98,12 @@ class SampleReader:
         self._state = mmap.mmap(-1, max(1, self.directory.extent_count))
         if not verify:
             self._state.write(bytes([STORE_OK | LOCAL_OK]) * self.directory.extent_count)
+        # A byte per extent, set when a reader read it since the look-ahead was told of
+        # it (the look-ahead moves by these): a mapping of its own, written with plain
+        # stores. As a bit of the state byte, the look-ahead's concurrent `|= AHEAD`
+        # from another process could write back a byte read before the mark, losing it,
+        # and the look-ahead's window stopped at the lost mark for the rest of the epoch.
+        self._taken = mmap.mmap(-1, max(1, self.directory.extent_count))
         self._unusable_copies: set[int] = set()  # staged copies that failed to open: logged
         self._store_rate = store_rate
         d = self.directory
@@ -126,6 +131,10 @@ class SampleReader:
         return self._state
 
     @property
+    def taken_map(self) -> mmap.mmap:
+        return self._taken
+
+    @property
     def ext_chunks(self) -> memoryview:
         return self._ext_chunk
 
@@ -142,7 +151,7 @@ class SampleReader:
         return self._ext_sum
 
     def follow_lookahead(self, flag) -> None:
-        """Mark extents TAKEN and take AHEAD ones while `flag[0]` is set (a shared byte)."""
+        """Mark extents taken and take AHEAD ones while `flag[0]` is set (a shared byte)."""
         self._lookahead = flag
 
     def use_spans(self, max_length: int) -> None:
@@ -154,6 +163,7 @@ class SampleReader:
 
     def close(self) -> None:
         self._state.close()
+        self._taken.close()
         if self._prefetch is not None:
             self._prefetch.close()
         self.source.close_store_fds()
@@ -202,10 +212,10 @@ class SampleReader:
         return data
 
     def _read_ahead(self, ext: int, rel: int, length: int):
-        """Mark the extent TAKEN (the look-ahead moves by it); if the look-ahead fetched
+        """Mark the extent taken (the look-ahead moves by it); if the look-ahead fetched
         it, read it from the store copy's page cache, unpaced; else None."""
+        self._taken[ext] = 1
         state = self._state[ext]
-        self._state[ext] = state | TAKEN
         if not state & AHEAD:
             # fetched from a peer ahead: the pooled read below finds it in PeerShare
             self.stats.record_lookahead(self.ds, bool(state & PEER_AHEAD))

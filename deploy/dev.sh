@@ -3,7 +3,7 @@
 #
 #   deploy/dev.sh demo    install what is missing, pack a generated dataset, mount it,
 #                         read it like a shuffled training epoch, print throughput, unmount
-#   deploy/dev.sh test    install what is missing, lint, run the whole test suite
+#   deploy/dev.sh test    install what is missing, lint, type-check, run the whole test suite
 #   deploy/dev.sh test-overlay   the same with TMPDIR on an overlay file system (a
 #                         container's /tmp) that it mounts and unmounts; needs root
 #   deploy/dev.sh setup   only install (Debian packages, .venv, pip install -e .)
@@ -19,8 +19,9 @@ PY=${PYTHON:-python3}
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 install_debian_packages() {
-    local want=(fuse3 libfuse3-dev pkg-config gcc openmpi-bin libopenmpi-dev)
-    # Debian's own python needs these to build venvs and C extensions (pyfuse3).
+    # fuse3: fusermount3 (mounts as a user); gcc and libopenmpi-dev build mpi4py.
+    local want=(fuse3 gcc openmpi-bin libopenmpi-dev)
+    # Debian's own python needs these to build venvs and C extensions (mpi4py).
     if [ "$(command -v "$PY")" = /usr/bin/python3 ]; then
         want+=(python3-venv python3-dev)
     fi
@@ -69,6 +70,22 @@ setup() {
     install_python_packages
 }
 
+# The packages whose seams are typed and checked (mypy, configured in pyproject.toml).
+# The folder daemon/ is the package dlfsd (setup.py maps it), and mypy names modules
+# by their folders: it checks a tree of two links, dlfsd -> daemon and dlfs -> dlfs.
+TYPED=(dlfsd/ckpt)
+typecheck() {
+    local tree
+    tree=$(mktemp -d "${TMPDIR:-/tmp}/dlfs-typecheck.XXXXXX")
+    ln -s "$ROOT/daemon" "$tree/dlfsd"
+    ln -s "$ROOT/dlfs" "$tree/dlfs"
+    local rc=0
+    (cd "$tree" && "$VENV/bin/mypy" --config-file "$ROOT/pyproject.toml" \
+        --cache-dir "$ROOT/.mypy_cache" "${TYPED[@]}") || rc=$?
+    rm -rf "$tree"
+    return $rc
+}
+
 case "${1:-}" in
     setup) setup ;;
     demo) setup; shift; exec "$VENV/bin/dlfs" demo "$@" ;;
@@ -77,6 +94,7 @@ case "${1:-}" in
         [ -e /dev/fuse ] || { echo "dev.sh: /dev/fuse is missing: FUSE tests cannot run" >&2; exit 1; }
         if [ "${DLFS_TORCH_TESTS:-}" = 1 ]; then install_torch; fi
         "$VENV/bin/ruff" check .
+        typecheck
         exec "$VENV/bin/python" -m pytest "$@" ;;
     test-overlay)
         # overlayfs lacks RWF_NOWAIT and its cachestat sees no page cache: every test

@@ -49,6 +49,11 @@ class MountConfig:
     # A read outstanding this long is a stall: logged once, counted, shown by `dlfs status`
     # and .dlfs/metrics (a hung peer, a stuck store); 0: not watched.
     stall_seconds: float = 10.0
+    # Seconds the kernel waits for the daemon to answer a request before it aborts the
+    # connection (FUSE_REQUEST_TIMEOUT, Linux >= 6.14; 0: forever): readers of a hung or
+    # stopped daemon then get an error instead of hanging in D state. Longer than a
+    # parallel file system's failover, which a read may wait out.
+    request_timeout: int = 600
     # -- the chunk pool (cluster mode: on when cache_dir is set) --
     cache_dir: str | None = None  # node-local NVMe directory for staged chunks
     nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us

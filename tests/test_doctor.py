@@ -47,7 +47,7 @@ def test_healthy_node_passes(dlfs_cli, small_store, tmp_path):
                       "--port", str(port))
     assert result.returncode == 0, describe_result(result)
     checks = lines_of(result)
-    for name in ("/dev/fuse", "fusermount3", "pyfuse3", "trio", "store", "dataset ds",
+    for name in ("/dev/fuse", "fusermount3", "trio", "store", "dataset ds",
                  "dataset other", "cache dir", f"port {port}"):
         assert checks[name].startswith("ok"), checks.get(name, checks)
     assert result.stdout.splitlines()[-1] == "all checks passed"

@@ -37,7 +37,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the writable checkpoint subtree: a passthrough onto the node cache, and its drain
     ("checkpoint tier", ["dlfsd.ckpt"]),
     ("fuse adapters", ["dlfsd.fuse"]),
-    ("daemon lifecycle", ["dlfsd.main", "dlfsd.commit", "dlfsd.warmup", "dlfsd.__main__"]),
+    # The main process above the workers it forks: watching them and the stop signals,
+    # the launcher's commit, the services it runs; the checkpoint connection's start-up
+    # (it mounts with dlfsd.fuse.rawsession and forks dlfsd.fuse.ckptworker), kept
+    # beside its tier.
+    ("main process", ["dlfsd.supervise", "dlfsd.commit", "dlfsd.services",
+                      "dlfsd.ckpt.connect"]),
+    # Each part of the daemon built from its own settings (reads MountConfig)
+    ("assembly", ["dlfsd.assemble"]),
+    ("daemon lifecycle", ["dlfsd.main", "dlfsd.warmup", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other
     # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
     # the shell that registers them.
@@ -159,12 +167,13 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
     assert layer_of("dlfs.cli.b") > layer_of("dlfs.store.a")
 
 
-def test_core_and_daemon_internals_import_without_pyfuse3():
+def test_nothing_imports_pyfuse3():
     """Populate runs on login nodes and MPI ranks, the CLI starts without the daemon's
-    libraries, and everything of the daemon but its pyfuse3 session and lifecycle is
-    plain code that tests drive directly."""
-    modules = [m for m in all_modules()
-               if m not in {"dlfsd.fuse.session", "dlfsd.main", "dlfsd.__main__"}]
+    libraries, and the daemon mounts and answers INIT itself (dlfsd.fuse.rawsession):
+    no module needs pyfuse3 (libfuse) any more (dlfsd.__main__ runs the daemon when
+    imported; it imports dlfsd.main, which is checked)."""
+    modules = [m for m in all_modules() if m != "dlfsd.__main__"]
+    assert "dlfsd.main" in modules and "dlfsd.fuse.session" in modules
     code = ("import sys; sys.modules['pyfuse3'] = None\n"
             + "".join(f"import {m}\n" for m in sorted(modules))
             + "assert 'pyfuse3' not in {k for k, v in sys.modules.items() if v is not None}\n")

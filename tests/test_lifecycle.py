@@ -500,16 +500,16 @@ def run_mount_script(script: str, mountpoint: Path, store: Path,
                            str(log)], capture_output=True, text=True, timeout=60)
 
 
-# `dlfs mount --foreground` with a Ctrl-C that lands right after pyfuse3.init mounted.
+# `dlfs mount --foreground` with a Ctrl-C that lands right after the mount(2) is made.
 CTRL_C_AFTER_INIT = """
 import os, signal, sys
-import pyfuse3
 from dlfs.cli.main import main
-real_init = pyfuse3.init
-def init_then_ctrl_c(*args, **kwargs):
-    real_init(*args, **kwargs)
+from dlfsd.fuse.rawsession import RawSession
+real_mount = RawSession.mount
+def mount_then_ctrl_c(self):
+    real_mount(self)
     os.kill(os.getpid(), signal.SIGINT)
-pyfuse3.init = init_then_ctrl_c
+RawSession.mount = mount_then_ctrl_c
 sys.exit(main(["mount", sys.argv[1], "--store", sys.argv[2], "--foreground",
                "--log-file", sys.argv[3]]))
 """
@@ -535,6 +535,7 @@ FAIL_AFTER_FORK = """
 import sys, time
 import dlfsd.main as daemon
 import dlfsd.fuse.wireworker as wireworker
+import dlfsd.services as services
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 real_init = wireworker.WireWorker.__init__
@@ -544,7 +545,7 @@ def slow_init(self, *args, **kwargs):
 wireworker.WireWorker.__init__ = slow_init
 def port_taken(self):
     raise DlfsError("cannot listen for peers: port taken (simulated)")
-daemon.Services.listen = port_taken
+services.Services.listen = port_taken
 started = time.monotonic()
 code = daemon.run(MountConfig(mountpoint=sys.argv[1], store=sys.argv[2], workers=4,
                               log_file=sys.argv[3]))

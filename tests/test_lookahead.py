@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,10 +276,9 @@ def test_the_lookahead_opens_more_streams_while_the_readers_catch_up(
     readers = 4  # each its share of the order, as DataLoader workers
 
     def read_share(k: int) -> list[tuple[int, bytes]]:
-        return [(i, hashlib.sha256(open(paths[i], "rb").read()).digest())  # noqa: SIM115
+        return [(i, hashlib.sha256(Path(paths[i]).read_bytes()).digest())
                 for i in order[k::readers]]
 
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(readers) as pool:
         got = [d for share in pool.map(read_share, range(readers)) for d in share]
     assert sorted(i for i, _ in got) == list(range(FILES))
@@ -308,3 +309,21 @@ def test_lookahead_streams_takes_min_max_and_refuses_the_rest_in_one_line(
                       "--lookahead-streams", value)
     assert result.returncode == 2
     assert "--lookahead-streams" in result.stderr and "MIN" in result.stderr
+
+
+def test_the_window_counts_what_is_held_not_the_span_from_the_slowest_reader(
+        mounted, la_store, la_source):
+    """A DataLoader's workers spread over the order: here one sample is never read (a
+    worker far behind); the look-ahead must go on fetching for the others, where a
+    window counted from the slowest reader stopped one window past it."""
+    mount = mounted(la_store, "--store-bandwidth", "16M", "--lookahead", "20")
+    paths = mount_paths(mount)
+    client = connect(paths)
+    order = np.random.default_rng(3).permutation(FILES)
+    client.announce(0, order)
+    for i in order[1:]:
+        data = open(paths[i], "rb").read()  # noqa: SIM115
+        assert data == (la_source / f"f{i:04d}").read_bytes()
+    counters = stats(mount)
+    assert counters["lookahead"]["samples_prefetched"] >= FILES // 2, counters["lookahead"]
+    assert counters["mount"]["lookahead"]["hits"] >= FILES // 2, counters["mount"]

@@ -428,7 +428,7 @@ def test_open_file_limit_is_raised_and_a_shortfall_is_said_once_at_mount():
     """raise_fd_limit in a process started with a soft limit of 64 (hard 2048): raised to
     at least the hard limit; if the chunk files need more than it could get, one warning."""
     code = ("import logging, sys; logging.basicConfig(stream=sys.stderr)\n"
-            "from dlfsd.main import raise_fd_limit\n"
+            "from dlfsd.assemble import raise_fd_limit\n"
             "print(raise_fd_limit(10), raise_fd_limit(100_000))")
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

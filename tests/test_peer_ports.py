@@ -3,7 +3,7 @@
 The prolog's nodes cannot ask each other which port is free, so the fallback is a
 rule each computes alike (dlfs.cluster.slurm.peer_nodes: the job's slot, then the
 next slots of the span): a daemon listens on the first of its ports it can bind
-(dlfsd.main.take_free_port) and a peer's client tries them in the same order,
+(dlfsd.assemble.take_free_port) and a peer's client tries them in the same order,
 keeping the first that proves the job's secret. Here the rule (pure), its round
 trip through the `--nodes` syntax, and real clients against real peer servers:
 a refused port and another job's daemon on the first port both lead to the right

@@ -155,7 +155,8 @@ class Beneath:
     started: a descriptor kept from before would write under the new mount, where
     nobody sees it)."""
 
-    def __init__(self, root: str | bytes, creds: Creds, root_fd: int | None = None) -> None:
+    def __init__(self, root: str | bytes | os.PathLike, creds: Creds,
+                 root_fd: int | None = None) -> None:
         self.path = os.fsencode(root)
         self.creds = creds
         self._rootfd = root_fd

@@ -57,7 +57,7 @@ class CkptControl:
             why = {errno.EINVAL: "not a plain relative path (no '..', no leading '/')",
                    errno.ELOOP: "a symlink on the way (flush the directory it points to)",
                    errno.ENOTDIR: "not a directory (flush the directory holding it)",
-                   errno.ENOENT: "no such directory"}.get(err.errno, err.strerror)
+                   errno.ENOENT: "no such directory"}.get(err.errno or 0, err.strerror)
             raise FileNotFoundError(f"cannot flush {shown} in the checkpoint directory: "
                                     f"{why}") from None
         return under
@@ -66,7 +66,8 @@ class CkptControl:
         rows = {ino: (since_ns, error) for ino, since_ns, _, error in
                 self.tier.state.pending_rows() if since_ns <= since}
         files = nbytes = 0
-        names, error = [], None
+        names: list[str] = []
+        error = None
         for directory, entries in self.tier.local.walk(under or b""):
             for name, st in entries:
                 row = rows.get(st.st_ino)

@@ -123,16 +123,17 @@ class Drainer:
 
     def __init__(self, tier: Tier, jobs: int = 2, bandwidth: int = 0,
                  idle: float = IDLE, limit: int = 0, keep: int = 1,
-                 open_files=None) -> None:
+                 open_files=None, passthrough: bool = False) -> None:
         """`limit`: bytes the local copies may take (0: none; nothing is evicted);
         `keep`: the newest top-level entries of the tree never evicted (the store's
         copies are made as the job's user, tier.creds, so they are the user's);
         `open_files`: dlfsd.ckpt.openfiles.OpenFiles, the files open on the mount now
         (never evicted; those open through passthrough are timed by mtime, see
-        `_written_lately`)."""
+        `_written_lately`); `passthrough`: the kernel granted FUSE passthrough on the
+        checkpoint connection (reported with the open files)."""
         self.tier = tier
         self.open_files = open_files
-        self.passthrough = False  # set once the kernel granted it (dlfsd.main)
+        self.passthrough = passthrough
         self.limit, self.keep = limit, keep
         self.local_bytes = 0
         self.evicted_files = 0
@@ -383,7 +384,7 @@ class Drainer:
         target_dir = os.path.dirname(path)
         self.tier.makedirs_on_store(target_dir)
         tmp = os.path.join(target_dir, tmp_name(os.path.basename(path)))
-        copy = None
+        copy, published = None, False
         try:
             digest, extents = self._copy(path, tmp)
             if _changed(local, path, st):
@@ -397,9 +398,9 @@ class Drainer:
             with self.tier.mutating():
                 if not self._publish(tree, ino, touched_ns, st, tmp, copy):
                     return
-            tmp = None
+            published = True
         finally:
-            if tmp is not None:
+            if not published:
                 with contextlib.suppress(OSError):
                     store.unlink(tmp)
                 sums.remove(store, copy)  # (None: none written)
@@ -727,12 +728,14 @@ def _extents_match(fd: int, check: sums.ExtentCheck | None, local: int | None) -
     """The bytes of `fd` pass `check`'s sums, or (without sums) equal those of `local`."""
     buf = bytearray(sums.EXTENT)
     view = memoryview(buf)
-    other = None if local is None else memoryview(bytearray(sums.EXTENT))
+    other = memoryview(bytearray(sums.EXTENT if local is not None else 0))
     offset = index = 0
     while n := sums.read_full(fd, view, offset):
         if check is not None:
             if not check.matches(index, view[:n]):
                 return False
+        elif local is None:
+            return False  # nothing to compare with: not shown to match
         elif sums.read_full(local, other, offset) != n or view[:n] != other[:n]:
             return False
         offset += n

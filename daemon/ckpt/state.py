@@ -200,7 +200,7 @@ class CkptState:
         return None if row is None else _tracking(row)
 
     def tracking_many(self, inos: list[int]) -> dict[int, Tracking]:
-        found = {}
+        found: dict[int, Tracking] = {}
         db = self.db()
         for i in range(0, len(inos), _MANY):
             part = inos[i:i + _MANY]

@@ -248,7 +248,14 @@ class CheckedReads:
             if not self._holds(check, first, last):
                 return os.pread(fd, size, offset)
         base = first * EXTENT
-        return self._view[offset - base:end - base]
+        return self._buffer()[offset - base:end - base]
+
+    def _buffer(self) -> memoryview:
+        """The extent buffer, made at the first check (most workers never check)."""
+        if self._view is None:
+            self._buf = bytearray(EXTENT)
+            self._view = memoryview(self._buf)
+        return self._view
 
     def _holds(self, check: ExtentCheck, first: int, last: int) -> bool:
         """The buffer holds the one extent [first, last] of `check`'s copy."""
@@ -258,16 +265,14 @@ class CheckedReads:
         state = check.state
         if state[index] == LOADING and _wait_for_other(state, index):
             return
-        if self._buf is None:
-            self._buf = bytearray(EXTENT)
-            self._view = memoryview(self._buf)
+        view = self._buffer()
         self._held = None
         state[index] = LOADING
         try:
             start = index * EXTENT
             want = min(EXTENT, check.size - start)
-            n = read_full(fd, self._view[:want], start)
-            if not check.matches(index, self._view[:n]):
+            n = read_full(fd, view[:want], start)
+            if not check.matches(index, view[:n]):
                 raise self.mismatch(check, index)
             state[index] = CHECKED
             self._held, self._held_index = check, index

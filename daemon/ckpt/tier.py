@@ -165,11 +165,12 @@ class Tier:
                 else:
                     inos.add(st.st_ino)
         self.state.keep_only(inos)
+        checked = os.fsencode(self.root / "checked")
         try:
-            os.makedirs(self.checked_bytes, mode=0o700, exist_ok=True)
-            for name in os.listdir(self.checked_bytes):  # checked again by this mount
+            os.makedirs(checked, mode=0o700, exist_ok=True)
+            for name in os.listdir(checked):  # checked again by this mount
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.checked_bytes, name))
+                    os.unlink(os.path.join(checked, name))
         except OSError:
             self.checked_bytes = None  # each worker checks for itself
 

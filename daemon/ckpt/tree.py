@@ -88,9 +88,12 @@ def _checked_name(name: bytes) -> bytes:
 class CkptTree:
     """The checkpoint subtree's POSIX operations, by node id (any process)."""
 
-    def __init__(self, tier: Tier, written=None, limit_wait: float = 60.0) -> None:
+    def __init__(self, tier: Tier, written=None, limit_wait: float = 60.0,
+                 open_files=None) -> None:
         """`written`: dlfsd.ckpt.counters.WriteCounter; `limit_wait`: seconds a write
-        waits for room under --ckpt-limit before ENOSPC."""
+        waits for room under --ckpt-limit before ENOSPC; `open_files`: the mount's
+        dlfsd.ckpt.openfiles.OpenFiles (the union never replaces a file being written;
+        None: a tree of the drain's or a test's, which opens nothing)."""
         self.tier = tier
         self.limit_wait = limit_wait
         self._from_store: set[int] = set()  # inodes whose kept descriptor is the store's
@@ -107,16 +110,7 @@ class CkptTree:
         self._epoch = tier.current_epoch()
         self._touched: dict[int, int] = {}  # ino -> when its pending row was refreshed
         #: Which version of each name ckpt/ shows (dlfsd.ckpt.union): it decides
-        self.union = StoreUnion(tier, self._paths, self._drop_fd)
-
-    @property
-    def open_files(self):
-        """dlfsd.ckpt.openfiles.OpenFiles, once the mount has it (the union asks it)."""
-        return self.union.open_files
-
-    @open_files.setter
-    def open_files(self, table) -> None:
-        self.union.open_files = table
+        self.union = StoreUnion(tier, self._paths, self._drop_fd, open_files)
 
     # -- node ids -> paths ------------------------------------------------------------
     def _resolve(self, nodeid: int) -> tuple[bytes, os.stat_result]:
@@ -140,7 +134,7 @@ class CkptTree:
         return path, st
 
     def _walk(self, ino: int) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         root = self.tier.root_ino
         current = ino
         for _ in range(4096):

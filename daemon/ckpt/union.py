@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable
+from typing import Literal, TypeGuard
 
 from dlfsd.ckpt import sums
 from dlfsd.ckpt.beneath import Beneath
@@ -39,7 +40,9 @@ class StoreUnion:
     the tree's: `paths`, `drop_fd`)."""
 
     def __init__(self, tier: Tier, paths: dict[int, bytes],
-                 drop_fd: Callable[[int], None]) -> None:
+                 drop_fd: Callable[[int], None], open_files=None) -> None:
+        """`open_files`: the mount's dlfsd.ckpt.openfiles.OpenFiles (None: nothing is
+        open through this tree)."""
         self.tier = tier
         self.state = tier.state
         self.local: Beneath = tier.local
@@ -47,7 +50,7 @@ class StoreUnion:
         self.paths = paths  # the tree's ino -> path cache, kept right on adoption
         self.drop_fd = drop_fd  # the tree drops its descriptor of a replaced entry
         self.warned: set[str] = set()  # store troubles logged at WARNING (once each)
-        self.open_files = None  # dlfsd.ckpt.openfiles.OpenFiles, once the mount has it
+        self.open_files = open_files
 
     def beside(self, parent: int, directory: bytes, name: bytes,
                       st: os.stat_result | None) -> os.stat_result | None:
@@ -68,17 +71,18 @@ class StoreUnion:
         if st is None:
             if store_st is None or not adoptable(name, store_st):
                 return None
-        elif store_st is not None and same_copy(row, st.st_mode, store_st):
+        elif row is not None and store_st is not None and same_copy(row, st.st_mode, store_st):
             return st
         with self.tier.mutating():
             return self.reconcile(parent, directory, name)
 
-    def follows(self, row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
+    def follows(self, row: Tracking | None, st: os.stat_result,
+                relpath: bytes) -> TypeGuard[Tracking]:
         """Local entry `st` is only a copy of the store's (`is_copy`) and no process has
         it open for writing: the open-files table knows that even when the pending row
         does not (passthrough writes never reach the daemon; a drain of the idle-but-open
         file removed the row). Replacing such a file would leave its writer writing an
-        unlinked inode, whose bytes no drain would ever see."""
+        unlinked inode, whose bytes no drain would ever see. True only with a row."""
         if not is_copy(row, st, relpath):
             return False
         return self.open_files is None or not self.open_files.written(st.st_ino)
@@ -278,7 +282,7 @@ def hidden(name: bytes) -> bool:
     return is_drain_temporary(name) or is_adopt_temporary(name) or name == sums.SUMS_DIR
 
 
-def is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> bool:
+def is_copy(row: Tracking | None, st: os.stat_result, relpath: bytes) -> TypeGuard[Tracking]:
     """Local entry `st` at `relpath` is only a copy of the store's entry there, unchanged
     here since it was made (it follows the store): a placeholder, a drained file not
     written since, a directory or symlink mirrored on (or adopted from) the store."""
@@ -369,7 +373,7 @@ def remove_on_store(tier: Tier, relpath: bytes, directory: bool) -> None:
             os.fsdecode(relpath), err.strerror, tier.store_fs.display(relpath))
 
 
-def rename_on_store(tier: Tier, old: bytes, new: bytes) -> Identity | bool | None:
+def rename_on_store(tier: Tier, old: bytes, new: bytes) -> Identity | Literal[False] | None:
     """Move the store's copy of `old` to `new` if there is one. Returns the moved copy's
     identity (its change time moved with it), None if the store had nothing at `old`,
     False if it could not (the drain then copies the file again under its new name)."""

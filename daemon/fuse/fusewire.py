@@ -1,8 +1,8 @@
 """The FUSE kernel wire format: request headers in, replies out (no libfuse, no pyfuse3).
 
 Worker processes (dlfsd.fuse.wireworker) speak this directly on the mount's
-/dev/fuse descriptor once libfuse (through pyfuse3) has mounted and answered
-INIT in the main process. Only what a read-only file system needs is here:
+/dev/fuse descriptor once the main process has mounted and answered INIT
+(dlfsd.fuse.session, dlfsd.fuse.rawsession). Only what a read-only file system needs is here:
 the layouts of `include/uapi/linux/fuse.h` for the requests we read and the
 replies we write, x86-64/aarch64 little-endian, protocol 7.x (the layouts used
 below have been stable since 7.9).

@@ -12,9 +12,9 @@ already in the page cache then costs the daemon no request at all. The same
 goes for directories (FUSE no_opendir, see `opendir`). The checkpoint directory,
 which needs every open, is a connection of its own (dlfsd.fuse.ckptworker).
 
-The main process mounts through pyfuse3/libfuse and has it answer INIT (which
-negotiates the protocol, dlfsd.fuse.session) and nothing else; workers are
-forked after that and only translate: each request becomes one Namespace call,
+The main process mounts and answers INIT itself (which negotiates the protocol,
+dlfsd.fuse.session) and nothing else; workers are forked after that and only
+translate: each request becomes one Namespace call,
 each failure an errno through one table (dlfsd.fuse.errnomap). One request at a
 time per process, its blocking I/O inline (the libfuse multi-thread model).
 """

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -37,7 +38,23 @@ def _sources(by_dataset: dict, name: str) -> dict:
     return out
 
 
-def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=None, pool=None,
+@dataclass(frozen=True)
+class StatusConfig:
+    """What the status file says of the mount's settings (the rest is measured)."""
+
+    mountpoint: str
+    store: str
+    log_file: str | None = None  # None: the daemon logs to stderr
+    cache_dir: str | None = None  # a chunk pool's (None: no pool)
+    cache_limit: int = 0  # --cache-limit as given (0: none)
+
+    @classmethod
+    def from_mount(cls, config: MountConfig) -> StatusConfig:
+        return cls(mountpoint=config.mountpoint, store=config.store, log_file=config.log_file,
+                   cache_dir=config.cache_dir, cache_limit=config.cache_limit)
+
+
+def build_status(config: StatusConfig, datasets: list[Dataset], stats, stager=None, pool=None,
                  server=None, health: dict | None = None) -> dict:
     """`stats` is the mount's dlfsd.obs.stats.Stats (or NullStats under --no-stats);
     `health` what dlfsd.obs.health.HealthWatch.check found (stalls, peers, staging)."""
@@ -50,7 +67,7 @@ def build_status(config: MountConfig, datasets: list[Dataset], stats, stager=Non
         "pid": os.getpid(),
         "log": config.log_file or "stderr",  # where checksum errors and the like go
         "updated": time.time(),
-        "pooled": config.pooled,
+        "pooled": config.cache_dir is not None,
         "datasets": [],
     }
     if pool is not None:

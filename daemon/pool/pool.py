@@ -106,7 +106,6 @@ class ChunkPool:
         self.remote_owners = [[tuple(int(n) for n in row if n != me) for row in t]
                               for t in self.tables]
         self.demand = DemandChannel()
-        self.cache_limit = 0  # this mount's staging limit (dlfsd.main.limit_for_node)
         self._will_stage = lambda ds, chunk: bool(self.owned[ds][chunk])  # see set_stager
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
         self._clients: dict[int, BlockingPeerClient] = {}  # the process's main thread's

@@ -204,7 +204,6 @@ def run_checks(store: str | None, cache_dir: str | None, port: int | None,
                secret_file: str | None = None, port_span: int = 0) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         check_fuse_device, check_fusermount, check_allow_other, check_spliced_reads,
-        lambda: check_module("pyfuse3", True, "mounting"),
         lambda: check_module("trio", True, "mounting"),
         lambda: check_module("mpi4py", False, "mpirun populate and launch"),
     ]

@@ -168,6 +168,12 @@ def _add_daemon_flags(p: argparse.ArgumentParser) -> None:
                         "store): logged once with what it waits for, counted, shown by "
                         "`dlfs status` and .dlfs/metrics (default 10; 0: not watched; off "
                         "with --no-stats)")
+    p.add_argument("--request-timeout", type=_request_timeout,
+                   default=MountConfig.request_timeout, metavar="SECONDS",
+                   help="abort the mount when the daemon leaves a request unanswered this "
+                        "long (a hung or stopped daemon): readers then get an error instead "
+                        "of hanging (Linux >= 6.14; the kernel checks every 15 s and takes "
+                        "at least 15; default 600; 0: wait forever)")
     p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds to wait for the mount to come up (default 120)")
     _add_lookahead_flags(p)
@@ -225,6 +231,17 @@ def _streams(text: str) -> tuple[int, int]:
     if not 1 <= least <= most:
         raise argparse.ArgumentTypeError(f"must be 1 <= MIN <= MAX, got {text!r}")
     return least, most
+
+
+def _request_timeout(text: str) -> int:
+    """--request-timeout: whole seconds, 0 (none) to 65535 (a u16 in FUSE's INIT)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of seconds: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0 to 65535 seconds, not {value}")
+    return value
 
 
 def _lookahead(text: str) -> tuple[int, int]:
@@ -396,6 +413,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
         lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
+        request_timeout=args.request_timeout,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
 

@@ -102,7 +102,20 @@ def plain_lines(status: dict) -> list[str]:
     if status.get("peer_server"):
         lines.append(peer_server_line(status["peer_server"]))
     lines += ckpt_lines(status.get("ckpt"))
+    if status.get("fuse"):
+        lines.append(fuse_line(status["fuse"]))
     return lines + history_lines(status.get("health")) + problem_lines(status.get("health"))
+
+
+def fuse_line(c: dict) -> str:
+    """What the kernel granted the datasets' connection at INIT (dlfsd.fuse.rawsession)."""
+    timeout = (f"request timeout {c['request_timeout']} s" if c.get("request_timeout")
+               else "no request timeout")
+    line = (f"FUSE protocol {c.get('protocol', '?')}: {', '.join(c.get('granted', [])) or '-'}"
+            f"; max_pages {c.get('max_pages', '?')}; {timeout}")
+    if c.get("not_granted"):
+        line += f"; not offered by the kernel: {', '.join(c['not_granted'])}"
+    return line
 
 
 def peer_server_line(c: dict) -> str:
