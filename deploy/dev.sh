@@ -65,9 +65,18 @@ sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION'
         "torchdata==$TORCHDATA_VERSION"
 }
 
+install_git_hooks() {
+    # Only in a git checkout of its own (not an unpacked release), and only if no other
+    # hooks are configured.
+    git rev-parse --git-dir >/dev/null 2>&1 || return 0
+    [ -z "$(git config core.hooksPath)" ] || return 0
+    git config core.hooksPath deploy/git-hooks
+}
+
 setup() {
     install_debian_packages
     install_python_packages
+    install_git_hooks
 }
 
 # The packages whose seams are typed and checked (mypy, configured in pyproject.toml).
