@@ -40,7 +40,8 @@ import mmap
 import os
 import resource
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -48,9 +49,6 @@ from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header
 from dlfs.store.store import Dataset
 from dlfsd.pool.chunkcache import ChunkCache
-
-if TYPE_CHECKING:
-    from dlfsd.pool.pool import ChunkPool
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +58,37 @@ TRY_PEER = 2  # an owner peer
 DEMAND = 4  # this node owns the chunk: a read that reaches the store demands it
 
 
+class DemandSink(Protocol):
+    """Where any process asks the stager to stage a chunk next (DemandChannel)."""
+
+    def send(self, ds: int, chunk: int) -> None: ...
+
+
+class SourcePool(Protocol):
+    """What ExtentSource needs of the chunk pool (ChunkPool), per dataset index: the
+    staged copies, whether this node owns each chunk, the other owners, and where to
+    demand a chunk."""
+
+    @property
+    def caches(self) -> Sequence[ChunkCache]: ...
+
+    @property
+    def owned(self) -> Sequence[np.ndarray]: ...
+
+    @property
+    def remote_owners(self) -> Sequence[Sequence[tuple[int, ...]]]: ...
+
+    @property
+    def demand(self) -> DemandSink: ...
+
+
+class _NoDemand:
+    """Without a pool: no plan has DEMAND, so nothing is ever sent here."""
+
+    def send(self, ds: int, chunk: int) -> None:
+        pass
+
+
 class ExtentSource:
     """The sources of one dataset's extents in this process: the plan, the descriptors.
 
@@ -67,14 +96,14 @@ class ExtentSource:
     channel; `ds` is the dataset's index in it.
     """
 
-    def __init__(self, dataset: Dataset, pool: ChunkPool | None = None, ds: int = 0) -> None:
+    def __init__(self, dataset: Dataset, pool: SourcePool | None = None, ds: int = 0) -> None:
         self.dataset = dataset
         self.ds = ds
         self._store_fds: list[int] = [-1] * dataset.chunk_count
         self._open_lock = threading.Lock()  # opening only; a kept descriptor needs none
         self._unusable: set[int] = set()  # store chunk files that failed to open: logged
         self._purges = 0  # times a reader ran out of descriptors (see _open_or_purge)
-        self._pool = pool
+        self._demand: DemandSink = _NoDemand() if pool is None else pool.demand
         self.cache: ChunkCache | None = None  # this node's staged copies
         # Per chunk: staged (non-zero) or not; the plan bits besides TRY_LOCAL, for a
         # reader and for the look-ahead. Without a pool: nothing, the store only.
@@ -96,7 +125,7 @@ class ExtentSource:
 
     def demand(self, chunk: int) -> None:
         """Ask the stager to stage `chunk` next (a plan with DEMAND reached the store)."""
-        self._pool.demand.send(self.ds, chunk)
+        self._demand.send(self.ds, chunk)
 
     # -- the store's chunk files -----------------------------------------------------
     def store_fd(self, chunk: int, ahead: bool = False) -> int:
@@ -169,7 +198,7 @@ class ExtentSource:
                 self._store_fds[i] = -1
 
 
-def _plans(owned: np.ndarray, remote: list[tuple[int, ...]]) -> tuple[bytes, bytes]:
+def _plans(owned: np.ndarray, remote: Sequence[tuple[int, ...]]) -> tuple[bytes, bytes]:
     """The plan bits of each chunk besides TRY_LOCAL, for a reader and for the look-ahead:
     DEMAND where this node owns the chunk, TRY_PEER where another node does (the
     look-ahead: only where this node does not)."""

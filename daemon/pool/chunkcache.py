@@ -228,7 +228,8 @@ class ChunkCache:
         for fd in self._retired:
             os.close(fd)
         self._retired.clear()
-        self._view = self._adopted_view = None  # release the exports before closing
+        # Release the exports before closing (None: a stray use after close fails loudly).
+        self._view = self._adopted_view = None  # type: ignore[assignment]
         self._state.close()
         self._last_gen.close()
         self._adopted.close()

@@ -64,7 +64,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Protocol
+from typing import Protocol, TypeVar, cast
 
 from dlfs.store.format import checksum
 from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
@@ -83,6 +83,7 @@ REPORT_COOLDOWN = 2.0  # seconds a chunk just checked for a report is not checke
 MIN_CONNECTIONS = 256
 MIN_THREADS, MAX_THREADS = 4, 8
 LOOPS_VAR = "DLFS_PEER_LOOPS"  # loop threads of the peer server; default 1 (see below)
+T = TypeVar("T")
 
 
 def serve_threads() -> int:
@@ -105,6 +106,11 @@ def serve_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(MIN_THREADS, min(MAX_THREADS, cores))
+
+
+def _locked(target: T, lock: threading.Lock) -> T:
+    """`target` with its methods called one at a time (see _Locked), typed as itself."""
+    return cast(T, _Locked(target, lock))
 
 
 class _Locked:
@@ -229,7 +235,8 @@ class PeerLoopServer:
         self._probe = bytearray(1)  # the one-byte reads that say a range is cached
         self._incoming: collections.deque = collections.deque()  # handed over by the first loop
         self._shards: list[PeerLoopServer] = [self]
-        self._lock = threading.Lock() if _front is None else _front._lock  # shared state
+        self._lock: threading.Lock = threading.Lock() if _front is None else _front._lock
+        self._disk: concurrent.futures.ThreadPoolExecutor  # the disk threads: the first loop's
         if _front is not None:  # another loop of the same server: share what is the server's
             self.admission, self._refusals = _front.admission, _front._refusals
             self.handshake_failures, self._disk = _front.handshake_failures, _front._disk
@@ -238,9 +245,9 @@ class PeerLoopServer:
                 disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
             if threads > 1:
                 lock = self._lock
-                self.admission = _Locked(self.admission, lock)
-                self._refusals = _Locked(self._refusals, lock)
-                self.handshake_failures = _Locked(self.handshake_failures, lock)
+                self.admission = _locked(self.admission, lock)
+                self._refusals = _locked(self._refusals, lock)
+                self.handshake_failures = _locked(self.handshake_failures, lock)
                 self._shards += [PeerLoopServer(
                     secret, provider, node_name, handshake_timeout=handshake_timeout,
                     idle_timeout=idle_timeout, max_connections=max_connections,
@@ -255,10 +262,12 @@ class PeerLoopServer:
                                           int(REPORT_CHECKS_PER_SECOND))
         self._reported: dict[tuple[bytes, int], float] = {}  # (dataset, chunk) -> when
         self._failed_chunks: set[tuple[bytes, int]] = set()  # logged once each
-        self._listener: socket.socket | None = None
-        self._selector: selectors.BaseSelector | None = None
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
+        self._listener: socket.socket | None = None  # the first loop's: stop() closes it
+        # The loop's own, made by _start_loop before its thread: used by the loop thread,
+        # the threads it hands work to, and stop() once _thread is set.
+        self._selector: selectors.BaseSelector
+        self._wake_r: socket.socket
+        self._wake_w: socket.socket
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -280,12 +289,12 @@ class PeerLoopServer:
         bound = listener.getsockname()[1]
         for index, shard in enumerate(self._shards):
             shard._listener = listener
-            shard._start_loop(f"{bound}.{index}")
+            shard._start_loop(listener, f"{bound}.{index}")
         log.info("peer server of %s listening on %s:%d (%d loop threads)", self.node_name,
                  host, bound, len(self._shards))
         return bound
 
-    def _start_loop(self, name: str) -> None:
+    def _start_loop(self, listener: socket.socket, name: str) -> None:
         """Every loop accepts (whichever is free first: a loop stuck on a slow disk
         call must not keep peers from connecting) and hands the connection to the
         next loop in turn."""
@@ -293,9 +302,9 @@ class PeerLoopServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)  # a full pipe means a wake-up is pending anyway
-        self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._thread = threading.Thread(target=self._loop, daemon=True,
+        self._thread = threading.Thread(target=self._loop, args=(listener,), daemon=True,
                                         name=f"dlfsd.pool.peer server {name}")
         self._thread.start()
 
@@ -303,7 +312,7 @@ class PeerLoopServer:
         """Stop accepting and drop every connection; returns once the loops have ended."""
         for shard in self._shards:
             shard._stopping = True
-            if shard._wake_w is not None:
+            if shard._thread is not None:  # started: it has its wake-up socket
                 with contextlib.suppress(OSError):
                     shard._wake_w.send(b"x")
         for shard in self._shards:
@@ -326,13 +335,13 @@ class PeerLoopServer:
         self._counts[name] += n
 
     # -- the loop ---------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, listener: socket.socket) -> None:
         next_sweep = time.monotonic() + _SWEEP
         try:
             while not self._stopping:
                 for key, events in self._selector.select(timeout=_SWEEP):
                     if key.data == "accept":
-                        self._accept()
+                        self._accept(listener)
                     elif key.data == "wake":
                         self._finish_disk_reads()
                     elif isinstance(key.data, _Conn):
@@ -351,14 +360,13 @@ class PeerLoopServer:
             for conn in list(self._conns.values()):
                 self._close(conn)
             for sock in (self._wake_r, self._wake_w):  # the listener: closed by stop()
-                if sock is not None:
-                    sock.close()
+                sock.close()
             self._selector.close()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, address = self._listener.accept()
+                sock, address = listener.accept()
             except BlockingIOError:
                 return
             except OSError as error:  # e.g. EMFILE for a moment; keep serving

@@ -71,6 +71,11 @@ COUNTERS = ("fetches", "fetched_bytes", "shared_reads", "shared_bytes", "waits",
  _STORED) = range(len(COUNTERS))
 
 
+# A whole extent fetched from an owner peer, checked, or None (ChunkPool.fetch, called
+# as fetch(*args)): what PeerShare.read and prefetch are handed.
+Fetch = Callable[..., "bytes | memoryview | None"]
+
+
 def extent_key(ds: int, ext: int) -> int:
     """One number per (dataset, extent) of a mount: the slot table's key."""
     return (ds << 40) | ext
@@ -116,8 +121,10 @@ class PeerShare:
         self._fetching: set[int] = set()  # extents this process's threads prefetch now
 
     def close(self) -> None:
-        self._keys = self._lengths = self._used = self._wanted = None
-        self._failed_key = self._failed_until = self._counts = self._index = None
+        # Drop the arrays over the mappings so those can close (a closed share is never
+        # read again; None makes a stray use fail loudly).
+        self._keys = self._lengths = self._used = self._wanted = None  # type: ignore[assignment]
+        self._failed_key = self._failed_until = self._counts = self._index = None  # type: ignore[assignment]
         self._data.release()
         self._buffer.close()
         self._meta.close()
@@ -126,7 +133,7 @@ class PeerShare:
 
     # -- the read path: one request at a time per process, blocking -----------------------
     def read(self, key: int, rel: int, length: int, lasting: bool,
-                      fetch: Callable, *args):
+             fetch: Fetch, *args: object) -> bytes | memoryview | None:
         """`length` bytes at `rel` of extent `key`: from a slot, else from the node's one
         fetch of it (`fetch(*args)`: the whole extent, checked, or None), else None.
 
@@ -160,7 +167,7 @@ class PeerShare:
             whole = memoryview(whole)[rel : rel + length]
         return bytes(whole) if lasting else whole
 
-    def prefetch(self, key: int, fetch: Callable, *args) -> int | None:
+    def prefetch(self, key: int, fetch: Fetch, *args: object) -> int | None:
         """The look-ahead: fetch extent `key` (`fetch(*args)`, as `read` does) into a slot
         before any reader asks for it. Returns its length when a slot holds it (fetched
         now or before), 0 when another process is fetching it (the readers get it from
@@ -219,7 +226,8 @@ class PeerShare:
         return self._failed_key[note] == key and self._failed_until[note] > time.monotonic_ns()
 
     # -- slots --------------------------------------------------------------------------
-    def copy_out(self, key: int, rel: int, length: int, lasting: bool):
+    def copy_out(self, key: int, rel: int, length: int,
+                 lasting: bool) -> bytes | memoryview | None:
         """`length` bytes at `rel` of extent `key` if a slot holds it, else None. A slot
         being refilled right now counts as a miss. `lasting`: a new bytes object; else a
         view of this process's scratch buffer, valid until its next copy_out."""
@@ -229,13 +237,15 @@ class PeerShare:
         with self._inproc:
             return self._copy_out_locked(key, slot, rel, length, lasting)
 
-    def _copy_out_locked(self, key: int, slot: int, rel: int, length: int, lasting: bool):
+    def _copy_out_locked(self, key: int, slot: int, rel: int, length: int,
+                         lasting: bool) -> bytes | memoryview | None:
         if not self._try_lock(slot, exclusive=False):
             return None
         try:
             if self._keys[slot] != key or rel + length > self._lengths[slot]:
                 return None
             start = slot * self.slot_size + rel
+            data: bytes | memoryview
             if lasting:
                 data = self._data[start : start + length].tobytes()
             else:
@@ -248,7 +258,7 @@ class PeerShare:
         self.count(_SHARED_BYTES, length)
         return data
 
-    def store(self, key: int, data) -> bool:
+    def store(self, key: int, data: bytes | memoryview) -> bool:
         """Keep a checked whole extent for the node's other reads of it: in an empty or
         the least recently used slot nobody is copying from. False if none was free."""
         length = len(data)
@@ -257,7 +267,7 @@ class PeerShare:
         with self._inproc:
             return self._store_locked(key, data, length)
 
-    def _store_locked(self, key: int, data, length: int) -> bool:
+    def _store_locked(self, key: int, data: bytes | memoryview, length: int) -> bool:
         for slot in np.argsort(self._used)[:4].tolist():  # empty slots first (used 0)
             if not self._try_lock(slot, exclusive=True):
                 continue

@@ -93,9 +93,9 @@ class BlockingPeerClient:
         The bytes may be a view of the shared receive buffer: use them before the next
         read on any client of this process.
         """
-        reused = self._sock is not None
-        if reused:
-            sock = self._sock
+        sock = self._sock
+        reused = sock is not None
+        if sock is not None:
             self._start_clock(sock)
         else:
             sock = self._connect()  # starts the read's clock

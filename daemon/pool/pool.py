@@ -46,7 +46,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -65,6 +67,10 @@ from dlfsd.pool.protocol import BadRange
 from dlfsd.pool.stager import DemandChannel
 from dlfsd.throttle import TokenBucket
 
+if TYPE_CHECKING:
+    from dlfsd.extentsource import SourcePool
+    from dlfsd.pool.peerserver import BlockingChunkProvider
+
 log = logging.getLogger(__name__)
 
 DOWN_SECONDS = 10.0
@@ -80,6 +86,9 @@ SLOW_FLOOR, SLOW_RATE = 0.01, 8e6  # s, bytes/s: a 110 KiB read over 24 ms is sl
 SLOW_SHARE, SLOW_WEIGHT = 0.3, 0.125  # moving average of slow reads that marks a peer slow
 SLOW_SECONDS = 30.0
 _NO_MARK = (0.0, 0)
+
+# Whether the stager will stage chunk (ds, chunk) soon (Stager.will_stage; set_stager).
+WillStage = Callable[[int, int], bool]
 
 
 class ChunkPool:
@@ -106,7 +115,7 @@ class ChunkPool:
         self.remote_owners = [[tuple(int(n) for n in row if n != me) for row in t]
                               for t in self.tables]
         self.demand = DemandChannel()
-        self._will_stage = lambda ds, chunk: bool(self.owned[ds][chunk])  # see set_stager
+        self._will_stage: WillStage = lambda ds, chunk: bool(self.owned[ds][chunk])  # set_stager
         self._by_id = {d.uuid: i for i, d in enumerate(datasets)}
         self._clients: dict[int, BlockingPeerClient] = {}  # the process's main thread's
         self._owner = threading.get_ident()  # that thread (see _client)
@@ -146,8 +155,9 @@ class ChunkPool:
         """Note the peer each read tries in `requests` (the stall detector) and every
         peer mark in `marks` (shared memory: each process's marks are its own)."""
         self.requests, self.marks = requests, marks
-        if marks.node_down is not None:
-            self._node_down, self._node_slow = marks.node_down, marks.node_slow
+        down, slow = marks.node_down, marks.node_slow  # (both or neither: NullPeerMarks)
+        if down is not None and slow is not None:
+            self._node_down, self._node_slow = down, slow
 
     def scan_caches(self, limit: int = 0) -> int:
         """Adopt chunks staged by an earlier mount; returns how many are kept.
@@ -238,13 +248,13 @@ class ChunkPool:
                 self._bad_copy(node, ds, chunk, reported)
         return None
 
-    def _live_owners(self, ds: int, chunk: int):
+    def _live_owners(self, ds: int, chunk: int) -> Iterator[int]:
         """The other owners of a chunk in placement order, skipping peers marked down
         (by any process of the node); slow ones last."""
         now = time.monotonic()
         bad = self._bad_copies
         down = self._node_down
-        owners = self.remote_owners[ds][chunk]
+        owners: Sequence[int] = self.remote_owners[ds][chunk]
         if len(owners) > 1:
             slow = self._node_slow
             if any(slow[n] > now for n in owners):
@@ -252,7 +262,7 @@ class ChunkPool:
         return (n for n in owners if self._up(n, down, now)
                 and (not bad or bad.get((n, ds, chunk), _NO_MARK)[0] <= now))
 
-    def _up(self, node: int, down, now: float) -> bool:
+    def _up(self, node: int, down: np.ndarray, now: float) -> bool:
         """Not skipped now. A node-wide mark that has just run out is taken by the
         first process that looks: it tries the peer, and the others keep skipping it
         for as long as that read may take (one pays for a peer still cut off)."""
@@ -345,10 +355,10 @@ class ChunkPool:
         if threading.get_ident() == self._owner:
             clients, own = self._clients, False
         else:
-            clients = getattr(self._threads, "clients", None)
-            if clients is None:
-                clients = self._threads.clients = {}
-            own = True
+            mine: dict[int, BlockingPeerClient] | None = getattr(self._threads, "clients", None)
+            if mine is None:
+                mine = self._threads.clients = {}
+            clients, own = mine, True
         client = clients.get(node)
         if client is None:
             peer = self.view.nodes[node]
@@ -392,7 +402,7 @@ class ChunkPool:
         ds = self._by_id.get(dataset_id)
         return ds is not None and self._will_stage(ds, chunk)
 
-    def set_stager(self, will_stage) -> None:
+    def set_stager(self, will_stage: WillStage) -> None:
         """`will_stage(ds, chunk)`: whether the stager will stage that chunk soon; called
         from the peer server's thread."""
         self._will_stage = will_stage
@@ -408,7 +418,7 @@ class ChunkPool:
         return ds is not None and self.evict_copy(ds, chunk, fd)
 
     # -- checking copies: reports of peers, --verify-served, the scrub ----------------------
-    def extents_in(self, ds: int, chunk: int, offset: int, length: int):
+    def extents_in(self, ds: int, chunk: int, offset: int, length: int) -> range:
         """The extents of a chunk that overlap its data range [offset, offset+length):
         a range of extent indices (dlfs.store.layout packs a chunk's extents back to
         back, in extent order), found by bisecting the chunk's offsets (no copy)."""
@@ -440,7 +450,7 @@ class ChunkPool:
             return False
         return self.evict_copy(ds, chunk, fd)
 
-    def copy_is_good(self, ds: int, fd: int, extents) -> bool:
+    def copy_is_good(self, ds: int, fd: int, extents: Iterable[int]) -> bool:
         """Whether `extents` of the staged copy open at `fd` match their checksums (a
         copy cut short, or one the disk cannot read, does not). Blocks."""
         d = self.datasets[ds].directory
@@ -480,7 +490,9 @@ class ChunkPool:
     def served_checked(self, dataset_id: bytes, ext: int, gen: int) -> None:
         """The extent checked out as copy generation `gen` served it (the one serve_check
         named: a copy staged anew since is checked on its own): not again for it."""
-        self._checked[self._by_id[dataset_id]][ext] = gen
+        checked = self._checked[self._by_id[dataset_id]]
+        if checked is not None:  # (serve_check, which named it, made it)
+            checked[ext] = gen
 
     def evict_copy(self, ds: int, chunk: int, fd: int) -> bool:
         """Drop the staged copy read through `fd`, which failed, and if this node owns
@@ -496,3 +508,11 @@ class ChunkPool:
         if self.owned[ds][chunk]:
             self.demand.send(ds, chunk)
         return True
+
+
+if TYPE_CHECKING:  # the seams ChunkPool fills (checked by mypy, never run)
+    def _serves_peers(pool: ChunkPool) -> BlockingChunkProvider:
+        return pool
+
+    def _sources_extents(pool: ChunkPool) -> SourcePool:
+        return pool

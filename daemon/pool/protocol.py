@@ -111,7 +111,9 @@ def _uint(limit: int) -> Check:
     return lambda v: type(v) is int and 0 <= v <= limit
 
 
-def _bin(exact: int | None = None, limit: int | None = None) -> Check:
+def _bin(exact: int | None = None, limit: int = 0) -> Check:
+    """Bytes: exactly `exact` of them, else at most `limit`."""
+
     def check(v: Any) -> bool:
         if not isinstance(v, (bytes, bytearray, memoryview)):
             return False

@@ -22,11 +22,15 @@ import errno
 import logging
 import mmap
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
 
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+
+if TYPE_CHECKING:
+    from dlfsd.pool.pool import ChunkPool
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ _ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of any logical block s
 class Scrubber:
     """Reads every staged copy of a ChunkPool again and again, at most `rate` bytes/s."""
 
-    def __init__(self, pool, rate: int) -> None:
+    def __init__(self, pool: ChunkPool, rate: int) -> None:
         self.pool = pool
         self.rate = rate
         self.checked_bytes = 0

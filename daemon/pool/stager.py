@@ -31,6 +31,7 @@ import os
 import struct
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +68,7 @@ class DemandChannel:
         with contextlib.suppress(BlockingIOError):  # full: the stager is far behind anyway
             os.write(self.write_fd, self.RECORD.pack(ds, chunk))
 
-    async def receive(self):
+    async def receive(self) -> AsyncIterator[tuple[int, int]]:
         """Yield requests as they arrive (main process only)."""
         size = self.RECORD.size
         pending = b""
@@ -275,9 +276,12 @@ class Stager:
 
     def _window_full(self) -> bool:
         """As many chunks wait for their primaries (or are being asked for) as may."""
-        asking = sum(1 for ds, chunk in self._busy if self.replicas.is_secondary(ds, chunk)
-                     and not self.replicas.is_waiting(ds, chunk))
-        return self.replicas.waiting_count() + asking >= replicate.WAITING_WINDOW
+        replicas = self.replicas
+        if replicas is None:  # (not asked then: no chunk is copied from a primary)
+            return False
+        asking = sum(1 for ds, chunk in self._busy if replicas.is_secondary(ds, chunk)
+                     and not replicas.is_waiting(ds, chunk))
+        return replicas.waiting_count() + asking >= replicate.WAITING_WINDOW
 
     def _waiting_for_peers(self) -> bool:
         return self.replicas is not None and self.replicas.waiting_count() > 0
@@ -375,12 +379,13 @@ class Stager:
                      node: int | None = None) -> tuple[bytearray, Exception | None]:
         """Copy one chunk (from primary `node`, else the store); return a failure (for
         _copy_failed) or PrimaryNotReady instead of raising it."""
+        replicas = self.replicas  # (not None where a node is named: it named it)
         try:
-            if node is not None:
+            if node is not None and replicas is not None:
                 try:
-                    return self._copy_from_peer(node, ds, chunk, buffer), None
+                    return self._copy_from_peer(replicas, node, ds, chunk, buffer), None
                 except (PeerError, CorruptDataError, FormatError) as err:
-                    self.replicas.failed(node, ds, chunk, err)  # the store, now
+                    replicas.failed(node, ds, chunk, err)  # the store, now
             return self._copy(ds, chunk, buffer), None
         except (CorruptDataError, FormatError, OSError, PrimaryNotReady) as err:
             return buffer, err
@@ -414,24 +419,25 @@ class Stager:
         self.copied_chunks += 1
         return buffer
 
-    def _copy_from_peer(self, node: int, ds: int, chunk: int, buffer: bytearray) -> bytearray:
+    def _copy_from_peer(self, replicas: ReplicaSource, node: int, ds: int, chunk: int,
+                        buffer: bytearray) -> bytearray:
         """Copy the chunk from its primary `node` over the pool, then verify the written
         copy as a store copy is (a bad primary copy is never published)."""
         dataset, cache = self.datasets[ds], self.caches[ds]
         temp = cache.temp_path(chunk)
         try:
             with open(temp, "wb", buffering=0, opener=_private) as dst:
-                copied = self.replicas.copy(node, ds, chunk, dst.fileno(),
-                                            lambda: self._stopping)
+                copied = replicas.copy(node, ds, chunk, dst.fileno(),
+                                       lambda: self._stopping)
             if not copied or self._stopping:
                 _discard(temp)
                 return buffer
-            where = f"the copy from peer {self.replicas.view.nodes[node].name}"
+            where = f"the copy from peer {replicas.view.nodes[node].name}"
             buffer = self._check_copy(ds, chunk, temp, buffer, where)
         except BaseException:
             _discard(temp)
             raise
-        self.replicas.copied(node, ds, chunk)
+        replicas.copied(node, ds, chunk)
         self.copied_bytes += int(dataset.chunk_lengths[chunk])
         self.copied_chunks += 1
         return buffer
