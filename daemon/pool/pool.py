@@ -68,7 +68,6 @@ from dlfsd.pool.stager import DemandChannel
 from dlfsd.throttle import TokenBucket
 
 if TYPE_CHECKING:
-    from dlfsd.extentsource import SourcePool
     from dlfsd.pool.peerserver import BlockingChunkProvider
 
 log = logging.getLogger(__name__)
@@ -510,9 +509,7 @@ class ChunkPool:
         return True
 
 
-if TYPE_CHECKING:  # the seams ChunkPool fills (checked by mypy, never run)
+if TYPE_CHECKING:  # the seam ChunkPool fills for the peer server (mypy checks it, never run)
     def _serves_peers(pool: ChunkPool) -> BlockingChunkProvider:
         return pool
 
-    def _sources_extents(pool: ChunkPool) -> SourcePool:
-        return pool
