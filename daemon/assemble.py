@@ -44,7 +44,7 @@ from dlfsd.obs.health import HealthWatch
 from dlfsd.obs.observe import ObserveConfig
 from dlfsd.obs.status import StatusConfig
 from dlfsd.ordersock import OrderService
-from dlfsd.passthrough import MountPassthrough
+from dlfsd.passthrough import MountPassthrough, planned_copy_bytes
 from dlfsd.prefetch import available_memory, prefetch_decision
 from dlfsd.services import PICK_ANOTHER_PORT, PoolServices, Services
 from dlfsd.supervise import fork_workers
@@ -203,6 +203,7 @@ def limit_for_node(config: MountConfig, pool) -> int:
     others = [d for d in nodecache.datasets(Path(config.cache_dir)) if d.uuid not in ours]
     share = sum(int(d.chunk_lengths[owned].sum()) + CHUNK_HEADER_SIZE * int(owned.sum())
                 for d, owned in zip(pool.datasets, pool.owned, strict=True))  # on disk
+    share += planned_copy_bytes(config.passthrough, pool.datasets, pool.owned)
     want = min(share, config.cache_limit or share, config.node_cache_limit)
     tiers = nodecache.ckpt_bytes(Path(config.cache_dir))
     if tiers:

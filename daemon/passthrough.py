@@ -27,6 +27,7 @@ opens take the same mode and id until the last RELEASE, which closes the id.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -39,7 +40,7 @@ import numpy as np
 
 from dlfs.errors import DlfsError
 from dlfs.store.store import Dataset
-from dlfsd.pool.filecopies import FILE_DEMAND, FileCopies, large_share
+from dlfsd.pool.filecopies import FILE_DEMAND, FileCopies, large_share, owned_large_rows
 
 if TYPE_CHECKING:
     from dlfsd.namespace import Namespace
@@ -52,7 +53,10 @@ SETTINGS = ("auto", "on", "off")
 
 # Per large file, shared: opens counted now, their backing id (0: served by the daemon),
 # and totals of opens passed through and served, for status.
-_SLOT = np.dtype([("opens", "<u4"), ("backing", "<i4"), ("passed", "<u8"), ("served", "<u8")])
+# The file behind the backing id (device, inode): a copy made again while the old one is
+# still open through passthrough is another file, which later opens must not mix with it.
+_SLOT = np.dtype([("opens", "<u4"), ("backing", "<i4"), ("passed", "<u8"), ("served", "<u8"),
+                  ("dev", "<u8"), ("ino", "<u8")])
 
 
 class PassthroughError(DlfsError):
@@ -80,6 +84,15 @@ def decide(setting: str, euid: int, pooled: bool,
                        f"{LARGE_BYTES_SHARE:.0%}; answering every open would cost each "
                        "small file a round trip; --passthrough on forces it)")
     return True, f"on (large files hold {share:.0%} of the bytes)"
+
+
+def planned_copy_bytes(setting: str, datasets: list[Dataset], owned: list[np.ndarray]) -> int:
+    """The bytes of whole-file copies this node will keep if the mount serves large files
+    by passthrough (what --node-cache-limit must leave room for, besides the chunks)."""
+    if not decide(setting, os.geteuid(), True, datasets)[0]:
+        return 0
+    return sum(int(d.directory.arrays["size"][owned_large_rows(d, mask)].sum())
+               for d, mask in zip(datasets, owned, strict=True))
 
 
 def granted(wanted: bool, why: str, kernel_grants: bool, release: str) -> tuple[bool, str]:
@@ -163,12 +176,17 @@ class PassthroughOpens:
                 entry["served"] += 1
                 return 0
             try:
+                st = os.fstat(fd)
+                if opens and (int(entry["dev"][0]), int(entry["ino"][0])) != (st.st_dev,
+                                                                              st.st_ino):
+                    self._refuse(c, i)  # the kernel reads a copy that has been replaced
                 if not opens:
                     backing = register(fd)
             finally:
                 os.close(fd)
             entry["opens"] += 1
             entry["backing"] = backing
+            entry["dev"], entry["ino"] = st.st_dev, st.st_ino
             entry["passed" if backing else "served"] += 1
             return backing
         finally:
@@ -177,8 +195,9 @@ class PassthroughOpens:
     def _refuse(self, c: FileCopies, i: int) -> None:
         if not self._refused_warned:
             self._refused_warned = True
-            log.error("whole-file copy %s changed while open through passthrough: further "
-                      "opens of it fail (EIO) until those close", c.path(i))
+            log.error("whole-file copy %s changed (or was made again) while open through "
+                      "passthrough: further opens of it fail (EIO) until those close",
+                      c.path(i))
         raise PassthroughError(f"whole-file copy {c.path(i)} changed while open")
 
     def released(self, ino: int, unregister: Callable[[int], None]) -> None:
@@ -226,7 +245,8 @@ class PassthroughOpens:
 
     def close(self) -> None:
         self._table = None
-        self._map.close()
+        with contextlib.suppress(BufferError):  # a view a traceback still holds: GC's
+            self._map.close()
         os.close(self._locks)
         for c in self.copies:
             if c is not None:
@@ -238,10 +258,11 @@ class MountPassthrough:
     where it is on, the whole-file copies, their stager and the open table."""
 
     def __init__(self, wanted: bool, why: str, opens: PassthroughOpens | None = None,
-                 stager=None) -> None:
+                 stager=None, namespace: Namespace | None = None) -> None:
         self.wanted, self.why = wanted, why
         self.opens = opens
         self._stager = stager
+        self._namespace = namespace
 
     @classmethod
     def prepare(cls, setting: str, pool: ChunkPool | None, namespace: Namespace, stager,
@@ -256,8 +277,9 @@ class MountPassthrough:
         copies = file_copies(pool, namespace.datasets, store_rate)
         if not any(c is not None for c in copies):  # every large file is another node's
             return cls(False, "off (no large file's copy is this node's to keep)")
-        stager.attach_files(FileStager(copies, stager.fits))
-        return cls(True, why, PassthroughOpens(namespace, copies, pool.demand.send), stager)
+        stager.attach_files(FileStager(copies, stager.fits_file))
+        return cls(True, why, PassthroughOpens(namespace, copies, pool.demand.send), stager,
+                   namespace)
 
     def after_init(self, kernel_grants: bool, release: str) -> None:
         """The kernel answered INIT: without passthrough, no copies are made and the
@@ -267,6 +289,8 @@ class MountPassthrough:
             self._stager.files = None
             self.opens.close()
             self.opens = None
+        if self.opens is not None:  # the workers answer every open now: counted
+            self._namespace.stats.opens_counted = True  # (before the fork)
         log.info("large files by FUSE passthrough: %s", self.why)
 
     def report(self) -> dict:

@@ -55,6 +55,10 @@ from dlfsd.throttle import pace
 log = logging.getLogger(__name__)
 
 LARGE_SHARE = 4  # a file of >= chunk size / LARGE_SHARE is large (as dlfsd.prefetch's)
+# and at least this large: a smaller file gains less from passthrough than its open
+# costs (a round trip), and a copy of it would double its bytes in the cache for nothing
+# (with the default 64 MiB chunks the quarter chunk, 16 MiB, is the bound that counts)
+LARGE_MIN = 1 << 20
 FILE_DEMAND = 1 << 31  # a DemandChannel record for file copy i carries FILE_DEMAND | i
 SUFFIX = ".file"
 RETRY_FIRST, RETRY_MAX = 10.0, 300.0  # seconds until a failed copy is tried again
@@ -75,12 +79,22 @@ def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
 
 
 def large_rows(dataset: Dataset) -> np.ndarray:
-    """Rows of the dataset's regular files of at least a quarter chunk."""
+    """Rows of the dataset's regular files of at least a quarter chunk (and LARGE_MIN)."""
     arrays = dataset.directory.arrays
     modes = arrays["mode"].astype(np.uint32)
     regular = (modes & stat.S_IFMT(0xFFFF)) == stat.S_IFREG
-    big = arrays["size"] >= max(1, dataset.chunk_size // LARGE_SHARE)
+    big = arrays["size"] >= max(LARGE_MIN, dataset.chunk_size // LARGE_SHARE)
     return np.flatnonzero(regular & big)
+
+
+def owned_large_rows(dataset: Dataset, owned: np.ndarray) -> np.ndarray:
+    """The large files this node copies whole: those whose first extent's chunk it owns."""
+    rows = large_rows(dataset)
+    if not len(rows):
+        return rows
+    arrays = dataset.directory.arrays
+    first_chunks = arrays["ext_chunk"][arrays["ext_start"][rows]]
+    return rows[np.asarray(owned, dtype=bool)[first_chunks]]
 
 
 def large_share(datasets: list[Dataset]) -> float:
@@ -104,9 +118,7 @@ class FileCopies:
         self.cache = cache
         self.dataset = cache.dataset
         d = self.directory = self.dataset.directory
-        rows = large_rows(self.dataset)
-        first_chunks = d.arrays["ext_chunk"][d.arrays["ext_start"][rows]] if len(rows) else rows
-        self.rows = rows[np.asarray(owned, dtype=bool)[first_chunks]] if len(rows) else rows
+        self.rows = owned_large_rows(self.dataset, owned)
         self.sizes = d.arrays["size"][self.rows].astype(np.int64)
         self.index = {int(row): i for i, row in enumerate(self.rows)}
         self.store_rate = store_rate
@@ -327,8 +339,9 @@ class FileCopies:
 
     def close(self) -> None:
         self._state_view = self._id_view = None  # release the exports before closing
-        self._state.close()
-        self._ids.close()
+        with contextlib.suppress(BufferError):  # a view a traceback still holds: GC's
+            self._state.close()
+            self._ids.close()
 
 
 class FileStager:

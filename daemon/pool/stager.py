@@ -338,9 +338,16 @@ class Stager:
             used += self.files.staged_bytes()
         return used + length <= self.cache_limit
 
-    def fits(self, length: int) -> bool:
-        """Whether `length` more bytes fit under --cache-limit now (trio thread only)."""
-        return self._fits(length)
+    def fits_file(self, length: int) -> bool:
+        """Whether a whole-file copy of `length` bytes fits under --cache-limit beside
+        every owned chunk not staged yet (trio thread only): under a limit the chunks
+        come first (peers read them, and every read works without the file copies)."""
+        if not self.cache_limit:
+            return True
+        unstaged = sum(int(d.chunk_lengths[mask & ~c.staged_mask()].sum())
+                       for d, mask, c in zip(self.datasets, self.owned_masks, self.caches,
+                                             strict=True))
+        return self._fits(length + unstaged)
 
     def _copy_failed(self, ds: int, chunk: int, err: Exception) -> None:
         """Try the chunk again once its backoff (or the cache disk's pause) is over.
