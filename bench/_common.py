@@ -155,11 +155,12 @@ def run_dlfs(args: Sequence[str], check: bool = True,
              pythonpath: str | None = None) -> subprocess.CompletedProcess:
     """`dlfs ARGS`; `pythonpath`: run another checkout's code (a tree holding its `dlfs`
     and `dlfsd` packages, e.g. `git archive` of a commit with dlfsd -> daemon), which
-    the daemon it starts inherits."""
-    env = None
+    the daemon it starts inherits; from / (`python -m dlfsd` looks in its working
+    directory first, where this checkout's `dlfs` may be). Paths must be absolute."""
+    env, cwd = None, None
     if pythonpath:
-        env = dict(os.environ, PYTHONPATH=pythonpath)
-    result = subprocess.run([*DLFS, *args], capture_output=True, text=True, env=env)
+        env, cwd = dict(os.environ, PYTHONPATH=pythonpath), "/"
+    result = subprocess.run([*DLFS, *args], capture_output=True, text=True, env=env, cwd=cwd)
     if check and result.returncode != 0:
         raise RuntimeError(f"`dlfs {shlex.join(args)}` failed ({result.returncode}): "
                            f"{result.stderr.strip() or result.stdout.strip()}")
