@@ -295,7 +295,7 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "but are never removed (default: no limit; Slurm: dlfs.conf "
                         "DLFS_CACHE_NODE_LIMIT)")
     g.add_argument("--passthrough", choices=("auto", "on", "off"), default="auto",
-                   help="large files (a quarter chunk or more) are also copied whole into "
+                   help="large files (a quarter chunk and 1 MiB or more) are copied whole into "
                         "--cache-dir, each extent checked as it is written, and the kernel "
                         "reads them from there itself (FUSE passthrough: a daemon running "
                         "as root, Linux >= 6.9); the daemon then answers every open, which "
