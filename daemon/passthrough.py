@@ -40,7 +40,14 @@ import numpy as np
 
 from dlfs.errors import DlfsError
 from dlfs.store.store import Dataset
-from dlfsd.pool.filecopies import FILE_DEMAND, FileCopies, large_share, owned_large_rows
+from dlfsd.obs.stats import Stats
+from dlfsd.pool.filecopies import (
+    FILE_DEMAND,
+    FileCopies,
+    FileStager,
+    large_share,
+    owned_large_rows,
+)
 
 if TYPE_CHECKING:
     from dlfsd.namespace import Namespace
@@ -131,14 +138,15 @@ class PassthroughOpens:
         """`demand(ds, chunk)`: the pool's DemandChannel.send."""
         self.copies = copies
         self.demand = demand
-        self._where: dict[int, tuple[int, int, int]] = {}  # inode -> (ds, file, slot)
+        # inode -> (dataset, its copies, file, table slot)
+        self._where: dict[int, tuple[int, FileCopies, int, int]] = {}
         slot = 0
         for ds, c in enumerate(copies):
             if c is None:
                 continue
             base = namespace.inode_of(ds, 0)
             for i, row in enumerate(c.rows.tolist()):
-                self._where[base + row] = (ds, i, slot + i)
+                self._where[base + row] = (ds, c, i, slot + i)
             slot += len(c)
         self._map = mmap.mmap(-1, max(1, slot) * _SLOT.itemsize)  # shared: one table
         self._table = np.frombuffer(self._map, dtype=_SLOT)[:slot]
@@ -157,8 +165,7 @@ class PassthroughOpens:
         where = self._where.get(ino)
         if where is None:
             return -1
-        ds, i, slot = where
-        c = self.copies[ds]
+        ds, c, i, slot = where
         entry = self._table[slot : slot + 1]
         self._lock(slot)
         try:
@@ -206,7 +213,7 @@ class PassthroughOpens:
         where = self._where.get(ino)
         if where is None:
             return
-        slot = where[2]
+        slot = where[3]
         entry = self._table[slot : slot + 1]
         self._lock(slot)
         try:
@@ -244,7 +251,7 @@ class PassthroughOpens:
                 "opens_served": int(table["served"].sum())}
 
     def close(self) -> None:
-        self._table = None
+        del self._table
         with contextlib.suppress(BufferError):  # a view a traceback still holds: GC's
             self._map.close()
         os.close(self._locks)
@@ -272,8 +279,6 @@ class MountPassthrough:
         wanted, why = decide(setting, os.geteuid(), pool is not None, namespace.datasets)
         if not wanted or pool is None:
             return cls(False, why)
-        from dlfsd.pool.filecopies import FileStager
-
         copies = file_copies(pool, namespace.datasets, store_rate)
         if not any(c is not None for c in copies):  # every large file is another node's
             return cls(False, "off (no large file's copy is this node's to keep)")
@@ -289,8 +294,9 @@ class MountPassthrough:
             self._stager.files = None
             self.opens.close()
             self.opens = None
-        if self.opens is not None:  # the workers answer every open now: counted
-            self._namespace.stats.opens_counted = True  # (before the fork)
+        stats = self._namespace.stats if self._namespace is not None else None
+        if self.opens is not None and isinstance(stats, Stats):  # every open answered
+            stats.opens_counted = True  # and counted now (before the fork)
         log.info("large files by FUSE passthrough: %s", self.why)
 
     def report(self) -> dict:

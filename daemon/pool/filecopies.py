@@ -338,7 +338,7 @@ class FileCopies:
                                    f"dataset {self.dataset.name}, as copied")
 
     def close(self) -> None:
-        self._state_view = self._id_view = None  # release the exports before closing
+        del self._state_view, self._id_view  # release the exports before closing
         with contextlib.suppress(BufferError):  # a view a traceback still holds: GC's
             self._state.close()
             self._ids.close()
@@ -421,7 +421,7 @@ class FileStager:
                     await self._wake.wait()
                 continue
             ds, i = item
-            c = self.copies[ds]
+            c = self._of(ds)
             self.busy, self.busy_bytes = item, int(c.sizes[i])
             try:
                 done = await trio.to_thread.run_sync(self._stage_caught, c, i, buffer,
@@ -449,11 +449,18 @@ class FileStager:
         n = self._failures[(ds, i)] = self._failures.get((ds, i), 0) + 1
         delay = min(RETRY_FIRST * 2.0 ** (n - 1), RETRY_MAX)
         heapq.heappush(self._retries, (trio.current_time() + delay, ds, i))
-        c = self.copies[ds]
+        c = self._of(ds)
         log.error("cannot make the whole-file copy of %s (dataset %s): %s; its opens are "
                   "served by the daemon, trying again in %.3g s",
                   c.directory.path(int(c.rows[i])).decode(errors="replace"),
                   c.dataset.name, err, delay)
+
+    def _of(self, ds: int) -> FileCopies:
+        """The copies of dataset `ds`, which has some (only such datasets are queued)."""
+        c = self.copies[ds]
+        if c is None:
+            raise ValueError(f"dataset {ds} has no whole-file copies")
+        return c
 
     def staged_bytes(self) -> int:
         """Bytes of copies on disk or being written (the cache limit counts them)."""
