@@ -59,9 +59,9 @@ LARGE_BYTES_SHARE = 0.5  # auto: passthrough when large files hold this share of
 SETTINGS = ("auto", "on", "off")
 
 # Per large file, shared: opens counted now, their backing id (0: served by the daemon),
-# and totals of opens passed through and served, for status.
-# The file behind the backing id (device, inode): a copy made again while the old one is
-# still open through passthrough is another file, which later opens must not mix with it.
+# totals of opens passed through and served (for status), and the file behind the
+# backing id (device, inode): a copy made again while the old one is still open through
+# passthrough is another file, which later opens must not mix with the old one.
 _SLOT = np.dtype([("opens", "<u4"), ("backing", "<i4"), ("passed", "<u8"), ("served", "<u8"),
                   ("dev", "<u8"), ("ino", "<u8")])
 
@@ -85,7 +85,7 @@ def decide(setting: str, euid: int, pooled: bool,
         return False, "off (needs --cache-dir: the kernel reads whole-file copies there)"
     share = large_share(datasets)
     if share == 0:
-        return False, "off (no large files: none of a quarter chunk or more)"
+        return False, "off (no large files: none of a quarter chunk and 1 MiB or more)"
     if setting == "auto" and share < LARGE_BYTES_SHARE:
         return False, (f"off (auto: large files hold {share:.0%} of the bytes, under "
                        f"{LARGE_BYTES_SHARE:.0%}; answering every open would cost each "

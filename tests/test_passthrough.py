@@ -33,6 +33,7 @@ from test_ckpt_nonroot import fuse_for_users  # noqa: F401 (a fixture)
 from test_fuse_init import KERNEL_6_9, KERNEL_6_18, OLD_FLAGS, decode, init_request
 
 from dlfs.errors import CorruptDataError
+from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Store
 from dlfsd import passthrough as pt
@@ -311,6 +312,12 @@ def test_large_files_pass_through_byte_exact_small_ones_are_served(mounted, mixe
     assert sum(s["bytes"] for s in sources.values()) == small
     stats = json.loads(run_dlfs("stats", m.path, "--json").stdout)
     assert stats["opens_counted"] and stats["mount"]["opens"] >= len(LARGE) + len(SMALL)
+    # `dlfs cache ls` counts chunk copies as chunks, and every copy's bytes
+    (cached,) = nodecache.datasets(tmp_path / "cache")
+    dataset = Store(store).open("ds")
+    assert cached.chunks == dataset.chunk_count
+    assert cached.bytes == (int(dataset.chunk_lengths.sum()) + CHUNK_HEADER_SIZE
+                            * dataset.chunk_count + sum(LARGE.values()))
 
 
 def test_a_copy_damaged_on_disk_before_an_open_is_never_served(mounted, mixed, tmp_path):
