@@ -151,8 +151,16 @@ def mounts_under(path: Path) -> list[str]:
 
 
 # -- dlfs commands -------------------------------------------------------------
-def run_dlfs(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([*DLFS, *args], capture_output=True, text=True)
+def run_dlfs(args: Sequence[str], check: bool = True,
+             pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """`dlfs ARGS`; `pythonpath`: run another checkout's code (a tree holding its `dlfs`
+    and `dlfsd` packages, e.g. `git archive` of a commit with dlfsd -> daemon), which
+    the daemon it starts inherits; from / (`python -m dlfsd` looks in its working
+    directory first, where this checkout's `dlfs` may be). Paths must be absolute."""
+    env, cwd = None, None
+    if pythonpath:
+        env, cwd = dict(os.environ, PYTHONPATH=pythonpath), "/"
+    result = subprocess.run([*DLFS, *args], capture_output=True, text=True, env=env, cwd=cwd)
     if check and result.returncode != 0:
         raise RuntimeError(f"`dlfs {shlex.join(args)}` failed ({result.returncode}): "
                            f"{result.stderr.strip() or result.stdout.strip()}")
@@ -227,7 +235,7 @@ def children_cpu_seconds() -> float:
 
 @contextlib.contextmanager
 def mounted(store: Path, mountpoint: Path, extra_args: Sequence[str] = (),
-            log_file: Path | None = None) -> Iterator[Path]:
+            log_file: Path | None = None, pythonpath: str | None = None) -> Iterator[Path]:
     """`dlfs mount MP --store STORE ...` for the duration of the block.
 
     Always unmounts in `finally` (`dlfs umount`, falling back to
@@ -241,7 +249,7 @@ def mounted(store: Path, mountpoint: Path, extra_args: Sequence[str] = (),
     pids: list[int] = []
     try:
         try:
-            run_dlfs(args)
+            run_dlfs(args, pythonpath=pythonpath)
         except RuntimeError:
             if log_file is not None and log_file.exists():
                 tail = log_file.read_text(errors="replace").splitlines()[-10:]

@@ -36,8 +36,19 @@ a mount of another DLFS tree's code too. Reported per tree and walk: us per
 entry and the mount/source ratio of each round, min/median/max over the
 rounds. Target: cold mount walk <= 2x the cold source walk.
 
+Part 4 (lookup): --lookup-procs processes (default 16) look up different names of
+one directory of --lookup-files files (default 1000) at once, as DataLoader workers
+opening their samples do: process i lstat()s names i, i + P, i + 2P, ..., all
+started together, each lookup a LOOKUP request on a fresh mount after a cache
+drop. Without FUSE parallel_dirops the kernel holds the directory's lock across
+each LOOKUP's round trip, so they go one at a time. Reported: lookups/s from the
+first start to the last end, per round for the source, the mount and (--baseline,
+--baseline-path) a mount of another checkout's code, min/median/max.
+
 examples (from the repository root; run as root for cache drops):
   .venv/bin/python bench/metadata.py --quick
+  .venv/bin/python bench/metadata.py --parts lookup --rounds 9 --baseline /tmp/e9 \
+      --baseline-path /tmp/e9-site   # a checkout of the pyfuse3 days, pyfuse3 there
   .venv/bin/python bench/metadata.py
   .venv/bin/python bench/metadata.py --dirs 10000   # 10 M files
   .venv/bin/python bench/metadata.py --parts walk --rounds 5   # listings only
@@ -99,8 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="files in the tree stat'ed through the mount (default 20000; "
                         "--quick: 1000)")
     p.add_argument("--parts", default="manifest,stat,walk",
-                   help="which parts to run, comma-separated: manifest, stat, walk "
-                        "(default all three)")
+                   help="which parts to run, comma-separated: manifest, stat, walk, lookup "
+                        "(default the first three)")
     p.add_argument("--walk-trees", default="20000:20000,100000:1000",
                    help="trees the walk part lists, FILES:FILES_PER_DIR,... (default "
                         "20000:20000 (one directory), 100000:1000; --quick: a twentieth "
@@ -109,6 +120,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="walk part: also mount with the DLFS code of DIR each round (a "
                         "source tree such as `git archive main | tar -x -C DIR`), for "
                         "before/after ratios of the same run")
+    p.add_argument("--baseline-path", metavar="DIR",
+                   help="added to PYTHONPATH for the --baseline mount (where an older "
+                        "checkout finds its own dependencies, e.g. pyfuse3)")
+    p.add_argument("--lookup-files", type=int, default=1000,
+                   help="lookup part: files in the one directory (default 1000)")
+    p.add_argument("--lookup-procs", type=int, default=16,
+                   help="lookup part: processes looking up at once (default 16)")
     p.add_argument("--mount-args", default="",
                    help="extra arguments for `dlfs mount`, e.g. --mount-args='--cache-timeout 1'")
     args = p.parse_args(argv)
@@ -117,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.lookups = max(1, args.lookups // 20)
         args.stat_files = max(1, args.stat_files // 20)
     args.parts = {part.strip() for part in args.parts.split(",") if part.strip()}
-    unknown = args.parts - {"manifest", "stat", "walk"}
+    unknown = args.parts - {"manifest", "stat", "walk", "lookup"}
     if unknown:
         p.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}")
     try:
@@ -340,7 +358,7 @@ def walk_list(root: Path) -> tuple[int, float]:
 
 
 @contextlib.contextmanager
-def code_of(tree: Path | None, work: Path) -> Iterator[None]:
+def code_of(tree: Path | None, work: Path, extra_path: str | None = None) -> Iterator[None]:
     """Run `dlfs mount` (and so its daemon) with the packages of source tree `tree`
     (None: this one): PYTHONPATH names links dlfs -> tree/dlfs and dlfsd -> tree/daemon,
     and the working directory is one where no other `dlfs` package can be found."""
@@ -353,7 +371,7 @@ def code_of(tree: Path | None, work: Path) -> Iterator[None]:
         (links / "dlfs").symlink_to(tree.resolve() / "dlfs")
         (links / "dlfsd").symlink_to(tree.resolve() / "daemon")
     before, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
-    os.environ["PYTHONPATH"] = str(links)
+    os.environ["PYTHONPATH"] = str(links) + (f":{extra_path}" if extra_path else "")
     os.chdir("/")
     try:
         yield
@@ -414,6 +432,76 @@ def part3(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
                           "ratios to the source walk of the same round")
 
 
+# -- part 4: lookups of one directory by many processes at once -------------------------
+def _look_up(paths: list[bytes], start, times, index: int) -> None:
+    """A lookup process: wait for the start, lstat each path, note when (monotonic)."""
+    start.wait()
+    began = time.perf_counter()
+    for path in paths:
+        os.lstat(path)
+    times[2 * index], times[2 * index + 1] = began, time.perf_counter()
+
+
+def look_up_at_once(directory: Path, names: list[str], procs: int) -> float:
+    """`procs` processes lstat different names of `directory` at once; lookups/s."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    start, times = ctx.Event(), ctx.Array("d", 2 * procs)
+    shares = [[os.fsencode(directory / n) for n in names[i::procs]] for i in range(procs)]
+    workers = [ctx.Process(target=_look_up, args=(shares[i], start, times, i))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    time.sleep(0.2)  # every process waiting
+    start.set()
+    for w in workers:
+        w.join()
+    if any(w.exitcode for w in workers):
+        raise RuntimeError(f"a lookup process failed in {directory}")
+    took = max(times[1::2]) - min(times[0::2])
+    return len(names) / took
+
+
+def part4(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
+    files, procs = args.lookup_files, args.lookup_procs
+    print(f"\n== part 4: {procs} processes look up different names of one {files:,}-file "
+          "directory at once, cold")
+    src = work / "src-lookup"
+    generate_tree(src, files, 64, files_per_dir=files, seed=4)
+    directory = src / "train" / "c00000"  # generate_tree's first (and only) directory
+    rel = directory.relative_to(src)
+    names = sorted(p.name for p in directory.iterdir())
+    store = work / "store-lookup"
+    populate(src, store, "lookup")
+    mp = work / "mnt"
+    sides = ["source", "mount"] + (["baseline"] if args.baseline else [])
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    for rnd in range(args.rounds):
+        for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
+            if side == "source":
+                drop_caches()
+                rates[side].append(look_up_at_once(directory, names, procs))
+                continue
+            with code_of(args.baseline if side == "baseline" else None, work,
+                         args.baseline_path if side == "baseline" else None), \
+                    mounted(store, mp, split_args(args.mount_args), work / "dlfsd.log"):
+                drop_caches()
+                rates[side].append(look_up_at_once(mp / "lookup" / rel, names, procs))
+        print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
+            f"{side} {r[-1]:,.0f}" for side, r in rates.items()) + " lookups/s", flush=True)
+    rows = [(side, min(r), median(r), max(r)) for side, r in rates.items()]
+    if args.baseline:
+        per_round = [m / b for m, b in zip(rates["mount"], rates["baseline"], strict=True)]
+        rows.append(("mount/baseline per round", min(per_round), median(per_round),
+                     max(per_round)))
+        targets.append(Target(f"{procs} processes, one {files:,}-file directory: mount / "
+                              "baseline lookups/s (median of the rounds' ratios)",
+                              median(per_round), ">=", 2.0, "x"))
+    print_table(("lookups/s", "min", "median", "max"), rows,
+                title=f"{args.rounds} rounds, {procs} processes, {files:,} names")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     targets: list[Target] = []
@@ -424,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             part2(args, work, targets)
         if "walk" in args.parts:
             part3(args, work, targets)
+        if "lookup" in args.parts:
+            part4(args, work, targets)
     print_targets(targets, args.quick)
     return 0
 

@@ -22,8 +22,16 @@ Targets (from the issue):
   warm  2.5 KB   mount/source >= 0.15
   cold  110 KiB  mount/source >= 0.70     (cold 2.5 KB is reported, no target)
 
+--compare-args / --compare-pythonpath add a third side, "other", measured in the
+same rounds (the order rotates over the three): a mount with other arguments
+(e.g. --count-opens: the daemon answers every OPEN, as a mount serving large
+files by passthrough does) or of another checkout's code (before/after).
+
 examples (from the repository root; run as root for cache drops):
   .venv/bin/python bench/random_read.py --quick
+  .venv/bin/python bench/random_read.py --compare-args='--count-opens'
+  .venv/bin/python bench/random_read.py --compare-pythonpath /tmp/dlfs-main
+  .venv/bin/python bench/random_read.py --workers 1 --small-files 0 --rounds 5
   .venv/bin/python bench/random_read.py
   .venv/bin/python bench/random_read.py --mount-args='--no-verify'
   .venv/bin/python bench/random_read.py --rounds 5 --workers 4 --keep
@@ -91,6 +99,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--mount-args='--no-verify --workers 8' (note the '=')")
     p.add_argument("--populate-args", default="",
                    help="extra arguments for `dlfs populate`, e.g. --populate-args='-j 4'")
+    p.add_argument("--compare-args", default=None,
+                   help="also measure a mount with these `dlfs mount` arguments (the "
+                        "\"other\" side), e.g. --compare-args='--count-opens'")
+    p.add_argument("--compare-pythonpath", default=None, metavar="DIR",
+                   help="the \"other\" side runs the code of DIR (holding `dlfs` and "
+                        "`dlfsd` packages, e.g. `git archive main` with a dlfsd -> daemon "
+                        "link), with --compare-args or --mount-args")
     args = p.parse_args(argv)
     if args.quick:
         args.large_files = max(1, args.large_files // 20)
@@ -111,6 +126,24 @@ def one_side(side: str, tree: TreeSpec, prefix: Path, workers: int, seed: int,
     print(f"  {tree.label:>8} {side:<6} cold {cold.files_per_s:9,.0f} files/s "
           f"{cold.mib_per_s:8,.1f} MiB/s   warm {warm.files_per_s:9,.0f} files/s "
           f"{warm.mib_per_s:8,.1f} MiB/s", flush=True)
+
+
+def print_compare(trees: list[TreeSpec], all_runs: dict[str, Runs], rounds: int) -> None:
+    """The "other" side next to the mount: per round ratios to the source, min/median/max."""
+    rows = []
+    for tree in trees:
+        runs = all_runs[tree.name]
+        for temp in ("cold", "warm"):
+            per = {side: [m.files_per_s / s.files_per_s for m, s in zip(
+                runs.results.get((side, temp), []), runs.results.get(("source", temp), []),
+                strict=False)] for side in ("mount", "other")}
+            spread = {side: f"{min(r):.3f} / {median(r):.3f} / {max(r):.3f}" if r else "-"
+                      for side, r in per.items()}
+            rows.append((f"{tree.label} {temp}", spread["mount"], spread["other"],
+                         runs.files_per_s("other", temp) / runs.files_per_s("mount", temp)))
+    print_table(("tree / cache", "mount/source min/med/max", "other/source min/med/max",
+                 "other/mount (medians)"), rows,
+                title=f"per-round ratios to the source, {rounds} rounds")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,16 +169,30 @@ def main(argv: list[str] | None = None) -> int:
                   f"(mean {tree.bytes / tree.files / 1024:.1f} KiB); populate {took:.1f} s")
 
         all_runs = {tree.name: Runs() for tree in trees}
+        compare = args.compare_args is not None or args.compare_pythonpath is not None
+        sides = ("source", "mount", "other") if compare else ("source", "mount")
+        other_args = split_args(args.compare_args) if args.compare_args is not None \
+            else mount_args
+        if compare:
+            print(f"other: mount args {other_args or '(default)'}, code "
+                  f"{args.compare_pythonpath or 'this checkout'}")
         for rnd in range(args.rounds):
-            order = ("source", "mount") if rnd % 2 == 0 else ("mount", "source")
+            shift = rnd % len(sides)
+            order = sides[shift:] + sides[:shift] if compare else \
+                (("source", "mount") if rnd % 2 == 0 else ("mount", "source"))
             print(f"round {rnd + 1}/{args.rounds} ({' then '.join(order)})")
             for tree in trees:
                 for side in order:
                     if side == "source":
                         one_side(side, tree, work / f"src-{tree.name}", args.workers, rnd,
                                  all_runs[tree.name])
-                    else:
+                    elif side == "mount":
                         with mounted(store, mp, mount_args, work / "dlfsd.log"):
+                            one_side(side, tree, mp / tree.name, args.workers, rnd,
+                                     all_runs[tree.name])
+                    else:
+                        with mounted(store, mp, other_args, work / "dlfsd-other.log",
+                                     args.compare_pythonpath):
                             one_side(side, tree, mp / tree.name, args.workers, rnd,
                                      all_runs[tree.name])
 
@@ -163,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(("tree / cache", "source files/s", "source MiB/s", "mount files/s",
                      "mount MiB/s", "mount/source"), rows,
                     title=f"medians of {args.rounds} rounds, {args.workers} workers")
+        if compare:
+            print_compare(trees, all_runs, args.rounds)
 
         wanted = [("imagenet", "warm", "warm 110 KiB", 0.45), ("bert", "warm", "warm 2.5 KB", 0.15),
                   ("imagenet", "cold", "cold 110 KiB", 0.70)]

@@ -19,7 +19,7 @@ import resource
 import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +44,7 @@ from dlfsd.obs.health import HealthWatch
 from dlfsd.obs.observe import ObserveConfig
 from dlfsd.obs.status import StatusConfig
 from dlfsd.ordersock import OrderService
+from dlfsd.passthrough import MountPassthrough, planned_copy_bytes
 from dlfsd.prefetch import available_memory, prefetch_decision
 from dlfsd.services import PICK_ANOTHER_PORT, PoolServices, Services
 from dlfsd.supervise import fork_workers
@@ -92,6 +93,9 @@ class Daemon:
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
     order: OrderService | None  # samplers' announcements -> the look-ahead
     ckpt: CkptTier | None = None  # the checkpoint tier (--ckpt-store)
+    # large files by FUSE passthrough (dlfsd.passthrough): decided here, settled at INIT
+    passthrough: MountPassthrough = field(
+        default_factory=lambda: MountPassthrough(False, "off"))
 
 
 def assemble(config: MountConfig, release: contextlib.ExitStack) -> Daemon:
@@ -121,11 +125,15 @@ def assemble(config: MountConfig, release: contextlib.ExitStack) -> Daemon:
                    + peer_fds)
     staging = (pool_services(config, pool, namespace.datasets, cache_limit)
                if pool is not None else None)
+    passthrough = MountPassthrough.prepare(config.passthrough, pool, namespace,
+                                           staging.stager if staging is not None else None,
+                                           config.store_bandwidth)
+    release.callback(passthrough.close)
     ckpt = _ckpt_tier(config, namespace, release)
     order = _order_service(config, namespace, pool)
     if order is not None:
         release.callback(order.lookahead.close)
-    return Daemon(namespace, pool, staging, fuse_fds(), order, ckpt)
+    return Daemon(namespace, pool, staging, fuse_fds(), order, ckpt, passthrough)
 
 
 def load_datasets(config: MountConfig) -> list[Dataset]:
@@ -195,6 +203,7 @@ def limit_for_node(config: MountConfig, pool) -> int:
     others = [d for d in nodecache.datasets(Path(config.cache_dir)) if d.uuid not in ours]
     share = sum(int(d.chunk_lengths[owned].sum()) + CHUNK_HEADER_SIZE * int(owned.sum())
                 for d, owned in zip(pool.datasets, pool.owned, strict=True))  # on disk
+    share += planned_copy_bytes(config.passthrough, pool.datasets, pool.owned)
     want = min(share, config.cache_limit or share, config.node_cache_limit)
     tiers = nodecache.ckpt_bytes(Path(config.cache_dir))
     if tiers:
@@ -365,7 +374,7 @@ def start_workers(config: MountConfig, daemon: Daemon) -> dict[int, int]:
         if pool is not None:
             pool.after_fork()
         return WireWorker(namespace, fuse_fd, uid, gid, config.cache_timeout,
-                          config.count_opens, pipe_size).serve()
+                          config.count_opens, pipe_size, daemon.passthrough.opens).serve()
 
     return {pid: fuse_fd for pid in fork_workers(config.workers, serve, config.mountpoint)}
 
@@ -379,7 +388,7 @@ def build_services(config: MountConfig, daemon: Daemon, ckpt: CkptConnection | N
     health = HealthWatch(observe.requests, config.stall_seconds, observe.path_of,
                          observe.health, observe.peer_marks, daemon.pool, stager)
     return Services(StatusConfig.from_mount(config), daemon.namespace.datasets, observe.stats,
-                    health, daemon.staging, ckpt, fuse)
+                    health, daemon.staging, ckpt, fuse, daemon.passthrough.report)
 
 
 def control_server(config: MountConfig, daemon: Daemon) -> ControlServer:

@@ -44,7 +44,7 @@ from dlfsd.ckpt.connect import connect
 from dlfsd.commit import LaunchCommit, LaunchSecret
 from dlfsd.fuse import session
 from dlfsd.fuse.wireworker import fuse_fds
-from dlfsd.kernel import INIT_TIMEOUT
+from dlfsd.kernel import INIT_TIMEOUT, kernel_release
 from dlfsd.obs.status import write_status
 from dlfsd.supervise import (
     HeldStopSignals,
@@ -137,7 +137,9 @@ def _serve(config: MountConfig, daemon: Daemon, readiness: Readiness, commit: La
         release.callback(daemon.staging.stop_listening)
     ready = False
     try:
-        negotiated = session.answer_init(INIT_TIMEOUT, config.request_timeout)
+        negotiated = session.answer_init(INIT_TIMEOUT, config.request_timeout,
+                                         daemon.passthrough.wanted)
+        daemon.passthrough.after_init(negotiated.passthrough, kernel_release())
         ours = find_mount(config.mountpoint)  # this connection's device, to know it later
         set_read_ahead(config.mountpoint, config.read_ahead_kb)  # INIT would reset it
         state.workers = start_workers(config, daemon)

@@ -177,6 +177,10 @@ class Namespace:
         k = bisect.bisect_right(self._bases, ino) - 1
         return k, ino - self._bases[k]
 
+    def inode_of(self, k: int, row: int) -> int:
+        """The inode of row `row` of dataset `k` (in self.datasets' order)."""
+        return self._bases[k] + row
+
     # -- metadata -------------------------------------------------------------
     def lookup(self, parent: int, name: bytes, caller=None) -> int:
         if caller is None or not self._tracing[0]:

@@ -11,6 +11,7 @@ in whole; Services only runs, reports and stops them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -93,9 +94,11 @@ class Services:
 
     def __init__(self, status: StatusConfig, datasets: list[Dataset], stats,
                  health: HealthWatch, staging: PoolServices | None = None,
-                 ckpt: CkptConnection | None = None, fuse: dict | None = None) -> None:
+                 ckpt: CkptConnection | None = None, fuse: dict | None = None,
+                 passthrough: Callable[[], dict] | None = None) -> None:
         """`stats`: the mount's dlfsd.obs.stats.Stats (NullStats under --no-stats);
-        `fuse`: what the datasets' INIT granted (dlfsd.fuse.session.report)."""
+        `fuse`: what the datasets' INIT granted (dlfsd.fuse.session.report);
+        `passthrough`: the report of large files by passthrough (dlfsd.passthrough)."""
         self.config = status
         self.datasets = datasets
         self.stats = stats
@@ -103,6 +106,7 @@ class Services:
         self.staging = staging
         self.ckpt = ckpt
         self.fuse_connection = fuse
+        self.passthrough = passthrough
         self.connection_lost = False  # a connection aborted or its workers died
 
     def _current(self) -> bool:
@@ -124,6 +128,8 @@ class Services:
             status["ckpt"] = self.ckpt.report()
         if self.fuse_connection is not None:
             status["fuse"] = self.fuse_connection
+        if self.passthrough is not None:
+            status["passthrough"] = self.passthrough()
         return status
 
     def listen(self) -> None:

@@ -54,6 +54,10 @@ class MountConfig:
     # stopped daemon then get an error instead of hanging in D state. Longer than a
     # parallel file system's failover, which a read may wait out.
     request_timeout: int = 600
+    # Large files (a quarter chunk or more) read by the kernel from verified whole-file
+    # copies in cache_dir (FUSE passthrough; root, Linux >= 6.9): "auto" when they hold
+    # most of the bytes (every open is then answered), "on", "off" (dlfsd.passthrough).
+    passthrough: str = "auto"
     # -- the chunk pool (cluster mode: on when cache_dir is set) --
     cache_dir: str | None = None  # node-local NVMe directory for staged chunks
     nodes: tuple[str, ...] = ()  # NAME=HOST:PORT of every daemon of the job; empty: just us

@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # where an extent's bytes come from: what the reader and the look-ahead both follow
     ("extent sources", ["dlfsd.extentsource"]),
     ("namespace and reader", ["dlfsd.namespace", "dlfsd.reader", "dlfsd.prefetch",
-                              "dlfsd.lookahead", "dlfsd.ordersock"]),
+                              "dlfsd.lookahead", "dlfsd.ordersock", "dlfsd.passthrough"]),
     # the writable checkpoint subtree: a passthrough onto the node cache, and its drain
     ("checkpoint tier", ["dlfsd.ckpt"]),
     ("fuse adapters", ["dlfsd.fuse"]),

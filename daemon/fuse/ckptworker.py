@@ -14,11 +14,9 @@ itself (dlfsd.ckpt.openfiles).
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import stat
-import struct
 import time
 
 from dlfsd.ckpt.nodeids import CKPT_BIT
@@ -33,10 +31,7 @@ log = logging.getLogger("dlfsd")
 
 ROOT_ID = 1  # FUSE_ROOT_ID: the connection's root, the tree's root
 CKPT_ATTR_TIMEOUT = 1.0  # seconds the kernel keeps a checkpoint entry's attributes
-FOPEN_PASSTHROUGH = 1 << 7
-# _IOW(229, 1, struct fuse_backing_map) and _IOW(229, 2, uint32_t)
-BACKING_OPEN, BACKING_CLOSE = 0x4010E501, 0x4004E502
-BACKING_MAP = struct.Struct("<iIQ")  # fuse_backing_map: fd, flags, padding
+FOPEN_PASSTHROUGH = fw.FOPEN_PASSTHROUGH
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 #: Checkpoint files opened for writing bypass the kernel's page cache (the backing file
@@ -201,8 +196,7 @@ class CkptWorker(RequestLoop):
         fd = local.open(self.tree.path_of(node), os.O_RDONLY)
         try:
             with local.creds:
-                return fcntl.ioctl(self.fd, BACKING_OPEN,
-                                   bytearray(BACKING_MAP.pack(fd, 0, 0)), True)
+                return fw.open_backing(self.fd, fd)
         except OSError as err:
             if not self._register_warned:
                 self._register_warned = True
@@ -214,7 +208,7 @@ class CkptWorker(RequestLoop):
 
     def _unregister(self, backing_id: int) -> None:
         try:
-            fcntl.ioctl(self.fd, BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)), True)
+            fw.close_backing(self.fd, backing_id)
         except OSError as err:
             log.warning("cannot close FUSE backing id %d: %s", backing_id, err.strerror)
 

@@ -10,6 +10,7 @@ below have been stable since 7.9).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import struct
@@ -73,6 +74,7 @@ NOTIFY_RESEND = 7
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3  # the kernel may cache this directory's entries (readdir)
+FOPEN_PASSTHROUGH = 1 << 7  # the kernel reads (and writes) the open's backing file itself
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
@@ -111,6 +113,26 @@ DIRENT = struct.Struct("<QQII")  # ino off namelen type, then the name, padded t
 #: the kernel refuses it (EINVAL): libfuse negotiates 256 pages, 1 MiB with 4 KiB pages
 #: but 16 MiB with the 64 KiB pages of some aarch64 kernels; plus headers, with a margin.
 REQUEST_BUFFER = 256 * os.sysconf("SC_PAGE_SIZE") + (64 << 10)
+
+
+# FUSE passthrough (Linux >= 6.9): a backing file registered on the connection is named
+# by its id in the answer to OPEN. _IOW(229, 1, struct fuse_backing_map), _IOW(229, 2, u32).
+BACKING_OPEN, BACKING_CLOSE = 0x4010E501, 0x4004E502
+BACKING_MAP = struct.Struct("<iIQ")  # fuse_backing_map: fd, flags, padding
+
+
+def open_backing(conn_fd: int, fd: int) -> int:
+    """Register the file open as `fd` as a backing file on the FUSE connection `conn_fd`;
+    returns its backing id (> 0). The kernel takes its own reference to the file (the
+    caller may close `fd`) and the registering thread's credentials for its I/O. Needs
+    CAP_SYS_ADMIN; OSError otherwise, or where the file cannot back one (a file system
+    stacked deeper than the connection's max_stack_depth: ELOOP)."""
+    return fcntl.ioctl(conn_fd, BACKING_OPEN, bytearray(BACKING_MAP.pack(fd, 0, 0)), True)
+
+
+def close_backing(conn_fd: int, backing_id: int) -> None:
+    """Unregister a backing id (opens that use it keep the file until released)."""
+    fcntl.ioctl(conn_fd, BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)), True)
 
 
 def error_reply(unique: int, errno_value: int) -> bytes:

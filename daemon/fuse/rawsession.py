@@ -85,7 +85,7 @@ class Wants:
     max_stack_depth: int = 0  # with PASSTHROUGH
 
 
-def dataset_wants(request_timeout: int) -> Wants:
+def dataset_wants(request_timeout: int, passthrough: bool = False) -> Wants:
     """The datasets' connection: read-only, immutable, listed and looked up in parallel.
 
     parallel_dirops: DataLoader workers look up names of one directory at once (without
@@ -100,12 +100,17 @@ def dataset_wants(request_timeout: int) -> Wants:
     ABORT_ERROR. request_timeout: a hung or stopped daemon fails readers' requests
     (the kernel aborts the connection) instead of leaving them in D state forever.
     Opens and opendirs are not negotiated here: the workers' ENOSYS answers make the
-    kernel stop sending them (dlfsd.fuse.wireworker)."""
+    kernel stop sending them (dlfsd.fuse.wireworker). `passthrough`: the mount serves
+    large files from whole-file copies on the node (dlfsd.passthrough); then the
+    workers answer every OPEN instead."""
     flags = (ASYNC_READ | AUTO_INVAL_DATA | DO_READDIRPLUS | PARALLEL_DIROPS | ABORT_ERROR
              | MAX_PAGES | CACHE_SYMLINKS | INIT_EXT)
     if request_timeout:
         flags |= REQUEST_TIMEOUT
-    return Wants(flags, request_timeout=min(request_timeout, MAX_REQUEST_TIMEOUT))
+    if passthrough:
+        flags |= PASSTHROUGH
+    return Wants(flags, request_timeout=min(request_timeout, MAX_REQUEST_TIMEOUT),
+                 max_stack_depth=MAX_STACK_DEPTH if passthrough else 0)
 
 
 def ckpt_wants(passthrough: bool) -> Wants:

@@ -49,10 +49,11 @@ def mount(mountpoint: str, options: set[str]) -> None:
     _session = session
 
 
-def answer_init(timeout: float, request_timeout: int) -> Negotiated:
+def answer_init(timeout: float, request_timeout: int, passthrough: bool = False) -> Negotiated:
     """Serve the kernel's INIT request within `timeout` seconds, asking for what a
     read-only dataset mount wants (rawsession.dataset_wants) and a request timeout of
-    `request_timeout` seconds (0: none); logs what the kernel granted, once.
+    `request_timeout` seconds (0: none), and FUSE passthrough if `passthrough`; logs what
+    the kernel granted, once.
 
     The workers may only be forked after this (they take the negotiated session
     over), and INIT sets the mount's read-ahead, which the daemon raises afterwards.
@@ -60,7 +61,7 @@ def answer_init(timeout: float, request_timeout: int) -> Negotiated:
     global _wants
     if _session is None:
         raise RuntimeError("answer_init before mount")
-    _wants = dataset_wants(request_timeout)
+    _wants = dataset_wants(request_timeout, passthrough)
     try:
         negotiated = _session.serve_init(timeout, _wants)
     except (OSError, TimeoutError) as err:

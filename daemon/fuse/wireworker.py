@@ -40,6 +40,7 @@ from dlfsd.fuse.requestloop import (
 from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
 from dlfsd.kernel import kernel_skips_opens, workers_answer_opens
 from dlfsd.namespace import Namespace
+from dlfsd.passthrough import PassthroughOpens
 from dlfsd.reader import FileSpan
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,16 @@ class WireWorker(RequestLoop):
     """Serves the datasets' requests from `fd` until unmount (ENODEV) or SIGTERM."""
 
     def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
-                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0) -> None:
+                 cache_timeout: float, count_opens: bool = False, pipe_size: int = 0,
+                 passthrough: PassthroughOpens | None = None) -> None:
+        """`passthrough`: the mount serves large files by FUSE passthrough (the kernel
+        granted it): every OPEN is answered, a large file's with its backing id."""
         super().__init__(fd)
         self.ns = namespace
-        self.answer_opens = workers_answer_opens(count_opens)
+        self.passthrough = passthrough
+        self.answer_opens = workers_answer_opens(count_opens) or passthrough is not None
+        self._opened = 0  # the large file the OPEN being answered counted (_reply_lost)
+        self._register_warned = False
         self.no_opendir = kernel_skips_opens()[1]
         self.attrs = fw.AttrPacker(uid, gid, cache_timeout)
         # `.dlfs/` files change all the time: the kernel must ask again on each read.
@@ -132,8 +139,41 @@ class WireWorker(RequestLoop):
             # FUSE no_open: from this reply on the kernel opens and closes files
             # itself (keeping their page cache) and reads arrive with handle 0.
             raise Errno(errno.ENOSYS)
+        self._opened = 0
         fh, direct_io = self.ns.open(nodeid, self.caller)
+        if self.passthrough is not None:
+            backing = self.passthrough.opened(nodeid, self._register)
+            if backing >= 0:  # a large file: counted until its RELEASE
+                self._opened = nodeid
+            if backing > 0:  # the kernel reads the verified whole-file copy itself
+                return fw.OPEN_OUT.pack(fh, fw.FOPEN_PASSTHROUGH, backing)
         return fw.OPEN_OUT.pack(fh, fw.FOPEN_DIRECT_IO if direct_io else fw.FOPEN_KEEP_CACHE, 0)
+
+    def _register(self, fd: int) -> int:
+        """A backing id for the copy open as `fd`; 0 (served here) if the kernel refuses
+        (logged once per process)."""
+        try:
+            return fw.open_backing(self.fd, fd)
+        except OSError as err:
+            if not self._register_warned:
+                self._register_warned = True
+                log.warning("worker %d: FUSE passthrough refused for a large file's copy "
+                            "(%s); such files are served by the daemon", os.getpid(),
+                            err.strerror)
+            return 0
+
+    def _unregister(self, backing_id: int) -> None:
+        try:
+            fw.close_backing(self.fd, backing_id)
+        except OSError as err:
+            log.warning("cannot close FUSE backing id %d: %s", backing_id, err.strerror)
+
+    def _reply_lost(self, opcode: int) -> None:
+        """The opener was interrupted before our answer to OPEN arrived: no RELEASE will
+        come, so a large file's open must not stay counted."""
+        if opcode == fw.OPEN and self._opened:
+            self.passthrough.released(self._opened, self._unregister)
+            self._opened = 0
 
     def read(self, nodeid: int, n: int):
         fh, offset, size, _ = fw.READ_IN.unpack_from(self._buf, _HEADER)
@@ -143,6 +183,8 @@ class WireWorker(RequestLoop):
 
     def release(self, nodeid: int, n: int) -> None:
         fh, _, _ = fw.RELEASE_IN.unpack_from(self._buf, _HEADER)
+        if self.passthrough is not None:
+            self.passthrough.released(nodeid, self._unregister)
         self.ns.release(fh)
 
     def statfs(self, nodeid: int, n: int) -> bytes:

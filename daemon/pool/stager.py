@@ -43,6 +43,7 @@ from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
 from dlfsd.pool import replicate
 from dlfsd.pool.chunkcache import ChunkCache
+from dlfsd.pool.filecopies import FILE_DEMAND, FileStager
 from dlfsd.pool.peer import PeerError
 from dlfsd.pool.replicate import POLL_SECONDS, PrimaryNotReady, ReplicaSource
 from dlfsd.throttle import pace
@@ -174,6 +175,12 @@ class Stager:
         self.copied_chunks = 0
         self.started = time.monotonic()
         self.finished: float | None = None
+        self.files: FileStager | None = None  # whole-file copies (attach_files)
+
+    def attach_files(self, files: FileStager) -> None:
+        """Also make the node's whole-file copies of large files (FUSE passthrough,
+        dlfsd.pool.filecopies): their bytes count against --cache-limit too."""
+        self.files = files
 
     # -- scheduling -----------------------------------------------------------------
     async def run(self) -> None:
@@ -185,6 +192,8 @@ class Stager:
                 nursery.start_soon(self._receive_demands)
                 for _ in range(self.jobs):
                     nursery.start_soon(self._job)
+                if self.files is not None:
+                    nursery.start_soon(self.files.run, lambda: self._stopping)
         finally:
             self._stopping = True
 
@@ -202,6 +211,10 @@ class Stager:
 
     async def _receive_demands(self) -> None:
         async for ds, chunk in self.demand.receive():
+            if chunk & FILE_DEMAND:  # an open wants a whole-file copy made or checked
+                if self.files is not None:
+                    self.files.demand(ds, chunk & ~FILE_DEMAND)
+                continue
             if ds < len(self.datasets) and chunk < self.datasets[ds].chunk_count:
                 if (ds, chunk) in self._queued:
                     continue
@@ -321,7 +334,20 @@ class Stager:
         in_flight = sum(n for (ds, chunk), n in self._busy.items()
                         if not self.caches[ds].is_staged(chunk))
         used = sum(c.staged_bytes() for c in self.caches) + in_flight
+        if self.files is not None:
+            used += self.files.staged_bytes()
         return used + length <= self.cache_limit
+
+    def fits_file(self, length: int) -> bool:
+        """Whether a whole-file copy of `length` bytes fits under --cache-limit beside
+        every owned chunk not staged yet (trio thread only): under a limit the chunks
+        come first (peers read them, and every read works without the file copies)."""
+        if not self.cache_limit:
+            return True
+        unstaged = sum(int(d.chunk_lengths[mask & ~c.staged_mask()].sum())
+                       for d, mask, c in zip(self.datasets, self.owned_masks, self.caches,
+                                             strict=True))
+        return self._fits(length + unstaged)
 
     def _copy_failed(self, ds: int, chunk: int, err: Exception) -> None:
         """Try the chunk again once its backoff (or the cache disk's pause) is over.

@@ -294,6 +294,14 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "a running mount uses; checkpoint tiers (CACHE_DIR/ckpt/) count "
                         "but are never removed (default: no limit; Slurm: dlfs.conf "
                         "DLFS_CACHE_NODE_LIMIT)")
+    g.add_argument("--passthrough", choices=("auto", "on", "off"), default="auto",
+                   help="large files (a quarter chunk and 1 MiB or more) are copied whole into "
+                        "--cache-dir, each extent checked as it is written, and the kernel "
+                        "reads them from there itself (FUSE passthrough: a daemon running "
+                        "as root, Linux >= 6.9); the daemon then answers every open, which "
+                        "costs each small-file open a round trip: auto does it when large "
+                        "files hold at least half of the mounted bytes, on whenever it can, "
+                        "off never (default auto; `dlfs status` says which and why)")
     g.add_argument("--stage-jobs", type=_positive, default=2,
                    help="chunks copied from the store at once (default 2)")
     g.add_argument("--peer-timeout", type=_seconds, default=5.0,
@@ -413,7 +421,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
         lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
-        request_timeout=args.request_timeout,
+        request_timeout=args.request_timeout, passthrough=args.passthrough,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
 

@@ -104,7 +104,21 @@ def plain_lines(status: dict) -> list[str]:
     lines += ckpt_lines(status.get("ckpt"))
     if status.get("fuse"):
         lines.append(fuse_line(status["fuse"]))
+    if status.get("passthrough"):
+        lines.append(passthrough_line(status["passthrough"]))
     return lines + history_lines(status.get("health")) + problem_lines(status.get("health"))
+
+
+def passthrough_line(c: dict) -> str:
+    """Whether large files are read by the kernel from whole-file copies (dlfsd.passthrough),
+    why, and how far their copies and opens got."""
+    line = f"large files by passthrough: {c.get('mode', '?')}"
+    if "large_files" in c:
+        line += (f"; {c['verified_copies']}/{c['large_files']} whole-file copies verified "
+                 f"({format_size(c['large_bytes'])} in all), {c['unverified_copies']} to "
+                 f"check; opens passed through {c['opens_passed']}, served "
+                 f"{c['opens_served']}")
+    return line
 
 
 def fuse_line(c: dict) -> str:

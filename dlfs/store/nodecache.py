@@ -125,7 +125,7 @@ def _describe(path: Path) -> CachedDataset:
     with contextlib.suppress(OSError), os.scandir(path) as files:
         for f in files:
             if not f.name.startswith(".") and f.is_file(follow_symlinks=False):
-                chunks += 1
+                chunks += f.name.endswith(".chunk")  # not whole-file copies (passthrough)
                 nbytes += f.stat(follow_symlinks=False).st_size
     try:
         last_used = (path / LAST_USED).stat().st_mtime
