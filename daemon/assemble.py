@@ -33,10 +33,10 @@ from dlfs.sizes import format_size
 from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
-from dlfsd.access import admits_others, served_to_user, shown_owner
+from dlfsd.base.access import admits_others, served_to_user, shown_owner
+from dlfsd.base.kernel import kernel_release, kernel_skips_opens
 from dlfsd.ckpt.connect import CkptConfig, CkptConnection, CkptTier, open_tier
 from dlfsd.fuse.wireworker import WireWorker, find_fuse_fd, fuse_fds
-from dlfsd.kernel import kernel_release, kernel_skips_opens
 from dlfsd.lookahead import LookAhead
 from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer

@@ -70,11 +70,11 @@ import numpy as np
 from dlfs.errors import DlfsError
 from dlfs.sizes import format_size
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
+from dlfsd.base.throttle import pace
 from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
 from dlfsd.namespace import Namespace
 from dlfsd.pool.peershare import extent_key
 from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, SampleReader
-from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 

@@ -40,11 +40,11 @@ from dlfsd.assemble import (
     set_read_ahead,
     start_workers,
 )
+from dlfsd.base.kernel import INIT_TIMEOUT
 from dlfsd.ckpt.connect import connect
 from dlfsd.commit import LaunchCommit, LaunchSecret
 from dlfsd.fuse import session
 from dlfsd.fuse.wireworker import fuse_fds
-from dlfsd.kernel import INIT_TIMEOUT
 from dlfsd.obs.status import write_status
 from dlfsd.supervise import (
     HeldStopSignals,

@@ -33,7 +33,7 @@ from dlfs.errors import (
 )
 from dlfs.store.directory import SampleDirectory
 from dlfs.store.store import Dataset
-from dlfsd.ckpt.nodeids import CKPT_BIT, CKPT_NAME
+from dlfsd.base.nodeids import CKPT_BIT, CKPT_NAME
 from dlfsd.obs.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
 from dlfsd.obs.observe import Observability, ObserveConfig
 from dlfsd.obs.trace import (

@@ -29,12 +29,12 @@ from dlfs.errors import CorruptDataError
 from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.store import Dataset
+from dlfsd.base.throttle import pace
 from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.pool.peershare import extent_key
 from dlfsd.prefetch import ChunkPrefetch
-from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 

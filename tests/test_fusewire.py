@@ -14,8 +14,8 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dlfsd.base.kernel import kernel_skips_opens, kernel_version
 from dlfsd.fuse import fusewire as fw
-from dlfsd.kernel import kernel_skips_opens, kernel_version
 from dlfsd.namespace import Attr, StatFs
 
 

@@ -26,8 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("readers", ["dlfs.obs"]),  # renders what daemons report (the daemon reuses the renderers)
     # epoch order for training jobs: the sampler, its plans, its client to the daemon
     ("training order", ["dlfs.order", "dlfs.orderclient", "dlfs.sampler"]),
-    ("daemon basics", ["dlfsd", "dlfsd.slots", "dlfsd.throttle", "dlfsd.nowait", "dlfsd.kernel",
-                       "dlfsd.ckpt.nodeids"]),
+    ("daemon basics", ["dlfsd", "dlfsd.base"]),
     ("daemon observability", ["dlfsd.obs"]),
     ("chunk pool", ["dlfsd.pool"]),
     # where an extent's bytes come from: what the reader and the look-ahead both follow

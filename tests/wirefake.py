@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import socket
 
+from dlfsd.base.kernel import KERNEL_RELEASE_VAR
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.wireworker import WireWorker
-from dlfsd.kernel import KERNEL_RELEASE_VAR
 from dlfsd.namespace import Namespace
 
 

@@ -42,8 +42,8 @@ import time
 from collections import OrderedDict
 
 from dlfs.errors import DlfsError
+from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt import sums
-from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.state import same_file
 from dlfsd.ckpt.tier import Tier, is_adopt_temporary
 from dlfsd.ckpt.union import (

@@ -21,7 +21,7 @@ import stat
 import struct
 import time
 
-from dlfsd.ckpt.nodeids import CKPT_BIT
+from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.opens import Opens
 from dlfsd.ckpt.tree import CkptTree

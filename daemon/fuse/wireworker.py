@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 
+from dlfsd.base.kernel import kernel_skips_opens, workers_answer_opens
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker
@@ -38,7 +39,6 @@ from dlfsd.fuse.requestloop import (
     fuse_fds,
 )
 from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
-from dlfsd.kernel import kernel_skips_opens, workers_answer_opens
 from dlfsd.namespace import Namespace
 from dlfsd.reader import FileSpan
 

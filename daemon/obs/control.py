@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from dlfs.errors import NotADirError, NotFoundError
 from dlfs.runtime import pid_alive
-from dlfsd.slots import ProcessSlot
+from dlfsd.base.slots import ProcessSlot
 
 CONTROL_DIR_NAME = b".dlfs"
 CONTROL_DIR_INODE = 2

@@ -55,6 +55,7 @@ from dlfs.cluster.placement import owners
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.nodecache import is_dataset_dir
 from dlfs.store.store import Dataset
+from dlfsd.base.throttle import TokenBucket
 from dlfsd.obs.peermarks import NO_PEER_MARKS, NullPeerMarks, PeerMarks
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_PEER, NullRequests, RequestSlots
 from dlfsd.pool.chunkcache import ChunkCache
@@ -63,7 +64,6 @@ from dlfsd.pool.peershare import SHARE_BYTES, PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.pool.protocol import BadRange
 from dlfsd.pool.stager import DemandChannel
-from dlfsd.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 
