@@ -36,15 +36,15 @@ from dlfs.store.store import Dataset, Store
 from dlfsd.base.access import admits_others, served_to_user, shown_owner
 from dlfsd.base.kernel import kernel_release, kernel_skips_opens
 from dlfsd.ckpt.connect import CkptConfig, CkptConnection, CkptTier, open_tier
+from dlfsd.core.lookahead import LookAhead
+from dlfsd.core.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
+from dlfsd.core.ordersock import OrderService
+from dlfsd.core.prefetch import available_memory, prefetch_decision
 from dlfsd.fuse.wireworker import WireWorker, find_fuse_fd, fuse_fds
-from dlfsd.lookahead import LookAhead
-from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
 from dlfsd.obs.health import HealthWatch
 from dlfsd.obs.observe import ObserveConfig
 from dlfsd.obs.status import StatusConfig
-from dlfsd.ordersock import OrderService
-from dlfsd.prefetch import available_memory, prefetch_decision
 from dlfsd.services import PICK_ANOTHER_PORT, PoolServices, Services
 from dlfsd.supervise import fork_workers
 

@@ -29,10 +29,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("daemon basics", ["dlfsd", "dlfsd.base"]),
     ("daemon observability", ["dlfsd.obs"]),
     ("chunk pool", ["dlfsd.pool"]),
-    # where an extent's bytes come from: what the reader and the look-ahead both follow
-    ("extent sources", ["dlfsd.extentsource"]),
-    ("namespace and reader", ["dlfsd.namespace", "dlfsd.reader", "dlfsd.prefetch",
-                              "dlfsd.lookahead", "dlfsd.ordersock"]),
+    # the read core: namespace, reader, where an extent's bytes come from, look-ahead
+    ("read core", ["dlfsd.core"]),
     # the writable checkpoint subtree: a passthrough onto the node cache, and its drain
     ("checkpoint tier", ["dlfsd.ckpt"]),
     ("fuse adapters", ["dlfsd.fuse"]),

@@ -31,10 +31,10 @@ from dlfsd.ckpt.drain import Drainer, scan
 from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.tier import Tier
 from dlfsd.ckpt.tree import CkptTree
+from dlfsd.core.namespace import Namespace
 from dlfsd.fuse.ckptworker import CkptWorker
 from dlfsd.fuse.rawsession import RawSession
 from dlfsd.fuse.wireworker import fuse_fds
-from dlfsd.namespace import Namespace
 from dlfsd.obs.sharedjson import SharedJson
 from dlfsd.supervise import fork_workers
 

@@ -25,9 +25,9 @@ from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.opens import Opens
 from dlfsd.ckpt.tree import CkptTree
+from dlfsd.core.namespace import Namespace
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.requestloop import HEADER, Errno, RequestLoop
-from dlfsd.namespace import Namespace
 
 log = logging.getLogger("dlfsd")
 

@@ -26,6 +26,8 @@ import logging
 import os
 
 from dlfsd.base.kernel import kernel_skips_opens, workers_answer_opens
+from dlfsd.core.namespace import Namespace
+from dlfsd.core.reader import FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker
@@ -39,8 +41,6 @@ from dlfsd.fuse.requestloop import (
     fuse_fds,
 )
 from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
-from dlfsd.namespace import Namespace
-from dlfsd.reader import FileSpan
 
 log = logging.getLogger(__name__)
 

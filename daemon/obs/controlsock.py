@@ -66,7 +66,7 @@ class ControlServer:
                  ckpt=None, ckpt_uid: int | None = None) -> None:
         """`services`: more sockets this process answers (each with a bound listening
         `sock`, `start()`, `handle(conn)`, `stop()` and `close()`, e.g. the look-ahead's
-        dlfsd.ordersock.OrderService); started in the control process."""
+        dlfsd.core.ordersock.OrderService); started in the control process."""
         self.path = path
         self.observe = observe
         self.services = list(services)

@@ -90,7 +90,7 @@ class ChunkPool:
                  ahead: tuple[int, int] = (0, 0)) -> None:
         """`processes`: how many of the daemon's processes may read from peers (main,
         workers, the control process), for the shared fetch counters' rows.
-        `ahead`: the look-ahead's window (samples, bytes; dlfsd.lookahead), for which
+        `ahead`: the look-ahead's window (samples, bytes; dlfsd.core.lookahead), for which
         PeerShare makes room besides the readers' own shared fetches: what it fetches
         from peers ahead then stays until it is read (a sample per slot of the largest
         extent, at most the window's bytes)."""

@@ -34,6 +34,7 @@ from dlfs.errors import (
 from dlfs.store.directory import SampleDirectory
 from dlfs.store.store import Dataset
 from dlfsd.base.nodeids import CKPT_BIT, CKPT_NAME
+from dlfsd.core.reader import SampleReader
 from dlfsd.obs.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
 from dlfsd.obs.observe import Observability, ObserveConfig
 from dlfsd.obs.trace import (
@@ -47,7 +48,6 @@ from dlfsd.obs.trace import (
     TRACED_FH,
     handle_inode,
 )
-from dlfsd.reader import SampleReader
 
 if TYPE_CHECKING:
     from dlfsd.pool.pool import ChunkPool
@@ -160,7 +160,7 @@ class Namespace:
 
     def use_spans(self, max_length: int) -> None:
         """Worker processes that splice replies: reads of verified bytes up to
-        `max_length` may return a dlfsd.reader.FileSpan (0: never)."""
+        `max_length` may return a dlfsd.core.reader.FileSpan (0: never)."""
         for reader in self.readers:
             reader.use_spans(max_length)
 

@@ -1,6 +1,6 @@
 """SampleReader: file bytes of one dataset, read from its chunk files.
 
-Where the bytes come from is dlfsd.extentsource's plan, which the look-ahead
+Where the bytes come from is dlfsd.core.extentsource's plan, which the look-ahead
 follows too: with a chunk pool (cluster mode), a chunk staged on local NVMe
 is read there, else from an owner peer (the extent's byte range, checked
 against its checksum), else from the store (and the chunk is demanded from
@@ -30,11 +30,11 @@ from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.store import Dataset
 from dlfsd.base.throttle import pace
-from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.core.prefetch import ChunkPrefetch
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.pool.peershare import extent_key
-from dlfsd.prefetch import ChunkPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class SampleReader:
         self._span_max = 0
         self._lookahead = _NO_LOOKAHEAD  # [0] is 1 while the look-ahead follows an epoch
 
-    # Read-only views for the look-ahead (dlfsd.lookahead), which fetches extents itself.
+    # Read-only views for the look-ahead (dlfsd.core.lookahead), which fetches extents itself.
     @property
     def state_map(self) -> mmap.mmap:
         return self._state

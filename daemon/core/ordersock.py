@@ -12,7 +12,7 @@ connection is answered at a time, each message must arrive whole within
 REQUEST_TIMEOUT, and a body over its request's limit (`body_limit`: a
 registration at most PATH_BYTES per entry of the mount and MAX_REGISTER_BODY, an
 announcement 4 bytes per registered sample) is refused in one line without being
-read; the look-ahead bounds what it keeps across clients (dlfsd.lookahead).
+read; the look-ahead bounds what it keeps across clients (dlfsd.core.lookahead).
 
 The socket's abstract name is drawn at random when the service is made (before
 the workers fork) and published, once bound, in shared memory that the workers
@@ -42,7 +42,7 @@ from dlfs.orderwire import (
     send_message,
 )
 from dlfs.sizes import format_size
-from dlfsd.lookahead import LookAhead, unknown_registration
+from dlfsd.core.lookahead import LookAhead, unknown_registration
 
 log = logging.getLogger(__name__)
 
