@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                       "dlfsd.ckpt.connect"]),
     # Each part of the daemon built from its own settings (reads MountConfig)
     ("assembly", ["dlfsd.assemble"]),
-    ("daemon lifecycle", ["dlfsd.main", "dlfsd.warmup", "dlfsd.__main__"]),
+    ("daemon lifecycle", ["dlfsd.main", "dlfsd.__main__"]),
     # The command line: shared helpers, then the command families (any other
     # dlfs.cli module, so a new family <name>_cmds.py needs no entry here), then
     # the shell that registers them.
@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, list[str]]] = [
 # (dlfs.launch); the one import across is `mount --foreground` becoming the daemon.
 LAUNCHER_MAY_IMPORT = {("dlfs.cli.mountctl", "dlfsd.main"),
                        # `dlfs warmup` runs the daemon's stager in the foreground, no mount
-                       ("dlfs.cli.warmup_cmds", "dlfsd.warmup"),
+                       ("dlfs.cli.warmup_cmds", "dlfsd.pool.warmup"),
                        # `dlfs ckpt-audit` reads a checkpoint tier's ledger (the Slurm
                        # epilog asks it before deleting a tier), no mount, no daemon
                        ("dlfs.cli.ckpt_cmds", "dlfsd.ckpt.audit")}
