@@ -2,7 +2,7 @@
 
 MountConfig is read here (besides dlfsd.main, which only orders the steps, and
 the small XConfig.from_mount of a part that takes a config object:
-dlfsd.obs.observe, dlfsd.obs.status, dlfsd.ckpt.connect), never by the parts
+dlfsd.obs.observe, dlfsd.obs.status, dlfsd.ckptconnect), never by the parts
 themselves: each gets constructor arguments, whole, and none is patched after
 it is made. What the workers share (the namespace's
 counters and flags, the pool's tables and demand pipe, the checkpoint tier,
@@ -35,7 +35,7 @@ from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
 from dlfsd.base.access import admits_others, served_to_user, shown_owner
 from dlfsd.base.kernel import kernel_release, kernel_skips_opens
-from dlfsd.ckpt.connect import CkptConfig, CkptConnection, CkptTier, open_tier
+from dlfsd.ckptconnect import CkptConfig, CkptConnection, CkptTier, open_tier
 from dlfsd.core.lookahead import LookAhead
 from dlfsd.core.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.core.ordersock import OrderService

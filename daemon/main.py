@@ -41,7 +41,7 @@ from dlfsd.assemble import (
     start_workers,
 )
 from dlfsd.base.kernel import INIT_TIMEOUT
-from dlfsd.ckpt.connect import connect
+from dlfsd.ckptconnect import connect
 from dlfsd.commit import LaunchCommit, LaunchSecret
 from dlfsd.fuse import session
 from dlfsd.fuse.wireworker import fuse_fds

@@ -4,7 +4,7 @@ the checkpoint drain.
 The forked workers serve every FUSE request; the main process runs these in its
 trio loop and threads (dlfsd.supervise starts them and watches the workers), so
 none of them ever waits behind a blocking FUSE handler. Each part is built
-elsewhere (dlfsd.assemble, dlfsd.ckpt.connect) from its own settings and handed
+elsewhere (dlfsd.assemble, dlfsd.ckptconnect) from its own settings and handed
 in whole; Services only runs, reports and stops them.
 """
 
@@ -23,7 +23,7 @@ from dlfsd.obs.health import HealthWatch
 from dlfsd.obs.status import StatusConfig, build_status, keep_status
 
 if TYPE_CHECKING:
-    from dlfsd.ckpt.connect import CkptConnection
+    from dlfsd.ckptconnect import CkptConnection
     from dlfsd.pool.peerserver import PeerLoopServer
     from dlfsd.pool.pool import ChunkPool
     from dlfsd.pool.replicate import ReplicaSource

@@ -35,7 +35,7 @@ log = logging.getLogger("dlfsd")
 
 class Running(Protocol):
     """What supervise runs beside watching the workers: dlfsd.services.Services (a
-    protocol, not an import: the services' checkpoint part starts from dlfsd.ckpt.connect,
+    protocol, not an import: the services' checkpoint part starts from dlfsd.ckptconnect,
     which forks its workers through this module)."""
 
     connection_lost: bool  # set when a connection aborted or its workers died

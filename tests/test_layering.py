@@ -36,10 +36,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("fuse adapters", ["dlfsd.fuse"]),
     # The main process above the workers it forks: watching them and the stop signals,
     # the launcher's commit, the services it runs; the checkpoint connection's start-up
-    # (it mounts with dlfsd.fuse.rawsession and forks dlfsd.fuse.ckptworker), kept
-    # beside its tier.
+    # (it mounts with dlfsd.fuse.rawsession and forks dlfsd.fuse.ckptworker).
     ("main process", ["dlfsd.supervise", "dlfsd.commit", "dlfsd.services",
-                      "dlfsd.ckpt.connect"]),
+                      "dlfsd.ckptconnect"]),
     # Each part of the daemon built from its own settings (reads MountConfig)
     ("assembly", ["dlfsd.assemble"]),
     ("daemon lifecycle", ["dlfsd.main", "dlfsd.__main__"]),
