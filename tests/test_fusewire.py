@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dlfsd.base.kernel import kernel_skips_opens, kernel_version
-from dlfsd.core.namespace import Attr, StatFs
+from dlfsd.core.values import Attr, StatFs
 from dlfsd.fuse import fusewire as fw
 
 

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlfs.store.directory import SourceEntry, build_directory
-from dlfsd.core.namespace import DIR_BLKSIZE, _attr
+from dlfsd.core.namespace import _attr
+from dlfsd.core.values import DIR_BLKSIZE
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.listing import PLAIN_RECORD, PLUS_RECORD, ListingPacker
 

@@ -55,7 +55,7 @@ from dlfsd.ckpt.union import (
     store_holds_entries,
     symlink_on_store,
 )
-from dlfsd.core.namespace import Attr, StatFs
+from dlfsd.core.values import Attr, StatFs
 
 OPEN_FDS = 128  # descriptors kept per process
 TOUCH_EVERY_NS = 1_000_000_000  # a written file's pending row is refreshed this often

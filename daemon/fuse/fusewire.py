@@ -14,7 +14,7 @@ import os
 import stat
 import struct
 
-from dlfsd.core.namespace import StatFs, st_blksize, st_blocks
+from dlfsd.core.values import StatFs, st_blksize, st_blocks
 
 # Opcodes (enum fuse_opcode).
 LOOKUP = 1
@@ -147,12 +147,12 @@ class AttrPacker:
                 self.uid, self.gid, 0, self.blksize(mode), 0)
 
     def entry(self, attr) -> bytes:
-        """fuse_entry_out for a dlfsd.core.namespace.Attr."""
+        """fuse_entry_out for a dlfsd.core.values.Attr."""
         v, vn = self.valid, self.valid_ns
         return ENTRY_OUT.pack(attr.ino, 0, v, v, vn, vn, *self._attr(*attr))
 
     def attr(self, attr) -> bytes:
-        """fuse_attr_out for a dlfsd.core.namespace.Attr."""
+        """fuse_attr_out for a dlfsd.core.values.Attr."""
         return ATTR_OUT.pack(self.valid, self.valid_ns, 0, *self._attr(*attr))
 
 

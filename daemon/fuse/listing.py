@@ -3,7 +3,7 @@
 Why: the first `ls -l`/`os.walk` of a mount is one READDIRPLUS reply per
 ~6,000 entries (the kernel asks for as much as the lister's getdents buffer,
 which glibc sizes by the directory's st_blksize: 1 MiB here, see
-dlfsd.core.namespace.DIR_BLKSIZE), each entry a fuse_entry_out (inode attributes) plus a
+dlfsd.core.values.DIR_BLKSIZE), each entry a fuse_entry_out (inode attributes) plus a
 fuse_dirent plus the name. Packed one
 `struct.pack` at a time in Python that costs ~3.5 µs per entry, as much CPU as
 the kernel spends creating the entry's inode and dentry, and the lister waits
@@ -27,7 +27,7 @@ import stat
 import numpy as np
 
 from dlfs.store.directory import SampleDirectory
-from dlfsd.core.namespace import BLKSIZE, DIR_BLKSIZE, st_blocks
+from dlfsd.core.values import BLKSIZE, DIR_BLKSIZE, st_blocks
 from dlfsd.fuse.fusewire import AttrPacker
 
 _ENTRY_FIELDS = [

@@ -16,7 +16,7 @@ import os
 import signal
 
 from dlfs.signals import STOP_SIGNALS, unblock_stop_signals
-from dlfsd.core.reader import FileSpan
+from dlfsd.core.values import FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 

@@ -27,7 +27,7 @@ import os
 
 from dlfsd.base.kernel import kernel_skips_opens, workers_answer_opens
 from dlfsd.core.namespace import Namespace
-from dlfsd.core.reader import FileSpan
+from dlfsd.core.values import FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker

@@ -44,7 +44,7 @@ SNAPSHOT_MAX_AGE = 60.0  # seconds before an unused one is removed
 DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
 
-# (ino, mode, size, mtime_ns, nlink), the fields of dlfsd.core.namespace.Attr
+# (ino, mode, size, mtime_ns, nlink), the fields of dlfsd.core.values.Attr
 AttrTuple = tuple[int, int, int, int, int]
 
 
