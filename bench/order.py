@@ -8,7 +8,7 @@ epoch (dlfs.workload.shuffled_epoch: N processes, each its share of one
 seeded shuffle). Per round, each on a fresh mount with dropped caches:
 
   plain      the epoch, nothing announced (what every job got before)
-  announced  the same order announced first (dlfs.orderclient: what
+  announced  the same order announced first (dlfs.order.client: what
              DLFSSampler does at the start of each epoch), then the epoch;
              the announcement's own time is part of the epoch's
   warm       unthrottled, after one epoch filled the page cache: the next
@@ -62,9 +62,9 @@ from _common import (
 )
 from _pool import free_ports, source_counts, wait_staged, write_secret
 
-from dlfs.orderclient import connect
+from dlfs.order.client import connect
+from dlfs.order.sampler import DLFSSampler
 from dlfs.sampledata import generate_tree
-from dlfs.sampler import DLFSSampler
 from dlfs.workload import ordered_epoch, shuffled_epoch
 
 

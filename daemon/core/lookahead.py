@@ -1,8 +1,8 @@
 """LookAhead: read each announced epoch ahead of the processes that will read it.
 
-A sampler (dlfs.sampler) registers its dataset's paths once and announces,
+A sampler (dlfs.order.sampler) registers its dataset's paths once and announces,
 at the start of each epoch, the order its rank will read them in
-(dlfs.orderwire). The daemon then fetches the samples' extents ahead of the
+(dlfs.order.wire). The daemon then fetches the samples' extents ahead of the
 readers, in that order, on threads of the control process, never holding more
 than `samples` samples or `nbytes` bytes fetched that no reader has taken yet,
 nor reaching more than MAX_SPAN windows past the first sample not taken

@@ -345,7 +345,7 @@ class DLFSSampler:
         target = os.fspath(mount) if mount is not None else dlfs_mount_of(self.paths[0])
         if target is None:
             return None, f"{self.paths[0]} is not inside a DLFS mount"
-        from dlfs.orderclient import connect
+        from dlfs.order.client import connect
 
         try:
             client = connect(self.paths, mount=target)

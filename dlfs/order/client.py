@@ -24,7 +24,7 @@ import numpy as np
 
 from dlfs.mountinfo import mountpoints_of_type
 from dlfs.order.seam import Locality
-from dlfs.orderwire import (
+from dlfs.order.wire import (
     ORDER_FILE,
     OrderWireError,
     recv_message,
