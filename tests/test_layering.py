@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("job", ["dlfs.config", "dlfs.cluster"]),  # a mount's settings, its nodes
     ("readers", ["dlfs.obs"]),  # renders what daemons report (the daemon reuses the renderers)
     # epoch order for training jobs: the sampler, its plans, its client to the daemon
-    ("training order", ["dlfs.order"]),
+    ("training order", ["dlfs.order", "dlfs.sampler", "dlfs.orderclient"]),
     ("daemon basics", ["dlfsd", "dlfsd.base"]),
     ("daemon observability", ["dlfsd.obs"]),
     ("chunk pool", ["dlfsd.pool"]),

@@ -667,3 +667,16 @@ def test_importing_the_sampler_imports_no_torch():
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_public_names_stay_importable():
+    """README and docs/ORDER.md name `dlfs.sampler` and `dlfs.orderclient`: re-exports of
+    dlfs.order.sampler and dlfs.order.client, the same objects."""
+    import dlfs.order.client
+    import dlfs.order.sampler
+    import dlfs.orderclient
+    from dlfs.sampler import DLFSSampler, write_order
+
+    assert DLFSSampler is dlfs.order.sampler.DLFSSampler
+    assert write_order is dlfs.order.sampler.write_order
+    assert dlfs.orderclient.connect is dlfs.order.client.connect
