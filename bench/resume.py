@@ -52,10 +52,10 @@ from _common import (
     workdir,
 )
 
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import ordered_epoch
 from dlfs.order.client import connect
 from dlfs.order.sampler import DLFSSampler, Locality
-from dlfs.sampledata import generate_tree
-from dlfs.workload import ordered_epoch
 
 SEED, EPOCH, WORLD_BEFORE, WORLD_AFTER = 7, 1, 4, 2
 

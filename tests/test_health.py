@@ -31,8 +31,8 @@ from test_pool import (  # the pool helpers, reused
     wait_staged,
 )
 
+from dlfs.demo.sampledata import generate_large_files, generate_tree
 from dlfs.obs.healthview import problem_lines
-from dlfs.sampledata import generate_large_files, generate_tree
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Store
 from dlfsd.base.slots import ProcessSlot

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("readers", ["dlfs.obs"]),  # renders what daemons report (the daemon reuses the renderers)
     # epoch order for training jobs: the sampler, its plans, its client to the daemon
     ("training order", ["dlfs.order", "dlfs.sampler", "dlfs.orderclient"]),
+    ("demo data", ["dlfs.demo"]),  # generated datasets and an epoch reader: demo, tests, benchmarks
     ("daemon basics", ["dlfsd", "dlfsd.base"]),
     ("daemon observability", ["dlfsd.obs"]),
     ("chunk pool", ["dlfsd.pool"]),
