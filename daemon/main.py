@@ -28,7 +28,8 @@ from dlfs.launch import (
     version_refusal,
 )
 from dlfs.mountinfo import find_mount
-from dlfs.runtime import DaemonRecord, remove_record, start_time, status_path, write_record
+from dlfs.procs import start_time
+from dlfs.runtime import DaemonRecord, remove_record, status_path, write_record
 from dlfsd import __version__
 from dlfsd.assemble import (
     Daemon,

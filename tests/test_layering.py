@@ -21,7 +21,7 @@ PACKAGES = {"dlfs": ROOT / "dlfs", "dlfsd": ROOT / "daemon"}
 # Lowest first. A module belongs to the longest prefix that names it.
 LAYERS: list[tuple[str, list[str]]] = [
     ("basics", ["dlfs"]),  # errors, sizes, signals, mountinfo, launch contract, pipes...
-    ("store", ["dlfs.store", "dlfs.runtime"]),  # on-disk datasets; which mounts use them
+    ("store", ["dlfs.store"]),  # on-disk datasets; which mounts use them
     ("job", ["dlfs.config", "dlfs.cluster"]),  # a mount's settings, its nodes
     ("readers", ["dlfs.obs"]),  # renders what daemons report (the daemon reuses the renderers)
     # epoch order for training jobs: the sampler, its plans, its client to the daemon

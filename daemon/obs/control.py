@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 
 from dlfs.errors import NotADirError, NotFoundError
-from dlfs.runtime import pid_alive
+from dlfs.procs import pid_alive
 from dlfsd.base.slots import ProcessSlot
 
 CONTROL_DIR_NAME = b".dlfs"

@@ -22,10 +22,10 @@ from rich.text import Text
 from dlfs.errors import EXIT_OK, NotFoundError
 from dlfs.mountinfo import find_mount
 from dlfs.obs.healthview import history_lines, problem_lines
+from dlfs.procs import serving_daemon
 from dlfs.runtime import (
     mountpoint_path,
     read_record,
-    serving_daemon,
     status_path,
 )
 from dlfs.sizes import format_size
