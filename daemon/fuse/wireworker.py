@@ -30,7 +30,7 @@ from dlfsd.core.namespace import Namespace
 from dlfsd.core.values import FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
-from dlfsd.fuse.listing import ListingPacker
+from dlfsd.fuse.listing import ListingPacker, pack_entries
 from dlfsd.fuse.requestloop import HEADER as _HEADER
 from dlfsd.fuse.requestloop import (
     WORKER_ABORTED,
@@ -186,16 +186,9 @@ class WireWorker(RequestLoop):
             if lister is None:
                 lister = self._listers[base] = ListingPacker(directory, base, self.attrs)
             return lister.pack(row, offset, size, plus)
-        out, used = [], 0  # the root and `.dlfs/`: a few entries
-        for name, attr, next_offset in self.ns.readdir(nodeid, offset):
-            entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
-            if plus:
-                entry = self._packer(attr.ino).entry(attr) + entry
-            if used + len(entry) > size:
-                break
-            out.append(entry)
-            used += len(entry)
-        return b"".join(out)
+        # the root and `.dlfs/`: a few entries
+        return pack_entries(self.ns.readdir(nodeid, offset), size,
+                            (lambda attr: self._packer(attr.ino).entry(attr)) if plus else None)
 
     def access(self, nodeid: int, n: int) -> None:
         mask, _ = fw.ACCESS_IN.unpack_from(self._buf, _HEADER)
