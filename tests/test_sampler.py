@@ -28,7 +28,7 @@ from dlfs.order.randomness import _expected_entropy, entropy_figure, plan_chunk_
 from dlfs.order.ranks import block_nodes, resolve_rank_world
 from dlfs.order.sampler import DLFSSampler, Locality, dataset_paths, dlfs_mount_of, write_order
 
-LOG = "dlfs.order.sampler"
+LOG = "dlfs.sampler"
 
 
 @dataclass

@@ -242,7 +242,7 @@ def test_a_locality_state_needs_the_same_chunk_layout(caplog):
         job(60, 2, "locality", other, 2, 5)[0].load_state_dict(state)
     # with the same layout a random-mode sampler goes on in the saved locality order
     same = job(60, 2, "random", sample_chunk, 3, 9)
-    with caplog.at_level(logging.INFO, logger="dlfs.order.sampler"):
+    with caplog.at_level(logging.INFO, logger="dlfs.sampler"):
         same[1].load_state_dict(state)
     assert list(same[1]) == first[1].order(0).tolist()[4:]
     assert "resuming epoch 0 at 4 of 30" in caplog.text

@@ -54,7 +54,8 @@ from dlfs.order.seam import Locality, OrderClient, check_locality
 __all__ = ["DLFSSampler", "Locality", "OrderClient", "dataset_paths", "dlfs_mount_of",
            "write_order"]
 
-log = logging.getLogger(__name__)
+# Its public name (dlfs.sampler), the logger users configure, as before it moved here.
+log = logging.getLogger("dlfs.sampler")
 
 MODES = ("random", "locality")
 DLFS_FSTYPE = "fuse.dlfs"  # what the daemon mounts as (dlfs.cli.mountctl.FSTYPE)
