@@ -80,8 +80,8 @@ from _common import (
 )
 from _pool import wait_staged
 
-from dlfs.sampledata import generate_tree
-from dlfs.workload import shuffled_epoch
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import shuffled_epoch
 
 BLOCK = 4 << 20
 TENSOR = 64 << 20

@@ -50,7 +50,7 @@ from _common import (
 )
 from large_read import add_file_args, read_sequential
 
-from dlfs.sampledata import generate_large_files
+from dlfs.demo.sampledata import generate_large_files
 
 HERE = Path(__file__).resolve().parent / "ceiling"
 MOUNT_WAIT = 10.0  # seconds a reference mirror may take to mount

@@ -45,8 +45,8 @@ from _common import (
 )
 from _pool import free_ports, status, wait_staged, write_secret
 
-from dlfs.sampledata import generate_tree
-from dlfs.workload import shuffled_epoch
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import shuffled_epoch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

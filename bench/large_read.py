@@ -1,6 +1,6 @@
 """Large sequential reads: DLFS mount vs the source directory, cold.
 
-4 files of 146 MiB (dlfs.sampledata.generate_large_files, Unet3D-like volumes)
+4 files of 146 MiB (dlfs.demo.sampledata.generate_large_files, Unet3D-like volumes)
 are packed with `dlfs populate` and mounted. One read = one process reading
 a file start to end in --block-size reads (default 1 MiB, readinto a reused
 buffer) right after dropping the page cache.
@@ -66,7 +66,7 @@ from _common import (
     workdir,
 )
 
-from dlfs.sampledata import generate_large_files
+from dlfs.demo.sampledata import generate_large_files
 
 
 def add_file_args(p: argparse.ArgumentParser) -> None:

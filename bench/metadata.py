@@ -85,7 +85,7 @@ from _common import (
     workdir,
 )
 
-from dlfs.sampledata import generate_tree, lognormal_sizes
+from dlfs.demo.sampledata import generate_tree, lognormal_sizes
 from dlfs.store.directory import SampleDirectory, SourceEntry, build_directory, chunk_lengths
 from dlfs.store.format import MANIFEST_NAME, encode_manifest
 from dlfs.store.store import Store, manifest_body

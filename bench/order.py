@@ -4,11 +4,11 @@ One dataset of ~110 KiB samples, one node, the store throttled to
 --store-bandwidth per read stream (a parallel file system gives each stream
 a bounded rate; the aggregate grows with streams), through the daemon's
 benchmark-only `--store-bandwidth` flag. The reader is a DataLoader-like
-epoch (dlfs.workload.shuffled_epoch: N processes, each its share of one
+epoch (dlfs.demo.workload.shuffled_epoch: N processes, each its share of one
 seeded shuffle). Per round, each on a fresh mount with dropped caches:
 
   plain      the epoch, nothing announced (what every job got before)
-  announced  the same order announced first (dlfs.orderclient: what
+  announced  the same order announced first (dlfs.order.client: what
              DLFSSampler does at the start of each epoch), then the epoch;
              the announcement's own time is part of the epoch's
   warm       unthrottled, after one epoch filled the page cache: the next
@@ -62,10 +62,10 @@ from _common import (
 )
 from _pool import free_ports, source_counts, wait_staged, write_secret
 
-from dlfs.orderclient import connect
-from dlfs.sampledata import generate_tree
-from dlfs.sampler import DLFSSampler
-from dlfs.workload import ordered_epoch, shuffled_epoch
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import ordered_epoch, shuffled_epoch
+from dlfs.order.client import connect
+from dlfs.order.sampler import DLFSSampler
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

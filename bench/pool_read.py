@@ -1,6 +1,6 @@
 """Random reads of ~110 KiB files (or --file-size) whose chunks live on a peer vs locally.
 
-One store, one dataset (dlfs.sampledata.generate_tree). Two set-ups, mounted
+One store, one dataset (dlfs.demo.sampledata.generate_tree). Two set-ups, mounted
 fresh for every measurement and alternating each round:
 
   local   one daemon with --cache-dir, everything staged on its own cache dir
@@ -9,7 +9,7 @@ fresh for every measurement and alternating each round:
           read is served by the peer daemon's staged copy over TCP
 
 Each side reads one shuffled epoch (every file once, --workers processes,
-dlfs.workload.shuffled_epoch) after the page cache was dropped ("cold": the
+dlfs.demo.workload.shuffled_epoch) after the page cache was dropped ("cold": the
 staged chunk files come from disk) and one more on a fresh mount without a
 drop ("hot": chunk files in the page cache, FUSE cache empty). The counters
 (`dlfs status`) confirm where the bytes came from, and on the remote side
@@ -71,8 +71,8 @@ from _common import (
 )
 from _pool import free_ports, source_counts, status, wait_staged, write_secret
 
-from dlfs.sampledata import generate_tree
-from dlfs.workload import shuffled_epoch
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import shuffled_epoch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 --nodes daemons (default 16) on loopback, each a `dlfs mount` with its own
 cache dir and peer port, --replicas 2, one dataset of --files small files
-(dlfs.sampledata.generate_tree) in --chunk-size chunks. Figures:
+(dlfs.demo.sampledata.generate_tree) in --chunk-size chunks. Figures:
 
   mount       each node's `dlfs mount` (min/median/max), and the wall time from
               the first mount to every owned chunk staged on every node
@@ -59,8 +59,8 @@ from _common import (
 from _pool import free_ports, write_secret
 
 from dlfs.cluster.placement import owners
+from dlfs.demo.sampledata import generate_tree
 from dlfs.runtime import status_path
-from dlfs.sampledata import generate_tree
 from dlfs.store.store import Store
 
 

@@ -13,7 +13,7 @@ A tree is packed by each of these commands, each timed as a whole subprocess
   tar+sync          tar -cf ... followed by sync (durable, like populate)
 
 Trees: by default 20,000 files of ~110 KiB lognormal samples
-(dlfs.sampledata.generate_tree); with --tiny N, N files of exactly 2,500 bytes,
+(dlfs.demo.sampledata.generate_tree); with --tiny N, N files of exactly 2,500 bytes,
 1,000 per directory (BERT/LLM-token records, ImageNet-21k thumbnails), where the
 cost per file is all there is.
 
@@ -63,7 +63,7 @@ from _common import (
     workdir,
 )
 
-from dlfs.sampledata import generate_tree
+from dlfs.demo.sampledata import generate_tree
 
 VARIANTS = ("populate", "populate-nofsync", "populate@base", "populate-mpi2", "tar",
             "tar+sync")

@@ -1,11 +1,11 @@
 """Random-order small-file reads: DLFS mount vs the source directory.
 
-Two synthetic trees (dlfs.sampledata.generate_tree): 20,000 files of ~110 KiB
+Two synthetic trees (dlfs.demo.sampledata.generate_tree): 20,000 files of ~110 KiB
 (ImageNet-like) and 100,000 files of ~2.5 KB (BERT-like), both lognormal.
 Each is packed with `dlfs populate` into one store, which is then mounted.
 
 One epoch = every file read once, whole, in a seeded random order, split over
---workers processes (dlfs.workload.shuffled_epoch: what a DataLoader does).
+--workers processes (dlfs.demo.workload.shuffled_epoch: what a DataLoader does).
 Each round, for each tree, source and mount alternate (the order flips every
 round), and each side does:
 
@@ -58,8 +58,8 @@ from _common import (
     workdir,
 )
 
-from dlfs.sampledata import generate_tree
-from dlfs.workload import EpochResult, shuffled_epoch
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import EpochResult, shuffled_epoch
 
 
 @dataclass

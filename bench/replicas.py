@@ -40,7 +40,7 @@ from _common import (
 )
 from _pool import free_ports, status, wait_staged, write_secret
 
-from dlfs.sampledata import generate_tree
+from dlfs.demo.sampledata import generate_tree
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

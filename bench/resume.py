@@ -52,16 +52,16 @@ from _common import (
     workdir,
 )
 
-from dlfs.orderclient import connect
-from dlfs.sampledata import generate_tree
-from dlfs.sampler import DLFSSampler, Locality
-from dlfs.workload import ordered_epoch
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import ordered_epoch
+from dlfs.order.client import connect
+from dlfs.order.sampler import DLFSSampler, Locality
 
 SEED, EPOCH, WORLD_BEFORE, WORLD_AFTER = 7, 1, 4, 2
 
 FIRST_BATCH = r"""
 import json, sys
-from dlfs.sampler import DLFSSampler
+from dlfs.order.sampler import DLFSSampler
 listing, state, batch, world, seed, epoch = sys.argv[1:3] + [int(a) for a in sys.argv[3:]]
 paths = open(listing).read().splitlines()
 sampler = DLFSSampler(paths, rank=0, world_size=world, seed=seed)

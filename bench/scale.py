@@ -59,7 +59,7 @@ from _common import (
     workdir,
 )
 
-from dlfs.workload import shuffled_epoch
+from dlfs.demo.workload import shuffled_epoch
 
 BIG_DIR = "big"
 

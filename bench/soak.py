@@ -59,7 +59,7 @@ from _pool import status, wait_staged, write_secret
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import netsim
 
-from dlfs.sampledata import generate_tree
+from dlfs.demo.sampledata import generate_tree
 
 PORT = 7470
 NAMES = ("n1", "n2", "n3")

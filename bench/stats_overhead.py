@@ -1,6 +1,6 @@
 """What the I/O counters and the trace cost: random-order small-file reads on three mounts.
 
-The same workload as bench/random_read.py (dlfs.workload.shuffled_epoch: every
+The same workload as bench/random_read.py (dlfs.demo.workload.shuffled_epoch: every
 file read once, whole, in a seeded random order, split over --workers reader
 processes), on two synthetic trees (~110 KiB ImageNet-like, ~2.5 KB
 BERT-like), through three mounts of the same store:
@@ -58,7 +58,7 @@ from _common import (
     workdir,
 )
 
-from dlfs.sampledata import generate_tree
+from dlfs.demo.sampledata import generate_tree
 
 VARIANTS = {"off": ["--no-stats"], "stats": [], "trace": []}
 

@@ -46,7 +46,7 @@ from _common import (
     workdir,
 )
 
-from dlfs.sampledata import generate_tree
+from dlfs.demo.sampledata import generate_tree
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

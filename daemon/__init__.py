@@ -1,8 +1,13 @@
-"""dlfsd: the per-node DLFS daemon (FUSE adapter, sample reader, lifecycle).
+"""dlfsd: the per-node DLFS daemon.
 
-No libfuse binding: `dlfsd.fuse.session` mounts and answers INIT itself
-(dlfsd.fuse.rawsession); the namespace and the reader are plain blocking code that
-tests drive directly.
+Its folders are its layers, lowest first (tests/test_layering.py): `base` (what
+every part uses), `obs` (what it reports), `pool` (staged copies, stager, peers),
+`core` (namespace and reader, plain blocking code that tests drive directly),
+`ckpt` (the checkpoint tier), `fuse` (the adapters: it mounts and answers INIT
+itself, no libfuse binding). The modules here are the start-up above them all:
+`python -m dlfsd` (main), assembling the parts (assemble), the checkpoint
+connection (ckptconnect), the workers' watch (supervise), the services, the
+launcher's commit.
 """
 
 # The daemon's own release, written here and not taken from dlfs.__version__: a

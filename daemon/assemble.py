@@ -2,7 +2,7 @@
 
 MountConfig is read here (besides dlfsd.main, which only orders the steps, and
 the small XConfig.from_mount of a part that takes a config object:
-dlfsd.obs.observe, dlfsd.obs.status, dlfsd.ckpt.connect), never by the parts
+dlfsd.obs.observe, dlfsd.obs.status, dlfsd.ckptconnect), never by the parts
 themselves: each gets constructor arguments, whole, and none is patched after
 it is made. What the workers share (the namespace's
 counters and flags, the pool's tables and demand pipe, the checkpoint tier,
@@ -33,19 +33,19 @@ from dlfs.sizes import format_size
 from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Dataset, Store
-from dlfsd.access import admits_others, served_to_user, shown_owner
-from dlfsd.ckpt.connect import CkptConfig, CkptConnection, CkptTier, open_tier
+from dlfsd.base.access import admits_others, served_to_user, shown_owner
+from dlfsd.base.kernel import kernel_release, kernel_skips_opens
+from dlfsd.ckptconnect import CkptConfig, CkptConnection, CkptTier, open_tier
+from dlfsd.core.lookahead import LookAhead
+from dlfsd.core.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
+from dlfsd.core.ordersock import OrderService
+from dlfsd.core.passthrough import MountPassthrough, planned_copy_bytes
+from dlfsd.core.prefetch import available_memory, prefetch_decision
 from dlfsd.fuse.wireworker import WireWorker, find_fuse_fd, fuse_fds
-from dlfsd.kernel import kernel_release, kernel_skips_opens
-from dlfsd.lookahead import LookAhead
-from dlfsd.namespace import PRIVATE_ROOT_MODE, ROOT_MODE, Namespace
 from dlfsd.obs.controlsock import ControlServer
 from dlfsd.obs.health import HealthWatch
 from dlfsd.obs.observe import ObserveConfig
 from dlfsd.obs.status import StatusConfig
-from dlfsd.ordersock import OrderService
-from dlfsd.passthrough import MountPassthrough, planned_copy_bytes
-from dlfsd.prefetch import available_memory, prefetch_decision
 from dlfsd.services import PICK_ANOTHER_PORT, PoolServices, Services
 from dlfsd.supervise import fork_workers
 
@@ -93,7 +93,7 @@ class Daemon:
     fds_before_mount: set[int]  # /dev/fuse descriptors open before ours
     order: OrderService | None  # samplers' announcements -> the look-ahead
     ckpt: CkptTier | None = None  # the checkpoint tier (--ckpt-store)
-    # large files by FUSE passthrough (dlfsd.passthrough): decided here, settled at INIT
+    # large files by FUSE passthrough (dlfsd.core.passthrough): decided here, settled at INIT
     passthrough: MountPassthrough = field(
         default_factory=lambda: MountPassthrough(False, "off"))
 

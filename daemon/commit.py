@@ -9,6 +9,9 @@ them. So such a daemon is handed the read end of a pipe whose write end only
 its rank holds: the rank writes COMMIT once every rank is up. If the pipe ends
 without COMMIT, the rank is gone or gave up, and the daemon unmounts itself.
 The kernel closes the write end whatever way the rank ends, SIGKILL included.
+
+LauncherPipe is what this pipe and the readiness pipe (dlfsd.main.Readiness) share:
+an end the launcher passed, held by the main process alone.
 """
 
 from __future__ import annotations
@@ -43,20 +46,41 @@ class LaunchSecret:
                 os.unlink(self.path)
 
 
-class LaunchCommit:
+class LauncherPipe:
+    """The daemon's end of a pipe its launcher passed (dlfs.launch), if it was given one:
+    the main process's alone. Forked workers and the control process close theirs at
+    once: they have no use for it, and one kept open would hide the main process's end
+    (a launcher waiting for READY would see no end of file if the daemon died)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+        os.register_at_fork(after_in_child=self.close)
+
+    @staticmethod
+    def fd_from_env(name: str) -> int | None:
+        """The descriptor the launcher named in environment variable `name` (taken out
+        of the environment: what the daemon starts must not inherit it)."""
+        value = os.environ.pop(name, None)
+        return int(value) if value else None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+class LaunchCommit(LauncherPipe):
     """The daemon's end of the commit pipe ($DLFS_COMMIT_FD), if it was given one."""
 
     def __init__(self, fd: int | None, secret: LaunchSecret | None = None) -> None:
         """`secret`: what to remove if the launch is abandoned (give_up)."""
-        self.fd = fd
+        super().__init__(fd)
         self.secret = secret
-        # Forked workers and the control process have no use for it.
-        os.register_at_fork(after_in_child=self._forget)
 
     @classmethod
     def from_env(cls, secret: LaunchSecret | None = None) -> LaunchCommit:
-        value = os.environ.pop(COMMIT_FD_ENV, None)
-        return cls(int(value) if value else None, secret)
+        return cls(cls.fd_from_env(COMMIT_FD_ENV), secret)
 
     def give_up(self) -> None:
         """The launcher went away without committing: leave none of the launch behind
@@ -67,12 +91,6 @@ class LaunchCommit:
     @property
     def pending(self) -> bool:
         return self.fd is not None
-
-    def _forget(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
 
     async def wait(self) -> bool:
         """Wait for the launcher's word: True on COMMIT, False if the pipe ended first."""
@@ -93,5 +111,5 @@ class LaunchCommit:
                 received += data
             return received == COMMIT
         finally:
-            self._forget()
+            self.close()
 

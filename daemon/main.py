@@ -28,7 +28,8 @@ from dlfs.launch import (
     version_refusal,
 )
 from dlfs.mountinfo import find_mount
-from dlfs.runtime import DaemonRecord, remove_record, start_time, status_path, write_record
+from dlfs.procs import start_time
+from dlfs.runtime import DaemonRecord, remove_record, status_path, write_record
 from dlfsd import __version__
 from dlfsd.assemble import (
     Daemon,
@@ -40,11 +41,11 @@ from dlfsd.assemble import (
     set_read_ahead,
     start_workers,
 )
-from dlfsd.ckpt.connect import connect
-from dlfsd.commit import LaunchCommit, LaunchSecret
+from dlfsd.base.kernel import INIT_TIMEOUT, kernel_release
+from dlfsd.ckptconnect import connect
+from dlfsd.commit import LaunchCommit, LauncherPipe, LaunchSecret
 from dlfsd.fuse import session
 from dlfsd.fuse.wireworker import fuse_fds
-from dlfsd.kernel import INIT_TIMEOUT, kernel_release
 from dlfsd.obs.status import write_status
 from dlfsd.supervise import (
     HeldStopSignals,
@@ -58,32 +59,22 @@ from dlfsd.supervise import (
 log = logging.getLogger("dlfsd")
 
 
-class Readiness:
-    """Tells the starting `dlfs mount` whether we came up (once)."""
+class Readiness(LauncherPipe):
+    """Tells the starting `dlfs mount` whether we came up (once), on $DLFS_READY_FD.
+
+    Forked workers and the control process do not hold the pipe (LauncherPipe): if
+    this process died before READY, `dlfs mount` would see no end of file and wait
+    its whole timeout."""
 
     def __init__(self) -> None:
-        fd = os.environ.pop(READY_FD_ENV, None)
-        self.fd = int(fd) if fd else None
-        # Forked workers and the control process must not hold the pipe: if this
-        # process died before READY, `dlfs mount` would see no end of file and wait
-        # its whole timeout.
-        os.register_at_fork(after_in_child=self._forget)
-
-    def _forget(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
+        super().__init__(self.fd_from_env(READY_FD_ENV))
 
     def send(self, message: str) -> None:
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.write(self.fd, (message.replace("\n", " ") + "\n").encode(errors="backslashreplace"))
-            os.close(self.fd)
-        except OSError:
-            pass
-        self.fd = None
+        self.close()
 
 
 def run(config: MountConfig, readiness: Readiness | None = None) -> int:

@@ -4,7 +4,7 @@ the checkpoint drain.
 The forked workers serve every FUSE request; the main process runs these in its
 trio loop and threads (dlfsd.supervise starts them and watches the workers), so
 none of them ever waits behind a blocking FUSE handler. Each part is built
-elsewhere (dlfsd.assemble, dlfsd.ckpt.connect) from its own settings and handed
+elsewhere (dlfsd.assemble, dlfsd.ckptconnect) from its own settings and handed
 in whole; Services only runs, reports and stops them.
 """
 
@@ -24,7 +24,7 @@ from dlfsd.obs.health import HealthWatch
 from dlfsd.obs.status import StatusConfig, build_status, keep_status
 
 if TYPE_CHECKING:
-    from dlfsd.ckpt.connect import CkptConnection
+    from dlfsd.ckptconnect import CkptConnection
     from dlfsd.pool.peerserver import PeerLoopServer
     from dlfsd.pool.pool import ChunkPool
     from dlfsd.pool.replicate import ReplicaSource
@@ -98,7 +98,7 @@ class Services:
                  passthrough: Callable[[], dict] | None = None) -> None:
         """`stats`: the mount's dlfsd.obs.stats.Stats (NullStats under --no-stats);
         `fuse`: what the datasets' INIT granted (dlfsd.fuse.session.report);
-        `passthrough`: the report of large files by passthrough (dlfsd.passthrough)."""
+        `passthrough`: the report of large files by passthrough (dlfsd.core.passthrough)."""
         self.config = status
         self.datasets = datasets
         self.stats = stats

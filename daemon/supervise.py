@@ -25,17 +25,17 @@ import trio
 
 from dlfs.mountinfo import find_mount
 from dlfs.signals import STOP_SIGNALS, stop_signals_blocked
+from dlfsd.base.lineage import die_with_parent, parent_alive
 from dlfsd.commit import LaunchCommit
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.wireworker import WORKER_ABORTED
-from dlfsd.lineage import die_with_parent, parent_alive
 
 log = logging.getLogger("dlfsd")
 
 
 class Running(Protocol):
     """What supervise runs beside watching the workers: dlfsd.services.Services (a
-    protocol, not an import: the services' checkpoint part starts from dlfsd.ckpt.connect,
+    protocol, not an import: the services' checkpoint part starts from dlfsd.ckptconnect,
     which forks its workers through this module)."""
 
     connection_lost: bool  # set when a connection aborted or its workers died
@@ -219,7 +219,7 @@ def fork_workers(count: int, serve: Callable[[], int], mountpoint: str) -> list[
                 code = 0
                 try:
                     # SIGTERM when the main process dies (SIGKILL, OOM): a worker must not
-                    # serve on unsupervised, holding the mount up (dlfsd.lineage).
+                    # serve on unsupervised, holding the mount up (dlfsd.base.lineage).
                     if die_with_parent(parent):
                         code = serve()
                     if not parent_alive(parent):

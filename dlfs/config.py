@@ -43,7 +43,7 @@ class MountConfig:
     # Worker processes answer large reads of verified bytes by splice(2) from the chunk
     # file (one kernel copy instead of two); off only to measure what it saves.
     splice: bool = True
-    prefetch: str = "auto"  # read a chunk whole on its first sample read (dlfsd.prefetch)
+    prefetch: str = "auto"  # read a chunk whole on its first sample read (dlfsd.core.prefetch)
     trace_capacity: int = 1 << 20  # trace records kept (oldest dropped beyond)
     summary_file: str | None = None  # final counters + text summary, written at unmount
     # A read outstanding this long is a stall: logged once, counted, shown by `dlfs status`
@@ -56,7 +56,7 @@ class MountConfig:
     request_timeout: int = 600
     # Large files (a quarter chunk or more) read by the kernel from verified whole-file
     # copies in cache_dir (FUSE passthrough; root, Linux >= 6.9): "auto" when they hold
-    # most of the bytes (every open is then answered), "on", "off" (dlfsd.passthrough).
+    # most of the bytes (every open is then answered), "on", "off" (dlfsd.core.passthrough).
     passthrough: str = "auto"
     # -- the chunk pool (cluster mode: on when cache_dir is set) --
     cache_dir: str | None = None  # node-local NVMe directory for staged chunks
@@ -75,7 +75,7 @@ class MountConfig:
     # The peer server checks each extent the first time the current copy serves it.
     verify_served: bool = False
     scrub_rate: int = 0  # bytes/s the staged copies are re-read and checked at (0: never)
-    # -- the look-ahead (dlfsd.lookahead): reads announced epochs ahead of the readers --
+    # -- the look-ahead (dlfsd.core.lookahead): reads announced epochs ahead of the readers --
     lookahead: bool = True  # listen for samplers' announcements (off: --lookahead 0)
     lookahead_samples: int = 256  # samples fetched ahead of the readers, at most
     lookahead_bytes: int = 256 << 20  # bytes fetched ahead, at most

@@ -6,7 +6,7 @@ $DLFS_READY_FD, on which the daemon writes one line: READY once the kernel
 mount exists, or `ERROR <one line>`. An all-or-nothing launch (`mount --mpi`)
 also passes the read end of a second pipe in $DLFS_COMMIT_FD: the daemon keeps
 its mount only once COMMIT arrives there (dlfsd.commit). Finding a node's
-daemons by their command line (dlfs.runtime, deploy/slurm/common.sh's
+daemons by their command line (dlfs.procs, deploy/slurm/common.sh's
 `pgrep -f -- '-m dlfsd --config'`) relies on this argv too.
 
 The launcher's version follows the config (`--launcher-version`): a daemon of

@@ -29,7 +29,7 @@ def usable_pipe_size() -> int:
     """PIPE_BYTES if this process may make a pipe that large, else 0 (no splicing).
 
     Asked of a scratch pipe once, before workers fork, so the mount logs the
-    outcome once. Only 1 MiB reads are worth splicing (see dlfsd.reader.SPAN_MIN),
+    outcome once. Only 1 MiB reads are worth splicing (see dlfsd.core.reader.SPAN_MIN),
     and they need the whole PIPE_BYTES.
     """
     if not _HAVE_SPLICE:

@@ -9,17 +9,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import stat
-import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dlfs.errors import DlfsError
-from dlfs.launch import config_in_argv
-from dlfs.store.format import MANIFEST_NAME
+from dlfs.procs import all_pids, all_uids_ours, pid_alive, serving_daemon, session_of, start_time
 
 
 def runtime_dir() -> Path:
@@ -64,13 +60,6 @@ class DaemonRecord:
         record (so it had no chance to clean up): the likely causes and where to look."""
         where = f"see its log {self.log_file}" if self.log_file else "it kept no log file"
         return f"killed (SIGKILL, the OOM killer) or crashed without unmounting; {where}"
-
-
-def start_time(pid: int) -> int:
-    """When process `pid` started (clock ticks since boot; /proc/PID/stat field 22), 0 if
-    it does not exist."""
-    fields = _stat_fields(pid)
-    return int(fields[19]) if len(fields) > 19 else 0
 
 
 def mountpoint_path(mountpoint: str) -> str:
@@ -240,129 +229,6 @@ def remove_stale_files(mountpoint: str) -> None:
             path.unlink()
 
 
-def serving_daemon(mountpoint: str) -> int | None:
-    """The pid of a live `dlfsd` whose mountpoint is `mountpoint` (canonical), found from
-    the process table, not from a record (one kept in another runtime directory, or one
-    logind removed at logout, is not ours to see)."""
-    for pid, config in daemon_configs():
-        if config.get("mountpoint") == mountpoint:
-            return pid
-    return None
-
-
-def daemon_configs() -> Iterator[tuple[int, dict]]:
-    """(pid, MountConfig as a dict) of every live `dlfsd` process (workers too)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        raw = config_in_argv(argv)
-        if raw is None:
-            continue
-        try:
-            config = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(config, dict) and pid_alive(int(entry.name)):
-            yield int(entry.name), config
-
-
-STATUS_FRESH = 30.0  # seconds: a live daemon rewrites its status file every second
-
-
-def mounts_using(store: Path, name: str) -> list[tuple[str, int]]:
-    """(mountpoint, daemon pid) of this node's live mounts serving dataset `name` of
-    `store` (compared as directories: a dataset linked into another store counts):
-    every background daemon's (from the process table: any user's, unless /proc is
-    mounted hidepid), and the foreground ones of our runtime directory (from their
-    status files). Other nodes' mounts of a shared store are out of sight."""
-    target = store / name
-    found: dict[str, int] = {}
-    for pid, config in daemon_configs():
-        mountpoint, served_store = str(config.get("mountpoint")), config.get("store")
-        if not isinstance(served_store, str):
-            continue
-        names = config.get("datasets") or _served(mountpoint, pid) \
-            or _published_before(Path(served_store), pid)
-        if any(_same_dir(os.path.join(served_store, n), target) for n in names):
-            found.setdefault(mountpoint, pid)
-    for path in runtime_dir().glob("*.status.json"):
-        try:
-            status = json.loads(path.read_text())
-            pid, names = int(status["pid"]), [d["name"] for d in status["datasets"]]
-            fresh = time.time() - float(status["updated"]) < STATUS_FRESH
-            served_store = str(status["store"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if fresh and _is_dlfs(pid) and any(
-                _same_dir(os.path.join(served_store, n), target) for n in names):
-            found.setdefault(str(status.get("mountpoint")), pid)
-    return sorted(found.items())
-
-
-def _served(mountpoint: str, pid: int) -> list[str]:
-    """The datasets a daemon mounted "all datasets" of its store serves (those there at
-    mount time), from its status file; [] if that is not ours to read."""
-    try:
-        status = json.loads(status_path(mountpoint).read_text())
-        fields = _stat_fields(pid)
-        parent = int(fields[1]) if len(fields) > 1 else 0
-        if int(status["pid"]) in (pid, parent):  # `pid` may be one of its workers
-            return [d["name"] for d in status["datasets"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return []
-
-
-def _published_before(store: Path, pid: int) -> list[str]:
-    """For another user's "all datasets" mount (its status file is not ours to read):
-    the store's datasets published before its daemon started, the ones it loaded."""
-    started = _started_at(pid)
-    try:
-        entries = list(os.scandir(store))
-    except OSError:
-        return []
-    names = []
-    for entry in entries:
-        try:
-            if os.stat(os.path.join(entry.path, MANIFEST_NAME)).st_mtime <= started:
-                names.append(entry.name)
-        except OSError:
-            continue
-    return names
-
-
-def _started_at(pid: int) -> float:
-    """Wall-clock time process `pid` started (+inf if unknown: then every dataset counts)."""
-    try:
-        with open("/proc/stat") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
-        return math.inf
-    ticks = start_time(pid)
-    return boot + ticks / os.sysconf("SC_CLK_TCK") + 1.0 if ticks else math.inf
-
-
-def _same_dir(a: str, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _is_dlfs(pid: int) -> bool:
-    """A live process running dlfs (not another one that got a dead daemon's pid)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"dlfs" in f.read() and pid_alive(pid)
-    except OSError:
-        return False
-
-
 def daemon_session(mountpoint: str) -> list[int]:
     """Every process of the daemon of canonical `mountpoint` (main, workers, what they
     started), found from its runtime record, never from a command line (any user can
@@ -384,45 +250,10 @@ def daemon_session(mountpoint: str) -> list[int]:
     if pid_alive(leader):
         if record.started and start_time(leader) != record.started:
             return []
-        if not _ours(leader) or _session(leader) != leader:
+        if not all_uids_ours(leader) or session_of(leader) != leader:
             return []
-        return [pid for pid in _all_pids() if _session(pid) == leader]
-    return [pid for pid in _all_pids() if _session(pid) == leader and _ours(pid)
+        return [pid for pid in all_pids() if session_of(pid) == leader]
+    return [pid for pid in all_pids() if session_of(pid) == leader and all_uids_ours(pid)
             and pid_alive(pid)]
 
 
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def _session(pid: int) -> int | None:
-    """Process `pid`'s session id (/proc/PID/stat field 6), None if it is gone."""
-    fields = _stat_fields(pid)
-    return int(fields[3]) if len(fields) > 3 else None
-
-
-def _ours(pid: int) -> bool:
-    """Every uid of `pid` (real, effective, saved, fs) is ours: not a setuid program a
-    user started (its real uid is the user's), not a user's process."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            line = next(row for row in f if row.startswith(b"Uid:"))
-    except (OSError, StopIteration):
-        return False
-    return all(int(uid) == os.geteuid() for uid in line.split()[1:])
-
-
-def pid_alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie (a dead, unreaped daemon)."""
-    fields = _stat_fields(pid)
-    return bool(fields) and fields[0] not in (b"Z", b"X")
-
-
-def _stat_fields(pid: int) -> list[bytes]:
-    """/proc/PID/stat from field 3 (state) on, [] if there is no such process. Split
-    after the last ')': the command name in field 2 may hold spaces and parentheses."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()
-    except OSError:
-        return []

@@ -26,9 +26,10 @@ from wirefake import WireSide
 
 from dlfs.store.populate import PopulateOptions, populate
 from dlfs.store.store import Store
+from dlfsd.core.namespace import CHANGE_REQUESTS, ROOT_INODE, Namespace
+from dlfsd.core.values import st_blksize, st_blocks
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
-from dlfsd.namespace import CHANGE_REQUESTS, ROOT_INODE, Namespace, st_blksize, st_blocks
 
 MISSING = 10**9  # an inode never given out
 

@@ -1,5 +1,5 @@
 """A root daemon mounting for a user (`--uid`, the Slurm prolog) serves only the
-datasets that user may read in the store (dlfsd.access).
+datasets that user may read in the store (dlfsd.base.access).
 
 Real root daemon, a throw-away user, a store under a 0755 directory in /tmp (pytest's
 own tmp dirs are 0700, which no other user may enter) with one dataset the user may

@@ -18,12 +18,12 @@ import shutil
 import numpy as np
 import pytest
 
-import dlfsd.extentsource as extentsource
+import dlfsd.core.extentsource as extentsource
 from dlfs.cluster.nodes import ClusterView, Node
 from dlfs.errors import CorruptDataError
 from dlfs.store.populate import PopulateOptions, populate
 from dlfs.store.store import Store
-from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
 from dlfsd.pool.pool import ChunkPool
 
 
@@ -111,7 +111,7 @@ def test_an_unusable_chunk_file_is_eio_for_a_reader_and_left_quiet_for_the_look_
         dataset, caplog):
     dataset.chunk_path(1).unlink()
     source = ExtentSource(dataset)
-    with caplog.at_level(logging.ERROR, "dlfsd.extentsource"):
+    with caplog.at_level(logging.ERROR, "dlfsd.core.extentsource"):
         with pytest.raises(FileNotFoundError):
             source.store_fd(1, ahead=True)
         assert not caplog.records, "the reader reports it when it meets it"
@@ -144,7 +144,7 @@ def test_out_of_descriptors_a_reader_closes_its_own_the_look_ahead_does_not(
     assert err.value.errno == errno.EMFILE
     os.fstat(kept)  # still open
     refusals[0] = 1
-    with caplog.at_level(logging.WARNING, "dlfsd.extentsource"):
+    with caplog.at_level(logging.WARNING, "dlfsd.core.extentsource"):
         fd = source.store_fd(1)
     assert "out of file descriptors" in caplog.text
     for chunk, got in ((1, fd), (0, source.store_fd(0))):  # 0 was closed, opened again

@@ -23,9 +23,9 @@ import time
 
 import pytest
 
+from dlfsd.base.kernel import kernel_version
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse import rawsession as rs
-from dlfsd.kernel import kernel_version
 
 UNIQUE = 2
 INIT_REST = 11 * 4  # fuse_init_in's unused[11]

@@ -14,9 +14,9 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dlfsd.base.kernel import kernel_skips_opens, kernel_version
+from dlfsd.core.values import Attr, StatFs
 from dlfsd.fuse import fusewire as fw
-from dlfsd.kernel import kernel_skips_opens, kernel_version
-from dlfsd.namespace import Attr, StatFs
 
 
 def test_struct_sizes_match_the_kernel_abi():

@@ -31,10 +31,11 @@ from test_pool import (  # the pool helpers, reused
     wait_staged,
 )
 
+from dlfs.demo.sampledata import generate_large_files, generate_tree
 from dlfs.obs.healthview import problem_lines
-from dlfs.sampledata import generate_large_files, generate_tree
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Store
+from dlfsd.base.slots import ProcessSlot
 from dlfsd.obs.peermarks import PeerMarks
 from dlfsd.obs.sharedjson import SharedJson
 from dlfsd.obs.stalls import (
@@ -45,7 +46,6 @@ from dlfsd.obs.stalls import (
 )
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.stager import DemandChannel, Stager
-from dlfsd.slots import ProcessSlot
 
 SECOND = 1_000_000_000
 

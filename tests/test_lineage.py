@@ -1,4 +1,4 @@
-"""dlfsd.lineage: a forked process dies with its parent, also when the parent died first.
+"""dlfsd.base.lineage: a forked process dies with its parent, also when the parent died first.
 
 Real processes: a helper script makes itself a child subreaper (so orphans are
 reparented to it, not to init, and it can reap them and see how they ended),
@@ -16,7 +16,7 @@ import pytest
 
 _SCRIPT = r"""
 import ctypes, os, signal, sys, time
-from dlfsd.lineage import die_with_parent
+from dlfsd.base.lineage import die_with_parent
 
 PR_SET_CHILD_SUBREAPER = 36
 assert ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0

@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.core.namespace import _attr
+from dlfsd.core.values import DIR_BLKSIZE
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.listing import PLAIN_RECORD, PLUS_RECORD, ListingPacker
-from dlfsd.namespace import DIR_BLKSIZE, _attr
 
 BASE = 1024
 

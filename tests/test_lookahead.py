@@ -1,6 +1,6 @@
 """The look-ahead through real mounts: a sampler's announced order is read ahead.
 
-A client registers the mount's files over the order socket (dlfs.orderclient,
+A client registers the mount's files over the order socket (dlfs.order.client,
 the same one DLFSSampler uses) and announces an epoch; the daemon's counters
 (`.dlfs/stats.json`) and the order socket's status say what it fetched and
 what the readers took. Every byte read is compared with the source.
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import run_dlfs
 
-from dlfs.orderclient import OrderClientError, connect
+from dlfs.order.client import OrderClientError, connect
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 
@@ -133,7 +133,7 @@ def test_ranks_registering_the_same_paths_share_one_resolution(mounted, la_store
 READER = """
 import os, sys, time
 import numpy as np
-from dlfs.orderclient import connect
+from dlfs.order.client import connect
 paths = sys.argv[1:]
 client = connect(paths)
 client.announce(0, np.arange(len(paths)))

@@ -31,7 +31,7 @@ from trees import (
 
 from dlfs.store.format import CHUNK_HEADER_SIZE, chunk_path
 from dlfs.store.store import Store
-from dlfsd.namespace import BLKSIZE, DIR_BLKSIZE
+from dlfsd.core.values import BLKSIZE, DIR_BLKSIZE
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 

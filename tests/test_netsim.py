@@ -31,7 +31,7 @@ from test_pool import (
     write_secret,
 )
 
-from dlfs.sampledata import generate_tree
+from dlfs.demo.sampledata import generate_tree
 
 pytestmark = [pytest.mark.usefixtures("daemon_guard"),
               pytest.mark.skipif(netsim.unavailable() is not None,

@@ -12,12 +12,12 @@ import stat
 import pytest
 from wirefake import WireSide
 
-import dlfsd.reader as reader_module
+import dlfsd.core.reader as reader_module
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.populate import PopulateOptions, populate
 from dlfs.store.store import Store
+from dlfsd.core.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
 from dlfsd.fuse.errnomap import errno_for
-from dlfsd.namespace import FIRST_DATASET_INODE, ROOT_INODE, Namespace
 
 FILES = {
     b"a.bin": os.urandom(5000),

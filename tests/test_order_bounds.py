@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from sysusers import temp_user, user_python
 
-from dlfs.orderclient import OrderClient, OrderClientError, connect
+from dlfs.order.client import OrderClient, OrderClientError, connect
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from conftest import run_dlfs
 
-from dlfs.sampler import DLFSSampler
+from dlfs.order.sampler import DLFSSampler
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import pytest
 from conftest import describe_result, overlayfs_at, populate_store
 from pagecache import fs_type
 
-from dlfs.sampledata import generate_large_files, generate_tree
+from dlfs.demo.sampledata import generate_large_files, generate_tree
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")
 

@@ -1,6 +1,6 @@
 """Large files by FUSE passthrough (issue 32): the kernel reads verified whole-file copies.
 
-Three layers. The decision (dlfsd.passthrough.decide/granted, and what INIT asks and
+Three layers. The decision (dlfsd.core.passthrough.decide/granted, and what INIT asks and
 gets from kernels with and without FUSE_PASSTHROUGH) and the open table
 (PassthroughOpens: one mode and one backing id per inode while it is open) are driven
 directly. The whole-file copies (dlfsd.pool.filecopies) are made from a real store: a

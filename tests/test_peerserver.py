@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from pagecache import drop_pages, missing_pages, require
 
 from dlfs.store.format import checksum
+from dlfsd.base.throttle import TokenBucket
 from dlfsd.pool import protocol
 from dlfsd.pool.peer import PeerMiss, PeerRefused, PeerUnavailable
 from dlfsd.pool.peerserver import PeerLoopServer, serve_threads
 from dlfsd.pool.peersync import BlockingPeerClient
-from dlfsd.throttle import TokenBucket
 
 SECRET = b"job-secret-0123456789abcdef"
 DATASET = os.urandom(16)

@@ -22,7 +22,7 @@ import pytest
 from conftest import daemon_pids_for, describe_result, kill_and_reap
 
 from dlfs.cluster.placement import owners
-from dlfs.sampledata import generate_large_files, generate_tree
+from dlfs.demo.sampledata import generate_large_files, generate_tree
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Store
 

@@ -21,12 +21,12 @@ from dlfs.cluster.nodes import ClusterView, Node
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.populate import PopulateOptions, populate
 from dlfs.store.store import Store
+from dlfsd.base.slots import ProcessSlot
+from dlfsd.core.reader import SampleReader
 from dlfsd.obs.stats import Stats
 from dlfsd.pool.peerserver import PeerLoopServer
 from dlfsd.pool.pool import ChunkPool
 from dlfsd.pool.stager import DemandChannel, Stager
-from dlfsd.reader import SampleReader
-from dlfsd.slots import ProcessSlot
 
 
 @pytest.fixture

@@ -49,8 +49,8 @@ from test_pool import free_ports, write_secret
 
 from dlfs.cluster.nodes import load_secret
 from dlfs.cluster.placement import owners
+from dlfs.demo.sampledata import generate_large_files, generate_tree
 from dlfs.runtime import status_path
-from dlfs.sampledata import generate_large_files, generate_tree
 from dlfs.store.store import Store
 
 pytestmark = pytest.mark.usefixtures("daemon_guard")

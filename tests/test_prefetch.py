@@ -21,7 +21,7 @@ from pagecache import ResidencyWatch, drop_pages, require
 
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Store
-from dlfsd.prefetch import MEMORY_SHARE, ChunkPrefetch, prefetch_decision
+from dlfsd.core.prefetch import MEMORY_SHARE, ChunkPrefetch, prefetch_decision
 
 FILE_SIZE = 100_000
 FILES = 400  # 40 MB: three 16 MiB chunks, packed in name order

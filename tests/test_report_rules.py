@@ -12,8 +12,8 @@ import numpy as np
 from dlfs.obs.report import random_read_count
 from dlfs.obs.traceclient import Trace
 from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.base.slots import ProcessSlot
 from dlfsd.obs.stats import Stats
-from dlfsd.slots import ProcessSlot
 
 # (file, offset, size): three whole reads of a, a skip in b, then b read on from there.
 READS = [(1, 0, 100), (1, 0, 100), (1, 0, 100), (2, 0, 50), (2, 500, 50), (2, 550, 50)]

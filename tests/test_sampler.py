@@ -21,12 +21,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import dlfs.sampler as sampler_mod
+import dlfs.order.sampler as sampler_mod
 from dlfs.mountinfo import MountEntry
 from dlfs.order.plan import Layout, locality_plan, random_plan, shard_sizes
 from dlfs.order.randomness import _expected_entropy, entropy_figure, plan_chunk_keys
 from dlfs.order.ranks import block_nodes, resolve_rank_world
-from dlfs.sampler import DLFSSampler, Locality, dataset_paths, dlfs_mount_of, write_order
+from dlfs.order.sampler import DLFSSampler, Locality, dataset_paths, dlfs_mount_of, write_order
 
 LOG = "dlfs.sampler"
 
@@ -391,9 +391,9 @@ def test_a_client_passed_in_stays_open_one_connected_is_closed(monkeypatch):
         pass
     assert not given_client.closed
     made = GivenClient(synthetic_locality(10, 1, 1))
-    fake = types.ModuleType("dlfs.orderclient")
+    fake = types.ModuleType("dlfs.order.client")
     fake.connect = lambda paths, mount=None: made
-    monkeypatch.setitem(sys.modules, "dlfs.orderclient", fake)
+    monkeypatch.setitem(sys.modules, "dlfs.order.client", fake)
     with DLFSSampler([f"p{i}" for i in range(10)], mount="/mnt/x") as s:
         assert s.client is made
     assert made.closed and s.client is None
@@ -406,9 +406,9 @@ def test_paths_in_a_dlfs_mount_connect_with_the_paths_and_the_mount(monkeypatch)
         seen.update(paths=paths, mount=mount)
         return GivenClient(synthetic_locality(len(paths), 2, 1))
 
-    fake = types.ModuleType("dlfs.orderclient")
+    fake = types.ModuleType("dlfs.order.client")
     fake.connect = connect
-    monkeypatch.setitem(sys.modules, "dlfs.orderclient", fake)
+    monkeypatch.setitem(sys.modules, "dlfs.order.client", fake)
     monkeypatch.setattr(sampler_mod, "find_mount",
                         lambda p: MountEntry("0:99", "fuse.dlfs") if p == "/mnt/d" else None)
     paths = [f"/mnt/d/train/{i}.jpg" for i in range(5)]
@@ -459,9 +459,9 @@ def test_a_refused_connection_is_a_plain_sampler(monkeypatch, caplog, outcome):
             raise outcome
         return outcome
 
-    fake = types.ModuleType("dlfs.orderclient")
+    fake = types.ModuleType("dlfs.order.client")
     fake.connect = connect
-    monkeypatch.setitem(sys.modules, "dlfs.orderclient", fake)
+    monkeypatch.setitem(sys.modules, "dlfs.order.client", fake)
     with caplog.at_level(logging.WARNING, logger=LOG):
         s = DLFSSampler(["a", "b", "c"], mount="/mnt/dlfs", mode="locality")
     assert s.client is None and s.mode == "random"
@@ -660,10 +660,23 @@ def test_write_order_writes_this_ranks_epoch_as_a_file_list(tmp_path):
 
 def test_importing_the_sampler_imports_no_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from dlfs.sampler import DLFSSampler\n"
+            "from dlfs.order.sampler import DLFSSampler\n"
             "s = DLFSSampler(['a', 'b', 'c'], rank=0, world_size=1)\n"
             "assert sorted(s) == [0, 1, 2]\n"
             "del sys.modules['torch']\n"
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_public_names_stay_importable():
+    """README and docs/ORDER.md name `dlfs.sampler` and `dlfs.orderclient`: re-exports of
+    dlfs.order.sampler and dlfs.order.client, the same objects."""
+    import dlfs.order.client
+    import dlfs.order.sampler
+    import dlfs.orderclient
+    from dlfs.sampler import DLFSSampler, write_order
+
+    assert DLFSSampler is dlfs.order.sampler.DLFSSampler
+    assert write_order is dlfs.order.sampler.write_order
+    assert dlfs.orderclient.connect is dlfs.order.client.connect

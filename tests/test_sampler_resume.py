@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_sampler import GivenClient, torch_sizes
 
 from dlfs.order.ranks import block_nodes
-from dlfs.sampler import DLFSSampler, Locality, write_order
+from dlfs.order.sampler import DLFSSampler, Locality, write_order
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from conftest import run_dlfs
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import dlfs.order.plan
-from dlfs.sampler import DLFSSampler, Locality
+from dlfs.order.sampler import DLFSSampler, Locality
 
 
 @pytest.fixture(autouse=True)
@@ -180,7 +180,7 @@ RANK_PROGRAM = r"""
 import hashlib, json, sys
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
-from dlfs.sampler import DLFSSampler
+from dlfs.order.sampler import DLFSSampler
 
 rank, world, init, mount, listing, out = sys.argv[1:]
 dist.init_process_group("gloo", init_method=init, rank=int(rank), world_size=int(world))
@@ -296,7 +296,7 @@ RESUME_PROGRAM = r"""
 import hashlib, json, os, sys, time
 import torch, torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
-from dlfs.sampler import DLFSSampler
+from dlfs.order.sampler import DLFSSampler
 
 phase, rank, world, init, mount, listing, out = sys.argv[1:]
 dist.init_process_group("gloo", init_method=init, rank=int(rank), world_size=int(world))

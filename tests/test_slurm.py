@@ -673,7 +673,7 @@ def test_a_taken_peer_port_leads_to_the_jobs_next_port_on_every_node(site):
 RESUME_JOB = r'''
 import hashlib, json, os, subprocess, sys, time
 from pathlib import Path
-from dlfs.sampler import DLFSSampler
+from dlfs.order.sampler import DLFSSampler
 
 base, job, node = Path(sys.argv[1]), os.environ["SLURM_JOB_ID"], os.environ["SLURMD_NODENAME"]
 run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))

@@ -30,8 +30,8 @@ from pagecache import require
 from dlfs.errors import CorruptDataError
 from dlfs.pipes import PIPE_BYTES
 from dlfs.store.format import checksum
+from dlfsd.core.reader import _map_and_hash
 from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
-from dlfsd.reader import _map_and_hash
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TEST_PIPE = 1 << 20  # any process may make a pipe this large; the logic is size-independent

@@ -454,8 +454,8 @@ def test_stats_cli_table_and_json(mounted, stats_store, dlfs_cli):
 def test_process_slabs_add_up_across_forks(stats_store):
     """Unit level: forked processes write their own slabs; one snapshot sees all of it."""
     from dlfs.store.store import Store
+    from dlfsd.base.slots import ProcessSlot
     from dlfsd.obs.stats import SOURCE_PEER, Stats
-    from dlfsd.slots import ProcessSlot
 
     dataset = Store(stats_store).open("ds")
     row = dataset.directory.resolve(b"big.bin")

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.base.slots import ProcessSlot
 from dlfsd.obs.stats import COUNT_MAX, Stats, top_rows
-from dlfsd.slots import ProcessSlot
 
 
 def test_a_files_counters_stop_at_their_limit_instead_of_failing_the_read():

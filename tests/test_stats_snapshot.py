@@ -8,8 +8,8 @@ import signal
 import time
 
 from dlfs.store.directory import SourceEntry, build_directory
+from dlfsd.base.slots import ProcessSlot
 from dlfsd.obs.stats import SOURCE_PEER, Stats
-from dlfsd.slots import ProcessSlot
 
 
 def _directory(files: int):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import socket
 
+from dlfsd.base.kernel import KERNEL_RELEASE_VAR
+from dlfsd.core.namespace import Namespace
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.wireworker import WireWorker
-from dlfsd.kernel import KERNEL_RELEASE_VAR
-from dlfsd.namespace import Namespace
 
 
 class WireSide:

@@ -1,11 +1,11 @@
 """WriteCounter: bytes written into the checkpoint tier, one shared word per process
-(each process adds to its own slot, dlfsd.slots: no lock, no lost update)."""
+(each process adds to its own slot, dlfsd.base.slots: no lock, no lost update)."""
 
 from __future__ import annotations
 
 import mmap
 
-from dlfsd.slots import ProcessSlot
+from dlfsd.base.slots import ProcessSlot
 
 
 class WriteCounter:

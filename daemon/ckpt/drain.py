@@ -32,9 +32,9 @@ import time
 
 import xxhash
 
+from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt import sums
 from dlfsd.ckpt.beneath import Beneath
-from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.state import identity, same_file, same_identity
 from dlfsd.ckpt.tier import TMP_MARK, Tier, is_adopt_temporary, tmp_name
 from dlfsd.ckpt.tree import CkptTree

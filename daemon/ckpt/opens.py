@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dlfsd.ckpt.nodeids import CKPT_BIT
+from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.tree import CkptTree
 

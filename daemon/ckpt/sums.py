@@ -4,7 +4,7 @@ reads of those copies (a placeholder's reads, and the copy-back before a write).
 Why: the drain checks the store's copy once, when it publishes it (read back and
 compared). A restart reads it days later, maybe on another node, after the store's
 disks, network and caches had their chance to change bits. Datasets check each extent
-on its first read from a copy (dlfsd.reader); checkpoint reads from the store do the
+on its first read from a copy (dlfsd.core.reader); checkpoint reads from the store do the
 same here, with xxh3-64 per EXTENT bytes computed by the drain from the bytes it read
 from the local copy.
 

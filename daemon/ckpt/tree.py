@@ -42,8 +42,8 @@ import time
 from collections import OrderedDict
 
 from dlfs.errors import DlfsError
+from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt import sums
-from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.state import same_file
 from dlfsd.ckpt.tier import Tier, is_adopt_temporary
 from dlfsd.ckpt.union import (
@@ -55,7 +55,7 @@ from dlfsd.ckpt.union import (
     store_holds_entries,
     symlink_on_store,
 )
-from dlfsd.namespace import Attr, StatFs
+from dlfsd.core.values import Attr, StatFs
 
 OPEN_FDS = 128  # descriptors kept per process
 TOUCH_EVERY_NS = 1_000_000_000  # a written file's pending row is refreshed this often

@@ -26,9 +26,9 @@ import stat
 from collections.abc import Callable
 from typing import Literal, TypeGuard
 
+from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt import sums
 from dlfsd.ckpt.beneath import Beneath
-from dlfsd.ckpt.nodeids import CKPT_BIT
 from dlfsd.ckpt.state import Identity, Tracking, identity, same_file
 from dlfsd.ckpt.tier import Tier, adopt_name, is_adopt_temporary, is_drain_temporary, tmp_name
 

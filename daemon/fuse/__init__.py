@@ -1,8 +1,9 @@
-"""FUSE adapters: translate kernel requests to Namespace calls and answers back; decide nothing.
+"""FUSE adapters: translate kernel requests to calls of the core and answers back; decide nothing.
 
-`session` mounts the datasets and answers their INIT with `rawsession` (as the
-checkpoint directory's connection is set up), `wireworker` is the
-adapter: the forked workers that serve every other request, speaking the kernel
-protocol themselves (`fusewire` layouts, `listing` and `splicer` for bulk
-replies); `errnomap` is the one exception -> errno table.
+Both connections are mounted and their INIT answered by `rawsession` (`session`
+for the datasets'). Forked workers then serve every other request, speaking the
+kernel protocol themselves through one `requestloop`: `wireworker` for the
+datasets (Namespace calls), `ckptworker` for the checkpoint directory (CkptTree
+calls). `fusewire` holds the wire layouts, `listing` and `splicer` pack bulk
+replies, `errnomap` is the one exception -> errno table.
 """

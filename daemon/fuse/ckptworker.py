@@ -19,13 +19,14 @@ import os
 import stat
 import time
 
-from dlfsd.ckpt.nodeids import CKPT_BIT
+from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.opens import Opens
 from dlfsd.ckpt.tree import CkptTree
+from dlfsd.core.namespace import Namespace
 from dlfsd.fuse import fusewire as fw
+from dlfsd.fuse.listing import pack_entries
 from dlfsd.fuse.requestloop import HEADER, Errno, RequestLoop
-from dlfsd.namespace import Namespace
 
 log = logging.getLogger("dlfsd")
 
@@ -265,16 +266,8 @@ class CkptWorker(RequestLoop):
 
     def _listing(self, nodeid: int, plus: bool) -> bytes:
         _, offset, size, _ = fw.READ_IN.unpack_from(self._buf, HEADER)
-        out, used = [], 0
-        for name, attr, next_offset in self.tree.readdir(self._node(nodeid), offset):
-            entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
-            if plus:
-                entry = self.attrs.entry(attr) + entry
-            if used + len(entry) > size:
-                break
-            out.append(entry)
-            used += len(entry)
-        return b"".join(out)
+        return pack_entries(self.tree.readdir(self._node(nodeid), offset), size,
+                            self.attrs.entry if plus else None)
 
     def empty(self, nodeid: int, n: int) -> None:
         return None

@@ -15,7 +15,7 @@ import os
 import stat
 import struct
 
-from dlfsd.namespace import StatFs, st_blksize, st_blocks
+from dlfsd.core.values import StatFs, st_blksize, st_blocks
 
 # Opcodes (enum fuse_opcode).
 LOOKUP = 1
@@ -58,7 +58,7 @@ COPY_FILE_RANGE = 47
 TMPFILE = 51
 
 #: Requests that change the file system, by the core's name for them
-#: (dlfsd.namespace.CHANGE_REQUESTS: the Namespace refuses them all).
+#: (dlfsd.core.namespace.CHANGE_REQUESTS: the Namespace refuses them all).
 MUTATING = {SETATTR: "setattr", SYMLINK: "symlink", MKNOD: "mknod", MKDIR: "mkdir",
             UNLINK: "unlink", RMDIR: "rmdir", RENAME: "rename", LINK: "link", WRITE: "write",
             SETXATTR: "setxattr", REMOVEXATTR: "removexattr", CREATE: "create",
@@ -169,12 +169,12 @@ class AttrPacker:
                 self.uid, self.gid, 0, self.blksize(mode), 0)
 
     def entry(self, attr) -> bytes:
-        """fuse_entry_out for a dlfsd.namespace.Attr."""
+        """fuse_entry_out for a dlfsd.core.values.Attr."""
         v, vn = self.valid, self.valid_ns
         return ENTRY_OUT.pack(attr.ino, 0, v, v, vn, vn, *self._attr(*attr))
 
     def attr(self, attr) -> bytes:
-        """fuse_attr_out for a dlfsd.namespace.Attr."""
+        """fuse_attr_out for a dlfsd.core.values.Attr."""
         return ATTR_OUT.pack(self.valid, self.valid_ns, 0, *self._attr(*attr))
 
 

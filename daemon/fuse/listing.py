@@ -3,7 +3,7 @@
 Why: the first `ls -l`/`os.walk` of a mount is one READDIRPLUS reply per
 ~6,000 entries (the kernel asks for as much as the lister's getdents buffer,
 which glibc sizes by the directory's st_blksize: 1 MiB here, see
-dlfsd.namespace.DIR_BLKSIZE), each entry a fuse_entry_out (inode attributes) plus a
+dlfsd.core.values.DIR_BLKSIZE), each entry a fuse_entry_out (inode attributes) plus a
 fuse_dirent plus the name. Packed one
 `struct.pack` at a time in Python that costs ~3.5 µs per entry, as much CPU as
 the kernel spends creating the entry's inode and dentry, and the lister waits
@@ -15,20 +15,22 @@ mask of each record's true length squeezes the matrix into the reply.
 
 Byte layout (include/uapi/linux/fuse.h, little-endian): READDIRPLUS records
 are fuse_entry_out (128 bytes) + fuse_dirent (24 bytes) + name, padded to 8;
-READDIR records are the fuse_dirent + name only. dlfsd.fuse.fusewire packs the
-same records one at a time (used for the root and `.dlfs/`); the tests check
-that both agree byte for byte.
+READDIR records are the fuse_dirent + name only. pack_entries packs the same
+records one at a time (dlfsd.fuse.fusewire's layouts), for every other listing:
+the root and `.dlfs/` of the datasets' connection, every directory of the
+checkpoint connection; the tests check that both agree byte for byte.
 """
 
 from __future__ import annotations
 
 import stat
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from dlfs.store.directory import SampleDirectory
-from dlfsd.fuse.fusewire import AttrPacker
-from dlfsd.namespace import BLKSIZE, DIR_BLKSIZE, st_blocks
+from dlfsd.core.values import BLKSIZE, DIR_BLKSIZE, Attr, st_blocks
+from dlfsd.fuse.fusewire import AttrPacker, dirent
 
 _ENTRY_FIELDS = [
     ("nodeid", "<u8"), ("generation", "<u8"), ("entry_valid", "<u8"), ("attr_valid", "<u8"),
@@ -42,6 +44,24 @@ _ENTRY_FIELDS = [
 _DIRENT_FIELDS = [("d_ino", "<u8"), ("d_off", "<u8"), ("namelen", "<u4"), ("type", "<u4")]
 PLUS_RECORD = np.dtype(_ENTRY_FIELDS + _DIRENT_FIELDS)  # 152 bytes, then the name
 PLAIN_RECORD = np.dtype(_DIRENT_FIELDS)  # 24 bytes, then the name
+
+
+def pack_entries(entries: Iterable[tuple[bytes, Attr, int]], size: int,
+                 entry_of: Callable[[Attr], bytes] | None) -> bytes:
+    """A READDIR reply of `entries` (name, attributes, next offset), one record at a
+    time while they fit in `size` bytes; with `entry_of` (READDIRPLUS: an Attr's
+    fuse_entry_out) each record carries the entry's attributes too. Both workers' one
+    way to list a directory that is not a dataset's."""
+    out, used = [], 0
+    for name, attr, next_offset in entries:
+        entry = dirent(name, attr.ino, attr.mode, next_offset)
+        if entry_of is not None:
+            entry = entry_of(attr) + entry
+        if used + len(entry) > size:
+            break
+        out.append(entry)
+        used += len(entry)
+    return b"".join(out)
 
 
 class ListingPacker:

@@ -101,7 +101,7 @@ def dataset_wants(request_timeout: int, passthrough: bool = False) -> Wants:
     (the kernel aborts the connection) instead of leaving them in D state forever.
     Opens and opendirs are not negotiated here: the workers' ENOSYS answers make the
     kernel stop sending them (dlfsd.fuse.wireworker). `passthrough`: the mount serves
-    large files from whole-file copies on the node (dlfsd.passthrough); then the
+    large files from whole-file copies on the node (dlfsd.core.passthrough); then the
     workers answer every OPEN instead."""
     flags = (ASYNC_READ | AUTO_INVAL_DATA | DO_READDIRPLUS | PARALLEL_DIROPS | ABORT_ERROR
              | MAX_PAGES | CACHE_SYMLINKS | INIT_EXT)

@@ -16,9 +16,9 @@ import os
 import signal
 
 from dlfs.signals import STOP_SIGNALS, unblock_stop_signals
+from dlfsd.core.values import FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
-from dlfsd.reader import FileSpan
 
 log = logging.getLogger("dlfsd.fuse.wireworker")
 

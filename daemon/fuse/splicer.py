@@ -10,7 +10,7 @@ then spliced from the pipe into /dev/fuse in one go, which the device needs:
 a reply must arrive whole.
 
 Only 1 MiB reads are spliced (smaller ones measured faster copied, see
-dlfsd.reader.SPAN_MIN), and the pipe must hold a whole reply: 1 MiB plus a
+dlfsd.core.reader.SPAN_MIN), and the pipe must hold a whole reply: 1 MiB plus a
 header, 258 pages at worst, so the pipe is made dlfs.pipes.PIPE_BYTES, which needs
 CAP_SYS_RESOURCE or fs.pipe-max-size >= 2 MiB; without either, nothing is
 spliced. Replies that do not fit, and everything after a file system refuses

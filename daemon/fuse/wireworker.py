@@ -25,9 +25,13 @@ import errno
 import logging
 import os
 
+from dlfsd.base.kernel import kernel_skips_opens, workers_answer_opens
+from dlfsd.core.namespace import Namespace
+from dlfsd.core.passthrough import PassthroughOpens
+from dlfsd.core.values import FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
-from dlfsd.fuse.listing import ListingPacker
+from dlfsd.fuse.listing import ListingPacker, pack_entries
 from dlfsd.fuse.requestloop import HEADER as _HEADER
 from dlfsd.fuse.requestloop import (
     WORKER_ABORTED,
@@ -38,10 +42,6 @@ from dlfsd.fuse.requestloop import (
     fuse_fds,
 )
 from dlfsd.fuse.splicer import ReplySplicer, SpliceFailed
-from dlfsd.kernel import kernel_skips_opens, workers_answer_opens
-from dlfsd.namespace import Namespace
-from dlfsd.passthrough import PassthroughOpens
-from dlfsd.reader import FileSpan
 
 log = logging.getLogger(__name__)
 
@@ -228,16 +228,9 @@ class WireWorker(RequestLoop):
             if lister is None:
                 lister = self._listers[base] = ListingPacker(directory, base, self.attrs)
             return lister.pack(row, offset, size, plus)
-        out, used = [], 0  # the root and `.dlfs/`: a few entries
-        for name, attr, next_offset in self.ns.readdir(nodeid, offset):
-            entry = fw.dirent(name, attr.ino, attr.mode, next_offset)
-            if plus:
-                entry = self._packer(attr.ino).entry(attr) + entry
-            if used + len(entry) > size:
-                break
-            out.append(entry)
-            used += len(entry)
-        return b"".join(out)
+        # the root and `.dlfs/`: a few entries
+        return pack_entries(self.ns.readdir(nodeid, offset), size,
+                            (lambda attr: self._packer(attr.ino).entry(attr)) if plus else None)
 
     def access(self, nodeid: int, n: int) -> None:
         mask, _ = fw.ACCESS_IN.unpack_from(self._buf, _HEADER)

@@ -3,7 +3,7 @@
 `.dlfs` answers lookup from the root but is not listed by readdir of the root,
 so `ls MOUNTPOINT` still shows exactly the datasets (like a dot file, only
 more hidden; `ls MOUNTPOINT/.dlfs` lists its files). Inodes come from the
-reserved range 2..1022 (1023 is the checkpoint mountpoint, dlfsd.namespace).
+reserved range 2..1022 (1023 is the checkpoint mountpoint, dlfsd.core.namespace).
 
 When the daemon sees opens (`--count-opens`, or an old kernel), each file is
 rendered once per open (one consistent snapshot per reader) and served with
@@ -32,19 +32,19 @@ import weakref
 from collections.abc import Callable
 
 from dlfs.errors import NotADirError, NotFoundError
-from dlfs.runtime import pid_alive
-from dlfsd.slots import ProcessSlot
+from dlfs.procs import pid_alive
+from dlfsd.base.slots import ProcessSlot
 
 CONTROL_DIR_NAME = b".dlfs"
 CONTROL_DIR_INODE = 2
-LAST_CONTROL_INODE = 1022  # 1023: dlfsd.namespace.CKPT_DIR_INODE
+LAST_CONTROL_INODE = 1022  # 1023: dlfsd.core.namespace.CKPT_DIR_INODE
 CONTROL_FH = 1 << 62
 SNAPSHOT_FRESH = 0.5  # seconds a no-open reader's snapshot is reused (see latest_attr)
 SNAPSHOT_MAX_AGE = 60.0  # seconds before an unused one is removed
 DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
 
-# (ino, mode, size, mtime_ns, nlink), the fields of dlfsd.namespace.Attr
+# (ino, mode, size, mtime_ns, nlink), the fields of dlfsd.core.values.Attr
 AttrTuple = tuple[int, int, int, int, int]
 
 
@@ -96,7 +96,7 @@ class ControlFiles:
         self._opened = 0
 
     def add(self, name: bytes, render: Callable[[], bytes]) -> None:
-        """One more file, e.g. the order socket's name (dlfsd.ordersock); before the
+        """One more file, e.g. the order socket's name (dlfsd.core.ordersock); before the
         mount (inodes are renumbered)."""
         self._renderers[name] = render
         self.names = sorted(self._renderers)

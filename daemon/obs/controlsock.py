@@ -46,7 +46,7 @@ import numpy as np
 from dlfs.errors import DlfsError
 from dlfs.runtime import USER_SOCKET_DIR, make_user_socket_dir
 from dlfs.signals import stop_signals_blocked, unblock_stop_signals
-from dlfsd.lineage import die_with_parent, parent_alive
+from dlfsd.base.lineage import die_with_parent, parent_alive
 from dlfsd.obs.observe import Observability
 from dlfsd.obs.stats import SOURCE_NAMES
 from dlfsd.obs.trace import OP_NAMES, TRACE_FORMAT_VERSION
@@ -66,7 +66,7 @@ class ControlServer:
                  ckpt=None, ckpt_uid: int | None = None) -> None:
         """`services`: more sockets this process answers (each with a bound listening
         `sock`, `start()`, `handle(conn)`, `stop()` and `close()`, e.g. the look-ahead's
-        dlfsd.ordersock.OrderService); started in the control process."""
+        dlfsd.core.ordersock.OrderService); started in the control process."""
         self.path = path
         self.observe = observe
         self.services = list(services)
@@ -219,7 +219,7 @@ def _ckpt_refusal(uid: int, ckpt_uid: int | None) -> str:
 def _child(sock: socket.socket, observe: Observability, parent: int,
            close: Collection[int], services: list, ckpt: tuple = (None, None)) -> None:
     """The control process: answer until SIGTERM from the main process, or until that
-    process dies (the kernel then sends the SIGTERM: dlfsd.lineage). Ctrl-C and a
+    process dies (the kernel then sends the SIGTERM: dlfsd.base.lineage). Ctrl-C and a
     terminal's hangup reach the whole process group; the main process acts on them
     and stops this one."""
     code = 0

@@ -18,7 +18,8 @@ from dlfs.config import MountConfig
 from dlfs.obs.statsview import text_summary
 from dlfs.runtime import open_log_file
 from dlfs.store.store import Dataset
-from dlfsd.kernel import workers_answer_opens
+from dlfsd.base.kernel import workers_answer_opens
+from dlfsd.base.slots import ProcessSlot
 from dlfsd.obs.control import ControlFiles
 from dlfsd.obs.peermarks import PeerMarks
 from dlfsd.obs.prometheus import prometheus_text
@@ -26,7 +27,6 @@ from dlfsd.obs.sharedjson import SharedJson
 from dlfsd.obs.stalls import NO_REQUESTS, NullRequests, RequestSlots
 from dlfsd.obs.stats import TOP_FILES, NullStats, Stats
 from dlfsd.obs.trace import DEFAULT_CAPACITY, Trace
-from dlfsd.slots import ProcessSlot
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ chunk bad (its bytes failed their checksum) in the process that saw it; those
 marks live in that process's ChunkPool and nothing else could see them. So the
 pool also writes each mark here: an anonymous shared mmap made before the fork,
 one record per (process, node), each process writing only its own records
-(dlfsd.slots.ProcessSlot). Marks are rare (at most one per peer per few
+(dlfsd.base.slots.ProcessSlot). Marks are rare (at most one per peer per few
 seconds per process), so a record is packed with `struct`; the main process
 reads them all once a second for `dlfs status` and `.dlfs/metrics`.
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlfsd.slots import ProcessSlot
+from dlfsd.base.slots import ProcessSlot
 
 # down until, bad copy until, times marked down, bad-copy marks, last bad (dataset, chunk),
 # why it was last marked down (UTF-8, cut short).

@@ -10,7 +10,7 @@ tell. Here every read in progress is visible to the main process:
   NAME, store) as it tries it, and the start is cleared when the read is done:
   a handful of 8-byte stores, no lock, no system call, no allocation. Worker
   processes serve one request at a time, so each owns one slot (its
-  dlfsd.slots.ProcessSlot).
+  dlfsd.base.slots.ProcessSlot).
 * `StallWatch` (main process, once a second from the status task): scans the
   slots, counts each read found outstanding past the threshold once, logs it
   once (WARNING, naming the file and the source), logs when it is done, and
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dlfsd.slots import ProcessSlot
+from dlfsd.base.slots import ProcessSlot
 
 log = logging.getLogger(__name__)
 

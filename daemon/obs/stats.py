@@ -11,7 +11,7 @@ workers, so every process adds into the same memory:
   A dataset's opens, reads and bytes are sums over its files (at snapshot).
 * per-dataset counters (sequential reads, latency sum, per-source
   bytes/reads/latency, log2 request-size and latency histograms): one slab per
-  process (see dlfsd.slots). A process only ever writes its own slab, so
+  process (see dlfsd.base.slots). A process only ever writes its own slab, so
   nothing is lost between processes without any lock; `snapshot()` sums the
   slabs. Mount totals are the sum of the datasets.
 
@@ -36,7 +36,7 @@ from time import monotonic_ns
 import numpy as np
 
 from dlfs.store.directory import SampleDirectory, display_path
-from dlfsd.slots import ProcessSlot
+from dlfsd.base.slots import ProcessSlot
 
 SOURCE_LOCAL = 0
 SOURCE_PEER = 1

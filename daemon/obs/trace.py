@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlfsd.slots import ProcessSlot
+from dlfsd.base.slots import ProcessSlot
 
 OP_NAMES = ("lookup", "getattr", "open", "read", "release", "write")
 OP_LOOKUP, OP_GETATTR, OP_OPEN, OP_READ, OP_RELEASE, OP_WRITE = range(len(OP_NAMES))

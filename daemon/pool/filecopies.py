@@ -14,7 +14,7 @@ the staged chunk copy if there is one, else from the store), each extent read ba
 from the copy and checked against the manifest checksum as it is written; a copy
 with a bad extent is never published. A verified copy's identity (device, inode,
 size, mtime, ctime) is recorded, and an open passes through only to a file that
-still has it (dlfsd.passthrough checks with fstat on the very descriptor it
+still has it (dlfsd.core.passthrough checks with fstat on the very descriptor it
 registers): a copy changed on disk since (written to, replaced) is checked again,
 extent by extent, before the kernel may read it. Copies a previous mount left are
 adopted unverified and checked in the background before their first passthrough.
@@ -49,8 +49,8 @@ import trio
 from dlfs.errors import CorruptDataError
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.store import Dataset, fsync_path
+from dlfsd.base.throttle import pace
 from dlfsd.pool.chunkcache import TEMP_PREFIX, ChunkCache
-from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 

@@ -67,11 +67,11 @@ import time
 from typing import Protocol, TypeVar, cast
 
 from dlfs.store.format import checksum
-from dlfsd.nowait import HAVE_NOWAIT, read_cached_into
+from dlfsd.base.nowait import HAVE_NOWAIT, read_cached_into
+from dlfsd.base.throttle import TokenBucket
 from dlfsd.pool import protocol
 from dlfsd.pool.admission import Admission, HandshakeFailureLog, RefusalLog, plain_ip
 from dlfsd.pool.protocol import BadRange, FrameDecoder, Message, ProtocolError
-from dlfsd.throttle import TokenBucket
 
 log = logging.getLogger("dlfsd.pool.peer")
 

@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dlfsd.slots import ProcessSlot
+from dlfsd.base.slots import ProcessSlot
 
 #: Bytes of whole extents kept for the node (they were 64 MiB per worker process), besides
 #: what the look-ahead keeps for the readers (ChunkPool's `ahead`).

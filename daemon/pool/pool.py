@@ -57,6 +57,7 @@ from dlfs.cluster.placement import owners
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.nodecache import is_dataset_dir
 from dlfs.store.store import Dataset
+from dlfsd.base.throttle import TokenBucket
 from dlfsd.obs.peermarks import NO_PEER_MARKS, NullPeerMarks, PeerMarks
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_PEER, NullRequests, RequestSlots
 from dlfsd.pool.chunkcache import ChunkCache
@@ -65,7 +66,6 @@ from dlfsd.pool.peershare import SHARE_BYTES, PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.pool.protocol import BadRange
 from dlfsd.pool.stager import DemandChannel
-from dlfsd.throttle import TokenBucket
 
 if TYPE_CHECKING:
     from dlfsd.pool.peerserver import BlockingChunkProvider
@@ -98,7 +98,7 @@ class ChunkPool:
                  ahead: tuple[int, int] = (0, 0)) -> None:
         """`processes`: how many of the daemon's processes may read from peers (main,
         workers, the control process), for the shared fetch counters' rows.
-        `ahead`: the look-ahead's window (samples, bytes; dlfsd.lookahead), for which
+        `ahead`: the look-ahead's window (samples, bytes; dlfsd.core.lookahead), for which
         PeerShare makes room besides the readers' own shared fetches: what it fetches
         from peers ahead then stays until it is read (a sample per slot of the largest
         extent, at most the window's bytes)."""

@@ -41,12 +41,12 @@ import trio
 from dlfs.errors import CorruptDataError, FormatError
 from dlfs.store.format import CHUNK_HEADER_SIZE, check_chunk_header, checksum
 from dlfs.store.store import Dataset
+from dlfsd.base.throttle import pace
 from dlfsd.pool import replicate
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.filecopies import FILE_DEMAND, FileStager
 from dlfsd.pool.peer import PeerError
 from dlfsd.pool.replicate import POLL_SECONDS, PrimaryNotReady, ReplicaSource
-from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 

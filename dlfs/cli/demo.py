@@ -16,12 +16,12 @@ from pathlib import Path
 
 from dlfs.cli.mountctl import FSTYPE, mount, mounted_fstype, umount
 from dlfs.config import MountConfig
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import EpochResult, shuffled_epoch
 from dlfs.runtime import mountpoint_path
-from dlfs.sampledata import generate_tree
 from dlfs.sizes import format_size
 from dlfs.store.populate import PopulateOptions, populate
 from dlfs.store.store import Store
-from dlfs.workload import EpochResult, shuffled_epoch
 
 
 def _line(label: str, r: EpochResult) -> None:

@@ -183,7 +183,7 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
     """The look-ahead's flags (docs/ORDER.md): what a sampler's announcement starts."""
     g = p.add_argument_group(
         "look-ahead",
-        "A sampler (dlfs.sampler.DLFSSampler) announces each epoch's order to the\n"
+        "A sampler (dlfs.order.sampler.DLFSSampler) announces each epoch's order to the\n"
         "daemon, which then reads the next samples ahead of the readers (from the\n"
         "node's NVMe copy or the store) and stages owned chunks in first-use order.\n"
         "Jobs that announce nothing read as before.")

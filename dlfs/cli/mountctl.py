@@ -34,6 +34,7 @@ from dlfs.launch import (
     version_refusal,
 )
 from dlfs.mountinfo import CKPT_DIR, CKPT_FSTYPE, find_mount, mountpoints_of_type
+from dlfs.procs import pid_alive, serving_daemon
 from dlfs.runtime import (
     ckpt_mount_name,
     daemon_session,
@@ -41,11 +42,9 @@ from dlfs.runtime import (
     lock_path,
     mountpoint_path,
     open_log_file,
-    pid_alive,
     read_record,
     remove_record,
     remove_stale_files,
-    serving_daemon,
 )
 from dlfs.signals import signals_deferred
 

@@ -2,7 +2,7 @@
 lists (DALI's file_list, tf.data from a text file) instead of taking a sampler;
 with `--resume STATE`, the rest of a stopped epoch (DLFSSampler.state_dict as JSON).
 
-Thin: dlfs.sampler plans the epoch and writes the list; this module only turns
+Thin: dlfs.order.sampler plans the epoch and writes the list; this module only turns
 flags and a directory or list file into its arguments. The list is planned
 exactly as the sampler of the same seed, epoch, rank and world would iterate it.
 """
@@ -57,7 +57,7 @@ def register(subs: Subparsers) -> None:
 
 
 def cmd_order(args: argparse.Namespace) -> int:
-    from dlfs.sampler import DLFSSampler, write_order
+    from dlfs.order.sampler import DLFSSampler, write_order
 
     paths = _sample_paths(args.source)
     if not paths:

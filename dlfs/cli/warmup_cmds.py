@@ -1,6 +1,6 @@
 """`dlfs warmup`: stage datasets onto the nodes of an allocation before training.
 
-Thin: the placement and the copying are the daemon's (dlfsd.warmup runs its
+Thin: the placement and the copying are the daemon's (dlfsd.pool.warmup runs its
 Stager in the foreground); this module turns flags into a WarmupPlan, shows
 progress and prints one summary line.
 """
@@ -56,7 +56,7 @@ def register(subs: Subparsers) -> None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from dlfsd.warmup import WarmupPlan, print_progress, warmup
+    from dlfsd.pool.warmup import WarmupPlan, print_progress, warmup
 
     plan = WarmupPlan(_datasets(args), os.path.abspath(_cache_dir(args)), *_nodes(args),
                       replicas=args.replicas, jobs=args.jobs,

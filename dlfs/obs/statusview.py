@@ -22,10 +22,10 @@ from rich.text import Text
 from dlfs.errors import EXIT_OK, NotFoundError
 from dlfs.mountinfo import find_mount
 from dlfs.obs.healthview import history_lines, problem_lines
+from dlfs.procs import serving_daemon
 from dlfs.runtime import (
     mountpoint_path,
     read_record,
-    serving_daemon,
     status_path,
 )
 from dlfs.sizes import format_size
@@ -110,7 +110,7 @@ def plain_lines(status: dict) -> list[str]:
 
 
 def passthrough_line(c: dict) -> str:
-    """Whether large files are read by the kernel from whole-file copies (dlfsd.passthrough),
+    """Whether large files are read by the kernel from whole-file copies (dlfsd.core.passthrough),
     why, and how far their copies and opens got."""
     line = f"large files by passthrough: {c.get('mode', '?')}"
     if "large_files" in c:

@@ -1,7 +1,7 @@
 """Epochs read in pieces: what a stopped job read, and who reads the rest (pure numpy).
 
 A job is preempted or requeued part-way through an epoch and resumes, maybe with
-another number of ranks. Its state (dlfs.sampler.DLFSSampler.state_dict) does
+another number of ranks. Its state (dlfs.order.sampler.DLFSSampler.state_dict) does
 not list the samples it read, which would cost bytes per sample: it names the
 *pieces* the epoch ran in so far, each (world size, mode, samples each rank
 consumed), and every rank recomputes from them, without talking to the others,

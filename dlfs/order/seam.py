@@ -1,6 +1,6 @@
 """What the sampler needs from a DLFS mount, as a small protocol.
 
-The real client (dlfs.orderclient) talks to the node's daemon; tests hand in a
+The real client (dlfs.order.client) talks to the node's daemon; tests hand in a
 client that returns synthetic locality. This module imports nothing but numpy,
 so the client can import `Locality` from here without importing the sampler
 (the sampler imports the client: the other direction would be a cycle).

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlfs.runtime import daemon_configs
+from dlfs.procs import daemon_configs
 
 LAST_USED = ".last-used"
 IN_USE = ".in-use"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dlfs.errors import DlfsError, NotFoundError, UsageError
-from dlfs.runtime import pid_alive
+from dlfs.procs import pid_alive
 from dlfs.signals import signals_deferred
 from dlfs.store.directory import SampleDirectory
 from dlfs.store.format import CHUNK_HEADER_SIZE, MANIFEST_NAME, chunk_path, decode_manifest
@@ -150,7 +150,7 @@ class Store:
         """Refuse to `doing` (remove, replace) dataset `name` while a mount on this node
         serves it: its readers would get EIO midway through an epoch, from whichever
         worker no longer has the deleted chunk files open."""
-        from dlfs.runtime import mounts_using
+        from dlfs.store.inuse import mounts_using
 
         mounts = mounts_using(self.path, name)
         if mounts:

@@ -1,6 +1,6 @@
 """SampleReader: file bytes of one dataset, read from its chunk files.
 
-Where the bytes come from is dlfsd.extentsource's plan, which the look-ahead
+Where the bytes come from is dlfsd.core.extentsource's plan, which the look-ahead
 follows too: with a chunk pool (cluster mode), a chunk staged on local NVMe
 is read there, else from an owner peer (the extent's byte range, checked
 against its checksum), else from the store (and the chunk is demanded from
@@ -29,12 +29,13 @@ from dlfs.errors import CorruptDataError
 from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.store import Dataset
-from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.base.throttle import pace
+from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.core.prefetch import ChunkPrefetch
+from dlfsd.core.values import FileSpan
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.pool.peershare import extent_key
-from dlfsd.prefetch import ChunkPrefetch
-from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 
@@ -58,28 +59,6 @@ SPAN_MIN = 1 << 20
 #: not need all their bytes in hand (a spliced or partial read). Daemon CPU for a cold
 #: 584 MiB sequential pass, spliced: 0.24-0.25 s in place vs 0.32-0.65 s copied out.
 MAP_HASH_MIN = 1 << 20
-
-
-class FileSpan:
-    """Verified bytes left where they are: `length` bytes at `pos` of descriptor `fd`.
-
-    What a read returns instead of the bytes when its caller asked for spans
-    (SampleReader.use_spans): worker processes splice such a span from the chunk
-    file into their FUSE reply, so the bytes never pass through user memory. One
-    object per reader, reused by every read (workers serve one request at a time).
-    """
-
-    __slots__ = ("fd", "length", "pos")
-
-    def __init__(self) -> None:
-        self.fd = self.pos = self.length = 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    def set(self, fd: int, pos: int, length: int) -> FileSpan:
-        self.fd, self.pos, self.length = fd, pos, length
-        return self
 
 
 class SampleReader:
@@ -125,7 +104,7 @@ class SampleReader:
         self._span_max = 0
         self._lookahead = _NO_LOOKAHEAD  # [0] is 1 while the look-ahead follows an epoch
 
-    # Read-only views for the look-ahead (dlfsd.lookahead), which fetches extents itself.
+    # Read-only views for the look-ahead (dlfsd.core.lookahead), which fetches extents itself.
     @property
     def state_map(self) -> mmap.mmap:
         return self._state

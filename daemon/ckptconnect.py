@@ -21,20 +21,20 @@ from dataclasses import dataclass
 from dlfs.config import MountConfig
 from dlfs.errors import DlfsError
 from dlfs.runtime import ckpt_mount_path
-from dlfsd.access import admits_others, shown_owner
+from dlfsd.base.access import admits_others, shown_owner
+from dlfsd.base.kernel import INIT_TIMEOUT, kernel_release
+from dlfsd.base.nodeids import CKPT_NAME
 from dlfsd.ckpt.control import CkptControl
 from dlfsd.ckpt.counters import WriteCounter
 from dlfsd.ckpt.creds import Creds
 from dlfsd.ckpt.drain import Drainer, scan
-from dlfsd.ckpt.nodeids import CKPT_NAME
 from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.tier import Tier
 from dlfsd.ckpt.tree import CkptTree
+from dlfsd.core.namespace import Namespace
 from dlfsd.fuse.ckptworker import CkptWorker
 from dlfsd.fuse.rawsession import RawSession
 from dlfsd.fuse.wireworker import fuse_fds
-from dlfsd.kernel import INIT_TIMEOUT, kernel_release
-from dlfsd.namespace import Namespace
 from dlfsd.obs.sharedjson import SharedJson
 from dlfsd.supervise import fork_workers
 

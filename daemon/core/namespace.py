@@ -21,7 +21,7 @@ import os
 import stat
 import time
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from dlfs.errors import (
     DlfsError,
@@ -33,7 +33,9 @@ from dlfs.errors import (
 )
 from dlfs.store.directory import SampleDirectory
 from dlfs.store.store import Dataset
-from dlfsd.ckpt.nodeids import CKPT_BIT, CKPT_NAME
+from dlfsd.base.nodeids import CKPT_BIT, CKPT_NAME
+from dlfsd.core.reader import SampleReader
+from dlfsd.core.values import Attr, StatFs
 from dlfsd.obs.control import CONTROL_DIR_INODE, CONTROL_DIR_NAME, CONTROL_FH
 from dlfsd.obs.observe import Observability, ObserveConfig
 from dlfsd.obs.trace import (
@@ -47,7 +49,6 @@ from dlfsd.obs.trace import (
     TRACED_FH,
     handle_inode,
 )
-from dlfsd.reader import SampleReader
 
 if TYPE_CHECKING:
     from dlfsd.pool.pool import ChunkPool
@@ -59,50 +60,12 @@ ROOT_MODE = stat.S_IFDIR | 0o555
 PRIVATE_ROOT_MODE = stat.S_IFDIR | 0o700  # a mount for one user (dlfs mount --uid)
 
 
-BLKSIZE = 128 * 1024  # st_blksize of files
-#: st_blksize of a directory. glibc sizes its getdents buffer by it (up to 1 MiB), and the
-#: kernel asks for READDIRPLUS replies that large: a directory of a few thousand samples is
-#: listed in one round trip to the daemon instead of one per ~750 entries (128 KiB).
-DIR_BLKSIZE = 1 << 20
 #: Write-side open flags: a read-only mount refuses them (EROFS).
 WRITE_OPEN_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 #: Requests that would change the file system; every one is refused with EROFS.
 CHANGE_REQUESTS = frozenset({"setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink",
                              "rename", "link", "create", "write", "setxattr", "removexattr",
                              "fallocate", "copy_file_range", "tmpfile"})
-
-
-def st_blocks(size):
-    """512-byte blocks of a file of `size` bytes (an int, or a numpy array of sizes)."""
-    return (size + 511) // 512
-
-
-def st_blksize(mode: int) -> int:
-    """The preferred I/O size the mount reports for an entry of `mode`."""
-    return DIR_BLKSIZE if stat.S_ISDIR(mode) else BLKSIZE
-
-
-class StatFs(NamedTuple):
-    """What statfs reports: the datasets' size in 4 KiB blocks, nothing free."""
-
-    blocks: int
-    files: int
-    bsize: int = 4096
-    frsize: int = 4096
-    bfree: int = 0
-    bavail: int = 0
-    ffree: int = 0
-    namemax: int = 255
-
-
-class Attr(NamedTuple):
-    """What getattr/lookup report for an inode (a tuple: built once per entry of readdir)."""
-
-    ino: int
-    mode: int
-    size: int
-    mtime_ns: int
-    nlink: int
 
 
 def _attr(d: SampleDirectory, base: int, row: int) -> Attr:
@@ -160,7 +123,7 @@ class Namespace:
 
     def use_spans(self, max_length: int) -> None:
         """Worker processes that splice replies: reads of verified bytes up to
-        `max_length` may return a dlfsd.reader.FileSpan (0: never)."""
+        `max_length` may return a dlfsd.core.values.FileSpan (0: never)."""
         for reader in self.readers:
             reader.use_spans(max_length)
 

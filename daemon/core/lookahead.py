@@ -1,8 +1,8 @@
 """LookAhead: read each announced epoch ahead of the processes that will read it.
 
-A sampler (dlfs.sampler) registers its dataset's paths once and announces,
+A sampler (dlfs.order.sampler) registers its dataset's paths once and announces,
 at the start of each epoch, the order its rank will read them in
-(dlfs.orderwire). The daemon then fetches the samples' extents ahead of the
+(dlfs.order.wire). The daemon then fetches the samples' extents ahead of the
 readers, in that order, on threads of the control process, never holding more
 than `samples` samples or `nbytes` bytes fetched that no reader has taken yet,
 nor reaching more than MAX_SPAN windows past the first sample not taken
@@ -34,7 +34,7 @@ Per extent:
   the look-ahead's stream paid for it). An extent verified already and not
   throttled only gets WILLNEED.
 
-Which of these an extent gets is the readers' own plan (dlfsd.extentsource,
+Which of these an extent gets is the readers' own plan (dlfsd.core.extentsource,
 `ahead=True`), read through the same descriptors, so the two agree.
 
 Readers mark the extents they read taken (a shared byte per extent, apart from
@@ -48,7 +48,7 @@ Memory stays bounded whatever clients do: besides those counts, what the
 registrations and streams hold together (`held_bytes`) stays within
 `memory_limit` (HELD_BYTES_PER_ENTRY per entry of the mount, at least
 MIN_HELD_BYTES): past it the oldest streams, then the oldest registrations, are
-dropped. The order socket's body limits (dlfsd.ordersock) keep any one of them
+dropped. The order socket's body limits (dlfsd.core.ordersock) keep any one of them
 far below that limit.
 """
 
@@ -70,11 +70,11 @@ import numpy as np
 from dlfs.errors import DlfsError
 from dlfs.sizes import format_size
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
-from dlfsd.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
-from dlfsd.namespace import Namespace
+from dlfsd.base.throttle import pace
+from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.core.namespace import Namespace
+from dlfsd.core.reader import AHEAD, PEER_AHEAD, STORE_OK, SampleReader
 from dlfsd.pool.peershare import extent_key
-from dlfsd.reader import AHEAD, PEER_AHEAD, STORE_OK, SampleReader
-from dlfsd.throttle import pace
 
 log = logging.getLogger(__name__)
 
@@ -497,7 +497,7 @@ class LookAhead:
             self.counters[counter] += 1
 
     def _fetch_extent(self, reader: SampleReader, ds: int, ext: int) -> int:
-        """Fetch one extent ahead where the readers' plan (dlfsd.extentsource) would
+        """Fetch one extent ahead where the readers' plan (dlfsd.core.extentsource) would
         read it: its length when it is fetched (or on its way), 0 when left to them."""
         state = self._states[ds]
         if state[ext] & AHEAD or self._marks[ds][ext]:

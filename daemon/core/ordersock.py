@@ -2,7 +2,7 @@
 
 Served by the control process next to the trace socket (dlfsd.obs.controlsock
 calls `handle` for each connection; one at a time, each message bounded by
-REQUEST_TIMEOUT). The wire format is dlfs.orderwire. A request the
+REQUEST_TIMEOUT). The wire format is dlfs.order.wire. A request the
 daemon cannot take is answered with one line saying why; a client that breaks
 the protocol is disconnected. Only root, the daemon's user and the mount's
 `--uid` user are answered.
@@ -12,12 +12,12 @@ connection is answered at a time, each message must arrive whole within
 REQUEST_TIMEOUT, and a body over its request's limit (`body_limit`: a
 registration at most PATH_BYTES per entry of the mount and MAX_REGISTER_BODY, an
 announcement 4 bytes per registered sample) is refused in one line without being
-read; the look-ahead bounds what it keeps across clients (dlfsd.lookahead).
+read; the look-ahead bounds what it keeps across clients (dlfsd.core.lookahead).
 
 The socket's abstract name is drawn at random when the service is made (before
 the workers fork) and published, once bound, in shared memory that the workers
 render as `.dlfs/order`: a name another user bound first is never ours, and a
-client learns ours only from the mount itself (dlfs.orderwire).
+client learns ours only from the mount itself (dlfs.order.wire).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import struct
 import numpy as np
 
 from dlfs.errors import DlfsError
-from dlfs.orderwire import (
+from dlfs.order.wire import (
     ORDER_FILE,
     BodyRefused,
     OrderWireError,
@@ -42,7 +42,7 @@ from dlfs.orderwire import (
     send_message,
 )
 from dlfs.sizes import format_size
-from dlfsd.lookahead import LookAhead, unknown_registration
+from dlfsd.core.lookahead import LookAhead, unknown_registration
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from dlfsd.pool.filecopies import (
 )
 
 if TYPE_CHECKING:
-    from dlfsd.namespace import Namespace
+    from dlfsd.core.namespace import Namespace
     from dlfsd.pool.pool import ChunkPool
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """ExtentSource: where one dataset's extents come from, and the descriptors to read them.
 
-Two parts of the daemon fetch extents: the reader (dlfsd.reader), for a FUSE
-read, and the look-ahead (dlfsd.lookahead), before the readers ask. They used
+Two parts of the daemon fetch extents: the reader (dlfsd.core.reader), for a FUSE
+read, and the look-ahead (dlfsd.core.lookahead), before the readers ask. They used
 to decide each on its own which copy to go to (this node's staged copy, an
 owner peer, the store) and to keep descriptors each its own way; both now ask
 this module (`plan`) and read through the descriptors it keeps (`store_fd`; a

@@ -1,7 +1,7 @@
 """The order socket's wire format: how a sampler tells a node's daemon what comes next.
 
-Both ends import this module: the sampler's client (dlfs.orderclient) and the
-daemon's look-ahead (dlfsd.lookahead). A message is one JSON line, then
+Both ends import this module: the sampler's client (dlfs.order.client) and the
+daemon's look-ahead (dlfsd.core.lookahead). A message is one JSON line, then
 exactly `body` raw bytes when the line names a body. The client sends a
 request, the daemon answers one message; a connection may carry several.
 
