@@ -36,7 +36,7 @@ from dlfs.errors import CorruptDataError
 from dlfs.store import nodecache
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Store
-from dlfsd import passthrough as pt
+from dlfsd.core import passthrough as pt
 from dlfsd.fuse import rawsession as rs
 from dlfsd.pool.chunkcache import ChunkCache
 from dlfsd.pool.filecopies import ABSENT, FILE_DEMAND, PRESENT, VERIFIED, FileCopies
