@@ -7,7 +7,13 @@
  * kept), read = pread() + reply, on libfuse's worker threads. If this mirror reads
  * at 0.65 of the source, no daemon of that kind will read at 0.85.
  *
- * usage: mirror SOURCE_DIR MOUNTPOINT   (stays in the foreground; unmount to stop)
+ * usage: mirror SOURCE_DIR MOUNTPOINT [--no-open] [--serial-dirops]
+ *        (stays in the foreground; unmount to stop)
+ *   --no-open        answer OPEN with ENOSYS, as DLFS does: the kernel then opens
+ *                    files itself (no OPEN/RELEASE round trips); a READ opens
+ *                    the file, preads and closes it (a small file: one READ)
+ *   --serial-dirops  do not negotiate FUSE parallel_dirops: the kernel holds the
+ *                    directory's lock across each LOOKUP (DLFS before it had it)
  */
 #define FUSE_USE_VERSION 34
 #include <dirent.h>
@@ -20,12 +26,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define MAX_FILES 256
 #define TIMEOUT 3600.0
 
 static int source_fd;
-static char names[MAX_FILES][256];
+static char (*names)[256];  /* sorted: a lookup is a binary search */
 static int file_count;
+static int no_open, serial_dirops;
+
+static int by_name(const void *a, const void *b) { return strcmp(a, b); }
 
 static int stat_inode(fuse_ino_t ino, struct stat *st) {
     int rc = ino == FUSE_ROOT_ID ? fstat(source_fd, st)
@@ -35,14 +43,12 @@ static int stat_inode(fuse_ino_t ino, struct stat *st) {
 }
 
 static void mirror_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
-    for (int i = 0; parent == FUSE_ROOT_ID && i < file_count; i++) {
-        if (strcmp(names[i], name) == 0) {
-            struct fuse_entry_param e = {.ino = i + 2, .attr_timeout = TIMEOUT,
-                                         .entry_timeout = TIMEOUT};
-            if (stat_inode(e.ino, &e.attr) != 0) break;
-            fuse_reply_entry(req, &e);
-            return;
-        }
+    char (*found)[256] = parent != FUSE_ROOT_ID || strlen(name) >= sizeof names[0] ? NULL
+        : bsearch(name, names, file_count, sizeof names[0], by_name);
+    struct fuse_entry_param e = {.attr_timeout = TIMEOUT, .entry_timeout = TIMEOUT};
+    if (found != NULL) {
+        e.ino = (fuse_ino_t)(found - names) + 2;
+        if (stat_inode(e.ino, &e.attr) == 0) { fuse_reply_entry(req, &e); return; }
     }
     fuse_reply_err(req, ENOENT);
 }
@@ -55,6 +61,7 @@ static void mirror_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info
 }
 
 static void mirror_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    if (no_open && ino != FUSE_ROOT_ID) { fuse_reply_err(req, ENOSYS); return; }
     int fd = ino == FUSE_ROOT_ID ? -1 : openat(source_fd, names[ino - 2], O_RDONLY);
     if (fd < 0) { fuse_reply_err(req, ino == FUSE_ROOT_ID ? EISDIR : errno); return; }
     fi->fh = fd;
@@ -72,28 +79,52 @@ static void mirror_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                         struct fuse_file_info *fi) {
     char *buf = malloc(size);
     ssize_t n;
-    (void)ino;
     if (buf == NULL) { fuse_reply_err(req, ENOMEM); return; }
-    n = pread(fi->fh, buf, size, off);
+    int fd = no_open ? openat(source_fd, names[ino - 2], O_RDONLY) : (int)fi->fh;
+    if (fd < 0) { free(buf); fuse_reply_err(req, errno); return; }
+    n = pread(fd, buf, size, off);
     if (n < 0) fuse_reply_err(req, errno);
     else fuse_reply_buf(req, buf, n);
+    if (no_open) close(fd);
     free(buf);
 }
 
+static void mirror_init(void *userdata, struct fuse_conn_info *conn) {
+    (void)userdata;
+    if (serial_dirops) conn->want &= ~FUSE_CAP_PARALLEL_DIROPS;
+}
+
 static const struct fuse_lowlevel_ops mirror_ops = {
-    .lookup = mirror_lookup, .getattr = mirror_getattr, .open = mirror_open,
+    .init = mirror_init, .lookup = mirror_lookup, .getattr = mirror_getattr, .open = mirror_open,
     .release = mirror_release, .read = mirror_read,
 };
 
 int main(int argc, char **argv) {
-    if (argc != 3) { fprintf(stderr, "usage: %s SOURCE_DIR MOUNTPOINT\n", argv[0]); return 2; }
+    for (int i = 3; i < argc; i++) {
+        if (strcmp(argv[i], "--no-open") == 0) no_open = 1;
+        else if (strcmp(argv[i], "--serial-dirops") == 0) serial_dirops = 1;
+        else argc = 0;
+    }
+    if (argc < 3) {
+        fprintf(stderr, "usage: %s SOURCE_DIR MOUNTPOINT [--no-open] [--serial-dirops]\n",
+                argv[0]);
+        return 2;
+    }
     source_fd = open(argv[1], O_RDONLY | O_DIRECTORY);
     DIR *dir = source_fd < 0 ? NULL : fdopendir(dup(source_fd));
     if (dir == NULL) { perror(argv[1]); return 1; }
-    for (struct dirent *de; (de = readdir(dir)) != NULL && file_count < MAX_FILES;)
-        if (de->d_name[0] != '.' && strlen(de->d_name) < sizeof names[0])
-            strcpy(names[file_count++], de->d_name);
+    int room = 0;
+    for (struct dirent *de; (de = readdir(dir)) != NULL;) {
+        if (de->d_name[0] == '.' || strlen(de->d_name) >= sizeof names[0]) continue;
+        if (file_count == room) {
+            room = room ? 2 * room : 1024;
+            names = realloc(names, room * sizeof names[0]);
+            if (names == NULL) { perror("realloc"); return 1; }
+        }
+        strcpy(names[file_count++], de->d_name);
+    }
     closedir(dir);
+    qsort(names, file_count, sizeof names[0], by_name);
 
     char *fuse_argv[] = {argv[0], "-o", "ro,fsname=mirror,subtype=mirror"};
     struct fuse_args args = FUSE_ARGS_INIT(3, fuse_argv);
