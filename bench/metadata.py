@@ -43,10 +43,16 @@ started together, each lookup a LOOKUP request on a fresh mount after a cache
 drop. Without FUSE parallel_dirops the kernel holds the directory's lock across
 each LOOKUP's round trip, so they go one at a time. Reported: lookups/s from the
 first start to the last end, per round for the source, the mount and (--baseline,
---baseline-path) a mount of another checkout's code, min/median/max.
+--baseline-path) a mount of another checkout's code, min/median/max. References in
+the same rounds: --lookup-mirror adds bench/ceiling/mirror.c (C, libfuse) serving the
+directory with parallel_dirops ("mirror") and without ("mirror serial");
+--lookup-single measures every side with one process too ("SIDE x1"), so that
+SIDE / SIDE x1 says what the processes gain over one on this machine's cores.
 
 examples (from the repository root; run as root for cache drops):
   .venv/bin/python bench/metadata.py --quick
+  .venv/bin/python bench/metadata.py --parts lookup --rounds 7 --baseline /tmp/e9 \
+      --baseline-path /tmp/e9-site --lookup-mirror --lookup-single
   .venv/bin/python bench/metadata.py --parts lookup --rounds 9 --baseline /tmp/e9 \
       --baseline-path /tmp/e9-site   # a checkout of the pyfuse3 days, pyfuse3 there
   .venv/bin/python bench/metadata.py
@@ -127,6 +133,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="lookup part: files in the one directory (default 1000)")
     p.add_argument("--lookup-procs", type=int, default=16,
                    help="lookup part: processes looking up at once (default 16)")
+    p.add_argument("--lookup-mirror", action="store_true",
+                   help="lookup part: also bench/ceiling/mirror.c with and without "
+                        "parallel_dirops (needs cc and libfuse3-dev)")
+    p.add_argument("--lookup-single", action="store_true",
+                   help="lookup part: also every side with one process (SIDE x1)")
     p.add_argument("--mount-args", default="",
                    help="extra arguments for `dlfs mount`, e.g. --mount-args='--cache-timeout 1'")
     args = p.parse_args(argv)
@@ -476,21 +487,53 @@ def part4(args: argparse.Namespace, work: Path, targets: list[Target]) -> None:
     populate(src, store, "lookup")
     mp = work / "mnt"
     sides = ["source", "mount"] + (["baseline"] if args.baseline else [])
-    rates: dict[str, list[float]] = {side: [] for side in sides}
+    mirror_argv: dict[str, list[str]] = {}
+    if args.lookup_mirror:
+        from fuse_ceiling import Unavailable, build_mirror, foreign_mount
+        try:
+            binary = str(build_mirror(work))
+            mirror_argv = {"mirror": [binary, str(directory), str(mp)],
+                           "mirror serial": [binary, str(directory), str(mp),
+                                             "--serial-dirops"]}
+            sides += list(mirror_argv)
+        except Unavailable as why:
+            print(f"  mirror: unavailable: {why}")
+    runs = [(side, n) for side in sides
+            for n in ((procs, 1) if args.lookup_single and procs != 1 else (procs,))]
+    rates: dict[str, list[float]] = {side if n == procs else f"{side} x1": []
+                                     for side, n in runs}
     for rnd in range(args.rounds):
-        for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
+        for side, n in runs[rnd % len(runs):] + runs[:rnd % len(runs)]:
+            key = side if n == procs else f"{side} x1"
+            mp.mkdir(exist_ok=True)
             if side == "source":
                 drop_caches()
-                rates[side].append(look_up_at_once(directory, names, procs))
+                rates[key].append(look_up_at_once(directory, names, n))
+                continue
+            if side in mirror_argv:
+                with foreign_mount(mirror_argv[side], mp):
+                    drop_caches()
+                    rates[key].append(look_up_at_once(mp, names, n))
                 continue
             with code_of(args.baseline if side == "baseline" else None, work,
                          args.baseline_path if side == "baseline" else None), \
                     mounted(store, mp, split_args(args.mount_args), work / "dlfsd.log"):
                 drop_caches()
-                rates[side].append(look_up_at_once(mp / "lookup" / rel, names, procs))
+                rates[key].append(look_up_at_once(mp / "lookup" / rel, names, n))
         print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
             f"{side} {r[-1]:,.0f}" for side, r in rates.items()) + " lookups/s", flush=True)
     rows = [(side, min(r), median(r), max(r)) for side, r in rates.items()]
+    for side in sides:  # what the processes gain over one, per round
+        if f"{side} x1" in rates:
+            gain = [a / b for a, b in zip(rates[side], rates[f"{side} x1"], strict=True)]
+            rows.append((f"{side} / {side} x1 per round", min(gain), median(gain), max(gain)))
+    for side in ("source", "mirror", "mirror serial"):
+        if side in rates and side != "source":
+            per = [m / s for m, s in zip(rates["mount"], rates[side], strict=True)]
+            rows.append((f"mount/{side} per round", min(per), median(per), max(per)))
+    if "mirror serial" in rates:
+        per = [a / b for a, b in zip(rates["mirror"], rates["mirror serial"], strict=True)]
+        rows.append(("mirror/mirror serial per round", min(per), median(per), max(per)))
     if args.baseline:
         per_round = [m / b for m, b in zip(rates["mount"], rates["baseline"], strict=True)]
         rows.append(("mount/baseline per round", min(per_round), median(per_round),
