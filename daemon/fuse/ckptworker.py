@@ -213,7 +213,7 @@ class CkptWorker(RequestLoop):
         except OSError as err:
             log.warning("cannot close FUSE backing id %d: %s", backing_id, err.strerror)
 
-    def read(self, nodeid: int, n: int) -> bytes:
+    def read(self, nodeid: int, n: int) -> bytes | memoryview:
         _, offset, size, _ = fw.READ_IN.unpack_from(self._buf, HEADER)
         return self.tree.read(nodeid, offset, size)
 
