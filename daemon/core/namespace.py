@@ -431,3 +431,13 @@ class Namespace:
             k, row = -1, ino
         self.trace.record(op, k, row, 0, 0, perf_counter_ns() - started, caller.pid,
                           caller.uid)
+
+
+if TYPE_CHECKING:  # the seams the Namespace fills for the FUSE workers (mypy checks them)
+    from dlfsd.core.values import CkptCalls, DatasetCalls
+
+    def _serves_datasets(ns: Namespace) -> DatasetCalls:
+        return ns
+
+    def _serves_ckpt(ns: Namespace) -> CkptCalls:
+        return ns

@@ -26,9 +26,8 @@ import logging
 import os
 
 from dlfsd.base.kernel import kernel_skips_opens, workers_answer_opens
-from dlfsd.core.namespace import Namespace
 from dlfsd.core.passthrough import PassthroughOpens
-from dlfsd.core.values import FileSpan
+from dlfsd.core.values import DatasetCalls, FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker, pack_entries
@@ -51,7 +50,7 @@ __all__ = ["WORKER_ABORTED", "Caller", "WireWorker", "find_fuse_fd", "fuse_fds"]
 class WireWorker(RequestLoop):
     """Serves the datasets' requests from `fd` until unmount (ENODEV) or SIGTERM."""
 
-    def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
+    def __init__(self, namespace: DatasetCalls, fd: int, uid: int, gid: int,
                  cache_timeout: float, count_opens: bool = False, pipe_size: int = 0,
                  passthrough: PassthroughOpens | None = None) -> None:
         """`passthrough`: the mount serves large files by FUSE passthrough (the kernel
