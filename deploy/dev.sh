@@ -82,7 +82,7 @@ setup() {
 # The packages whose seams are typed and checked (mypy, configured in pyproject.toml).
 # The folder daemon/ is the package dlfsd (setup.py maps it), and mypy names modules
 # by their folders: it checks a tree of two links, dlfsd -> daemon and dlfs -> dlfs.
-TYPED=(dlfsd/ckpt dlfsd/pool dlfsd/core/extentsource.py dlfsd/ckptconnect.py)
+TYPED=(dlfsd/ckpt dlfsd/pool dlfsd/core dlfsd/fuse dlfsd/ckptconnect.py)
 typecheck() {
     local tree
     tree=$(mktemp -d "${TMPDIR:-/tmp}/dlfs-typecheck.XXXXXX")

@@ -51,6 +51,7 @@ from dlfs.store.store import Dataset
 from dlfsd.pool.chunkcache import ChunkCache
 
 if TYPE_CHECKING:
+    from dlfsd.pool.peershare import PeerShare
     from dlfsd.pool.pool import ChunkPool
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,32 @@ class SourcePool(Protocol):
     def demand(self) -> DemandSink: ...
 
 
+class ReaderPool(SourcePool, Protocol):
+    """What SampleReader needs of the chunk pool (ChunkPool) besides the sources: the
+    node's shared peer fetches (None: a pool of one node, no peers), a fetch of an
+    extent's bytes from an owner peer, and dropping a staged copy found bad."""
+
+    @property
+    def share(self) -> PeerShare | None: ...
+
+    def fetch(self, ds: int, chunk: int, offset: int, length: int,
+              expected: int) -> bytes | memoryview | None: ...
+
+    def evict_copy(self, ds: int, chunk: int, fd: int) -> bool: ...
+
+
 class _NoDemand:
     """Without a pool: no plan has DEMAND, so nothing is ever sent here."""
 
     def send(self, ds: int, chunk: int) -> None:
         pass
+
+
+class _NoCopies:
+    """Without a pool: no plan has TRY_LOCAL, and no chunk has a staged copy."""
+
+    def fd(self, chunk: int) -> int:
+        return -1
 
 
 class ExtentSource:
@@ -108,12 +130,13 @@ class ExtentSource:
         self._purges = 0  # times a reader ran out of descriptors (see _open_or_purge)
         self._demand: DemandSink = _NoDemand() if pool is None else pool.demand
         self.cache: ChunkCache | None = None  # this node's staged copies
+        self._copies: ChunkCache | _NoCopies = _NoCopies()  # the same, for local_fd
         # Per chunk: staged (non-zero) or not; the plan bits besides TRY_LOCAL, for a
         # reader and for the look-ahead. Without a pool: nothing, the store only.
         self._staged: bytes | mmap.mmap = bytes(dataset.chunk_count)
         self._read_plans = self._ahead_plans = self._staged
         if pool is not None:
-            self.cache = pool.caches[ds]
+            self.cache = self._copies = pool.caches[ds]
             self._staged = self.cache.state_map
             self._read_plans, self._ahead_plans = _plans(pool.owned[ds],
                                                          pool.remote_owners[ds])
@@ -129,6 +152,11 @@ class ExtentSource:
     def demand(self, chunk: int) -> None:
         """Ask the stager to stage `chunk` next (a plan with DEMAND reached the store)."""
         self._demand.send(self.ds, chunk)
+
+    def local_fd(self, chunk: int) -> int:
+        """The descriptor of this node's staged copy of `chunk` (ChunkCache.fd), -1 if
+        there is none (OSError: it cannot be opened)."""
+        return self._copies.fd(chunk)
 
     # -- the store's chunk files -----------------------------------------------------
     def store_fd(self, chunk: int, ahead: bool = False) -> int:
@@ -223,6 +251,9 @@ def open_chunk(path, index: int, dataset_uuid: bytes) -> int:
     return fd
 
 
-if TYPE_CHECKING:  # the seam ChunkPool fills for the reader (mypy checks it, never run)
+if TYPE_CHECKING:  # the seams ChunkPool fills for the core (mypy checks them, never run)
     def _sources_extents(pool: ChunkPool) -> SourcePool:
+        return pool
+
+    def _feeds_readers(pool: ChunkPool) -> ReaderPool:
         return pool

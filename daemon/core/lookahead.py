@@ -62,8 +62,10 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -71,10 +73,14 @@ from dlfs.errors import DlfsError
 from dlfs.sizes import format_size
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfsd.base.throttle import pace
-from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource, ReaderPool
 from dlfsd.core.namespace import Namespace
 from dlfsd.core.reader import AHEAD, PEER_AHEAD, STORE_OK, SampleReader
 from dlfsd.pool.peershare import extent_key
+
+if TYPE_CHECKING:
+    from dlfs.cluster.nodes import ClusterView
+    from dlfsd.pool.pool import ChunkPool
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +113,20 @@ COUNTER_NAMES = ("announcements", "samples_prefetched", "bytes_prefetched",
                  "bytes_prefetched_from_peers", "fetch_width", "fetch_width_grown")
 
 
+class AheadPool(ReaderPool, Protocol):
+    """What the look-ahead needs of the chunk pool (ChunkPool) besides what a reader
+    does: its own peer connections in the control process, and who owns each chunk
+    (the placement tables, the nodes) for `locality`."""
+
+    @property
+    def tables(self) -> Sequence[np.ndarray]: ...
+
+    @property
+    def view(self) -> ClusterView: ...
+
+    def after_fork(self) -> None: ...
+
+
 @dataclass
 class Registration:
     """The paths one sampler registered, as (dataset, row) per sample."""
@@ -136,11 +156,17 @@ class LookAhead:
     """The look-ahead of one mount. Made before the daemon forks (the flag and the
     counters are shared memory); `start` runs it in the control process."""
 
-    def __init__(self, namespace: Namespace, pool=None, samples: int = 256,
+    def __init__(self, namespace: Namespace, pool: AheadPool | None = None, samples: int = 256,
                  nbytes: int = 256 << 20, streams: tuple[int, int] = (8, 32),
                  store_rate: int = 0, stale_seconds: float = STALE_SECONDS) -> None:
         self.ns = namespace
         self.pool = pool
+        # What a fetch from a peer uses, kept only where there are peers (as the
+        # reader keeps it: a plan has TRY_PEER only then).
+        if pool is not None:
+            self._pool = pool
+            if pool.share is not None:
+                self._share = pool.share
         self.samples, self.nbytes = samples, nbytes
         self.width = Width(*streams)
         self.store_rate = store_rate
@@ -164,10 +190,10 @@ class LookAhead:
         self._by_name = {r.dataset.name.encode(): k for k, r in enumerate(namespace.readers)}
         entries = sum(int(r.directory.arrays["mode"].size) for r in namespace.readers)
         self.memory_limit = max(MIN_HELD_BYTES, HELD_BYTES_PER_ENTRY * entries)
-        self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._executor: ThreadPoolExecutor  # the fetch threads: made by start, with _thread
 
     # -- life ------------------------------------------------------------------------
     def start(self) -> None:
@@ -183,9 +209,8 @@ class LookAhead:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
-        if self._thread is not None:
+        if self._thread is not None:  # started: the executor is there too
             self._thread.join(5.0)
-        if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self._flag_map[0] = 0
         for reader in self.ns.readers:  # what its fetch threads opened in this process
@@ -507,7 +532,7 @@ class LookAhead:
         offset = CHUNK_HEADER_SIZE + int(reader.ext_offsets[ext])
         length = int(reader.ext_lengths[ext])
         plan = source.plan(chunk, ahead=True)
-        if plan & TRY_LOCAL and _will_need(source.cache.fd(chunk), offset, length):
+        if plan & TRY_LOCAL and _will_need(source.local_fd(chunk), offset, length):
             # Not AHEAD (that sends the reader to the store copy): the bit that counts
             # the read as a hit and lets the pooled read serve it, as for a peer's
             # extent. Without it every read of a staged chunk was a miss.
@@ -548,8 +573,8 @@ class LookAhead:
         if self._not_on_peers.get((ds, chunk), 0.0) > time.monotonic():
             return None
         self._count(PEER_FETCHES)
-        fetched = self.pool.share.prefetch(
-            extent_key(ds, ext), self.pool.fetch, ds, chunk, int(reader.ext_offsets[ext]),
+        fetched = self._share.prefetch(
+            extent_key(ds, ext), self._pool.fetch, ds, chunk, int(reader.ext_offsets[ext]),
             int(reader.ext_lengths[ext]), int(reader.ext_checksums[ext]))
         if fetched is None:  # its owner stages it now (a MISS asks it to): ask again later
             self._not_on_peers[(ds, chunk)] = time.monotonic() + NOT_ON_PEERS_SECONDS
@@ -648,3 +673,8 @@ def _extents_of(ext_start: np.ndarray, rows: np.ndarray) -> np.ndarray:
     counts = ext_start[rows + 1].astype(np.int64) - starts
     before = np.cumsum(counts) - counts  # extents of the rows ahead of each one
     return np.repeat(starts - before, counts) + np.arange(int(counts.sum()))
+
+
+if TYPE_CHECKING:  # the seam ChunkPool fills for the look-ahead (mypy checks it, never run)
+    def _feeds_lookahead(pool: ChunkPool) -> AheadPool:
+        return pool

@@ -21,7 +21,7 @@ import os
 import stat
 import time
 from time import perf_counter_ns
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dlfs.errors import (
     DlfsError,
@@ -68,6 +68,23 @@ CHANGE_REQUESTS = frozenset({"setattr", "mknod", "mkdir", "unlink", "rmdir", "sy
                              "fallocate", "copy_file_range", "tmpfile"})
 
 
+class WriteCount(Protocol):
+    """The mount's checkpoint write counter (dlfsd.ckpt.counters.WriteCounter)."""
+
+    def add(self, nbytes: int) -> None: ...
+
+
+class CkptWrites(Protocol):
+    """What the Namespace needs of the checkpoint tree (dlfsd.ckpt.tree.CkptTree, a
+    layer above the core): a WRITE into it, and its write counter (None: not counted),
+    for files written through passthrough."""
+
+    def write(self, nodeid: int, offset: int, data: bytes | memoryview) -> int: ...
+
+    @property
+    def written(self) -> WriteCount | None: ...
+
+
 def _attr(d: SampleDirectory, base: int, row: int) -> Attr:
     mode = d.mode(row)
     nlink = 2 + d.subdir_count(row) if stat.S_ISDIR(mode) else 1
@@ -106,10 +123,12 @@ class Namespace:
         self._end = base
         self._by_name = {d.name.encode(): i for i, d in enumerate(self.datasets)}
         self.mounted_ns = time.time_ns()
-        self.ckpt = None  # the writable checkpoint subtree (dlfsd.ckpt.tree), if any
+        # the writable checkpoint subtree (dlfsd.ckpt.tree), if any; `_ckpt` is set with
+        # it (attach_ckpt), for the writes into it: only its inodes get them
+        self.ckpt: CkptWrites | None = None
         self.ckpt_link: bytes | None = None  # `ckpt` is a symlink to this (not root)
 
-    def attach_ckpt(self, ckpt, link: bytes | None = None) -> None:
+    def attach_ckpt(self, ckpt: CkptWrites, link: bytes | None = None) -> None:
         """Show `ckpt/` in the root, an empty directory: the checkpoint tier (a
         dlfsd.ckpt.tree.CkptTree) is a FUSE connection of its own mounted on it
         (dlfsd.fuse.rawsession); the tree is kept here for the write counter and trace.
@@ -119,7 +138,8 @@ class Namespace:
             raise DlfsError("a dataset named ckpt cannot be mounted with --ckpt-store (the "
                             "checkpoint directory takes MOUNTPOINT/ckpt); mount the other "
                             "datasets with --dataset, or rename that dataset")
-        self.ckpt, self.ckpt_link = ckpt, link
+        self.ckpt = self._ckpt = ckpt
+        self.ckpt_link = link
 
     def use_spans(self, max_length: int) -> None:
         """Worker processes that splice replies: reads of verified bytes up to
@@ -383,12 +403,12 @@ class Namespace:
             pid, uid = self.trace.opener(fh)
             self.trace.record(OP_RELEASE, k, row, 0, 0, 0, pid, uid)
 
-    def write_ckpt(self, ino: int, offset: int, data, caller) -> int:
+    def write_ckpt(self, ino: int, offset: int, data: bytes | memoryview, caller) -> int:
         """A WRITE into the checkpoint subtree, traced like reads while tracing."""
         if not self._tracing[0]:
-            return self.ckpt.write(ino, offset, data)
+            return self._ckpt.write(ino, offset, data)
         started = perf_counter_ns()
-        n = self.ckpt.write(ino, offset, data)
+        n = self._ckpt.write(ino, offset, data)
         self.trace.record(OP_WRITE, CKPT_DATASET, ino & ~CKPT_BIT, offset, n,
                           perf_counter_ns() - started, caller.pid, caller.uid)
         return n
@@ -396,8 +416,9 @@ class Namespace:
     def count_ckpt_write(self, ino: int, nbytes: int, caller) -> None:
         """A checkpoint file written through FUSE passthrough was closed: the daemon saw
         none of its writes, so it counts (and traces) the file once, with its size."""
-        if self.ckpt.written is not None:
-            self.ckpt.written.add(nbytes)
+        written = self._ckpt.written
+        if written is not None:
+            written.add(nbytes)
         if self._tracing[0]:
             self.trace.record(OP_WRITE, CKPT_DATASET, ino & ~CKPT_BIT, 0, nbytes, 0,
                               caller.pid, caller.uid)
@@ -410,3 +431,13 @@ class Namespace:
             k, row = -1, ino
         self.trace.record(op, k, row, 0, 0, perf_counter_ns() - started, caller.pid,
                           caller.uid)
+
+
+if TYPE_CHECKING:  # the seams the Namespace fills for the FUSE workers (mypy checks them)
+    from dlfsd.core.values import CkptCalls, DatasetCalls
+
+    def _serves_datasets(ns: Namespace) -> DatasetCalls:
+        return ns
+
+    def _serves_ckpt(ns: Namespace) -> CkptCalls:
+        return ns

@@ -55,8 +55,6 @@ import queue
 import threading
 from collections.abc import Callable
 
-import numpy as np
-
 from dlfs.store.format import CHUNK_HEADER_SIZE
 
 MEMORY_SHARE = 4  # prefetch only if datasets <= available memory / MEMORY_SHARE
@@ -73,7 +71,7 @@ class ChunkPrefetch:
     once per mount."""
 
     def __init__(self, chunk_count: int, chunk_size: int, extent_size: int,
-                 ext_chunk: np.ndarray, ext_offset: np.ndarray, ext_length: np.ndarray,
+                 ext_chunk: memoryview, ext_offset: memoryview, ext_length: memoryview,
                  chunk_path: Callable[[int], os.PathLike | str]) -> None:
         """The extent arrays are the dataset directory's (chunk, offset, length) views."""
         # Shared with forked workers:
@@ -83,7 +81,9 @@ class ChunkPrefetch:
         self._window = max(2, chunk_size // max(1, extent_size))  # extents per window
         self._ext_chunk, self._ext_off, self._ext_len = ext_chunk, ext_offset, ext_length
         self._chunk_path = chunk_path
-        self._queue: queue.SimpleQueue[list[_Range]] | None = None
+        # Each process's own, made with its reading thread on first use (_put): this
+        # one, made before any fork, is never used.
+        self._queue: queue.SimpleQueue[list[_Range]] = queue.SimpleQueue()
         self._pid = 0
 
     def touch(self, ext: int, rel: int, last: int, file_size: int) -> None:

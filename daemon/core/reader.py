@@ -24,18 +24,23 @@ import logging
 import mmap
 import os
 import time
+from typing import TYPE_CHECKING
 
 from dlfs.errors import CorruptDataError
 from dlfs.store.directory import display_path
 from dlfs.store.format import CHUNK_HEADER_SIZE, checksum
 from dlfs.store.store import Dataset
 from dlfsd.base.throttle import pace
-from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
+from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource, ReaderPool
 from dlfsd.core.prefetch import ChunkPrefetch
 from dlfsd.core.values import FileSpan
 from dlfsd.obs.stalls import NO_REQUESTS, WAIT_LOCAL, WAIT_STORE
 from dlfsd.obs.stats import SOURCE_LOCAL, SOURCE_PEER, SOURCE_STORE, NullStats
 from dlfsd.pool.peershare import extent_key
+
+if TYPE_CHECKING:
+    from dlfsd.obs.stalls import NullRequests, RequestSlots
+    from dlfsd.obs.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +69,8 @@ MAP_HASH_MIN = 1 << 20
 class SampleReader:
     """Reads (row, offset, size) of one dataset; verifies extents on first touch."""
 
-    def __init__(self, dataset: Dataset, verify: bool = True, pool=None, ds_index: int = 0,
-                 store_rate: int = 0, prefetch: bool = False):
+    def __init__(self, dataset: Dataset, verify: bool = True, pool: ReaderPool | None = None,
+                 ds_index: int = 0, store_rate: int = 0, prefetch: bool = False) -> None:
         self.dataset = dataset
         self.directory = dataset.directory
         # Where extents come from and the descriptors to read them (shared with the
@@ -90,18 +95,23 @@ class SampleReader:
             d.ext_chunk_view, d.ext_offset_view, d.ext_length_view)
         self._ext_sum = d.ext_checksum_view
         self.ds = ds_index
-        self.stats = NullStats()  # the Namespace sets the mount's counters
-        self.requests = NO_REQUESTS  # and the stall detector's slots (source being tried)
+        self.stats: Stats | NullStats = NullStats()  # the Namespace sets the mount's counters
+        # and the stall detector's slots (source being tried)
+        self.requests: RequestSlots | NullRequests = NO_REQUESTS
         self.pool = pool
+        # What a pooled read uses, kept only where it is there (the plan says which
+        # sources exist: TRY_LOCAL needs a pool, TRY_PEER other nodes, so a share).
         if pool is not None:
+            self._pool = pool
             self._cache = pool.caches[ds_index]
             self._by_chunk = d.extents_by_chunk(dataset.chunk_count)
-            self._share = pool.share
+            if pool.share is not None:
+                self._share = pool.share
         self._prefetch = ChunkPrefetch(
             dataset.chunk_count, dataset.chunk_size, d.extent_size, self._ext_chunk,
             self._ext_off, self._ext_len, dataset.chunk_path) if prefetch else None
-        self._span: FileSpan | None = None
-        self._span_max = 0
+        self._span = FileSpan()  # what a read of verified bytes returns, if use_spans
+        self._span_max = 0  # (0: never)
         self._lookahead = _NO_LOOKAHEAD  # [0] is 1 while the look-ahead follows an epoch
 
     # Read-only views for the look-ahead (dlfsd.core.lookahead), which fetches extents itself.
@@ -137,7 +147,6 @@ class SampleReader:
         """From now on a read of verified bytes from one chunk file, SPAN_MIN up to
         `max_length` long, may return a FileSpan (reused: consume it before the next
         read) instead of the bytes. 0: never."""
-        self._span = FileSpan() if max_length else None
         self._span_max = max_length
 
     def close(self) -> None:
@@ -162,7 +171,7 @@ class SampleReader:
                                  base + (file_size - 1) // piece, file_size)
         if first == last:
             return self._read_extent(base + first, offset - first * piece, end - offset,
-                                           self._span is not None)
+                                           self._span_max > 0)
         parts = []
         for i in range(first, last + 1):
             lo = max(offset, i * piece) - i * piece
@@ -302,7 +311,7 @@ class SampleReader:
     def _evict(self, chunk: int, fd: int, what: str) -> None:
         """The staged copy read through `fd` is bad: stop using it, clear its extents'
         marks, stage it again (if `fd` is still the current copy: ChunkPool.evict_copy)."""
-        if not self.pool.evict_copy(self.ds, chunk, fd):
+        if not self._pool.evict_copy(self.ds, chunk, fd):
             return
         log.error("%s in staged chunk %d of dataset %s (%s); evicted, re-staging; reads "
                   "go to peers or the store", what, chunk, self.dataset.name,
@@ -315,7 +324,7 @@ class SampleReader:
         """From an owner: the node fetches the whole extent once (checked by the pool) and
         keeps it where its other processes find it (PeerShare) for their partial reads."""
         return self._share.read(extent_key(self.ds, ext), rel, length, lasting,
-                                self.pool.fetch, self.ds, chunk, self._ext_off[ext],
+                                self._pool.fetch, self.ds, chunk, self._ext_off[ext],
                                 self._ext_len[ext], self._ext_sum[ext])
 
     def _wait_for_other_load(self, ext: int) -> None:

@@ -23,7 +23,7 @@ from dlfsd.base.nodeids import CKPT_BIT
 from dlfsd.ckpt.openfiles import OpenFiles
 from dlfsd.ckpt.opens import Opens
 from dlfsd.ckpt.tree import CkptTree
-from dlfsd.core.namespace import Namespace
+from dlfsd.core.values import CkptCalls
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.listing import pack_entries
 from dlfsd.fuse.requestloop import HEADER, Errno, RequestLoop
@@ -55,7 +55,7 @@ class CkptWorker(RequestLoop):
     `open_files`: the open files shared by all workers; `passthrough`: the kernel
     granted FUSE passthrough (else every READ and WRITE comes here)."""
 
-    def __init__(self, namespace: Namespace, tree: CkptTree, fd: int, uid: int, gid: int,
+    def __init__(self, namespace: CkptCalls, tree: CkptTree, fd: int, uid: int, gid: int,
                  open_files: OpenFiles, passthrough: bool = False) -> None:
         super().__init__(fd)
         self.ns, self.tree = namespace, tree
@@ -213,7 +213,7 @@ class CkptWorker(RequestLoop):
         except OSError as err:
             log.warning("cannot close FUSE backing id %d: %s", backing_id, err.strerror)
 
-    def read(self, nodeid: int, n: int) -> bytes:
+    def read(self, nodeid: int, n: int) -> bytes | memoryview:
         _, offset, size, _ = fw.READ_IN.unpack_from(self._buf, HEADER)
         return self.tree.read(nodeid, offset, size)
 

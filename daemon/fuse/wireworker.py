@@ -26,9 +26,8 @@ import logging
 import os
 
 from dlfsd.base.kernel import kernel_skips_opens, workers_answer_opens
-from dlfsd.core.namespace import Namespace
 from dlfsd.core.passthrough import PassthroughOpens
-from dlfsd.core.values import FileSpan
+from dlfsd.core.values import DatasetCalls, FileSpan
 from dlfsd.fuse import fusewire as fw
 from dlfsd.fuse.errnomap import errno_for
 from dlfsd.fuse.listing import ListingPacker, pack_entries
@@ -51,7 +50,7 @@ __all__ = ["WORKER_ABORTED", "Caller", "WireWorker", "find_fuse_fd", "fuse_fds"]
 class WireWorker(RequestLoop):
     """Serves the datasets' requests from `fd` until unmount (ENODEV) or SIGTERM."""
 
-    def __init__(self, namespace: Namespace, fd: int, uid: int, gid: int,
+    def __init__(self, namespace: DatasetCalls, fd: int, uid: int, gid: int,
                  cache_timeout: float, count_opens: bool = False, pipe_size: int = 0,
                  passthrough: PassthroughOpens | None = None) -> None:
         """`passthrough`: the mount serves large files by FUSE passthrough (the kernel
@@ -69,6 +68,8 @@ class WireWorker(RequestLoop):
         self._listers: dict[int, ListingPacker] = {}  # by the inode of the dataset's row 0
         # pipe_size: for spliced read replies (dlfsd.fuse.splicer.usable_pipe_size); 0: copy.
         self.splicer = ReplySplicer(fd, pipe_size) if pipe_size else None
+        if self.splicer is not None:  # kept for _send_span: spans come only with it
+            self._splicer = self.splicer
         self._splice_warned = False
         self._use_spans(True)
         self._handlers = {
@@ -89,7 +90,7 @@ class WireWorker(RequestLoop):
 
     def _send_span(self, unique: int, span: FileSpan, nodeid: int, n: int) -> None:
         try:
-            self.splicer.send(fw.reply_header(unique, span.length), span.fd, span.pos,
+            self._splicer.send(fw.reply_header(unique, span.length), span.fd, span.pos,
                               span.length)
             return
         except (SpliceFailed, OSError) as err:  # OSError: no new pipe (out of descriptors)
@@ -171,7 +172,7 @@ class WireWorker(RequestLoop):
     def _reply_lost(self, opcode: int) -> None:
         """The opener was interrupted before our answer to OPEN arrived: no RELEASE will
         come, so a large file's open must not stay counted."""
-        if opcode == fw.OPEN and self._opened:
+        if opcode == fw.OPEN and self._opened and self.passthrough is not None:
             self.passthrough.released(self._opened, self._unregister)
             self._opened = 0
 
