@@ -278,14 +278,20 @@ class PeerLoopServer:
             raise
         self._listener = listener
         bound = listener.getsockname()[1]
-        for index, shard in enumerate(self._shards):
+        # Every loop is ready to be handed a connection before any accepts one: the
+        # first loop used to accept (peers connect the moment the port listens) while
+        # the next had no wake-up socket yet, died of it, and the connections handed
+        # to it later were never answered (tests/test_pool_scale, issue 33).
+        for shard in self._shards:
             shard._listener = listener
+            shard._prepare_loop()
+        for index, shard in enumerate(self._shards):
             shard._start_loop(f"{bound}.{index}")
         log.info("peer server of %s listening on %s:%d (%d loop threads)", self.node_name,
                  host, bound, len(self._shards))
         return bound
 
-    def _start_loop(self, name: str) -> None:
+    def _prepare_loop(self) -> None:
         """Every loop accepts (whichever is free first: a loop stuck on a slow disk
         call must not keep peers from connecting) and hands the connection to the
         next loop in turn."""
@@ -295,6 +301,8 @@ class PeerLoopServer:
         self._wake_w.setblocking(False)  # a full pipe means a wake-up is pending anyway
         self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+
+    def _start_loop(self, name: str) -> None:
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"dlfsd.pool.peer server {name}")
         self._thread.start()
