@@ -64,6 +64,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from dlfs.store.format import checksum
@@ -187,40 +188,61 @@ class _Conn:
         self.events = 0
 
 
+COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
+            "auth_failures", "protocol_errors", "reads_served", "reads_missed",
+            "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
+            "replies_waited",  # replies that had to wait for the peer to read
+            # REPORTs: checked and bad (evicted), checked and good (or not staged),
+            # out of bounds, dropped by the rate limits
+            "reports_received", "reports_confirmed", "reports_unconfirmed",
+            "reports_refused", "reports_dropped",
+            "served_checks", "served_bad")  # --verify-served
+_INDEX = {name: i for i, name in enumerate(COUNTERS)}
+OPEN = _INDEX["connections_open"]
+
+
+def counter_row() -> memoryview:
+    """One loop's counters (int64 each, COUNTERS order), private to this process; a
+    forked server's live in shared memory instead (dlfsd.pool.peerprocs)."""
+    return memoryview(bytearray(8 * len(COUNTERS))).cast("q")
+
+
 class PeerLoopServer:
     """Serves byte ranges of staged chunks to authenticated peers from one thread."""
-
-    _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
-                 "auth_failures", "protocol_errors", "reads_served", "reads_missed",
-                 "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
-                 "replies_waited",  # replies that had to wait for the peer to read
-                 # REPORTs: checked and bad (evicted), checked and good (or not staged),
-                 # out of bounds, dropped by the rate limits
-                 "reports_received", "reports_confirmed", "reports_unconfirmed",
-                 "reports_refused", "reports_dropped",
-                 "served_checks", "served_bad")  # --verify-served
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
                  max_connections: int = MIN_CONNECTIONS, disk_threads: int = 4,
                  trusted: frozenset[str] | None = None, verify_served: bool = False,
-                 threads: int = 1, sendfile: bool = False, _front: PeerLoopServer | None = None
-                 ) -> None:
+                 threads: int = 1, sendfile: bool = False,
+                 counts: Sequence[memoryview] | None = None,
+                 open_connections: Callable[[], int] | None = None, processes: int = 1,
+                 _front: PeerLoopServer | None = None) -> None:
         """`trusted`: the addresses of the job's nodes (None: treat every address so);
         see dlfsd.pool.admission for what strangers may do. `verify_served`: check
         each extent the first time the current copy serves it. `threads`: loops
         (serve_threads()). `sendfile`: answer cached READs with os.sendfile (see the
-        module's docstring for why it is off by default)."""
+        module's docstring for why it is off by default).
+
+        Serving from several processes (dlfsd.pool.peerprocs), each a server of its
+        own on one listening socket: `counts` are this server's counter rows (one per
+        loop, e.g. in shared memory; counts grow from what they hold), and
+        `open_connections` counts the node's open connections for
+        `max_connections`; the other per-node limits (unauthenticated connections
+        per source and from strangers, report checks per second) are split between
+        the `processes`."""
         self._secret = protocol.check_secret(secret)
         self.provider = provider
         self.node_name = node_name
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
-        self.admission = Admission(trusted, max_connections)
+        self.admission = Admission(trusted, max_connections, share=processes)
         self._refusals = RefusalLog()
         self.handshake_failures = HandshakeFailureLog()  # summed up, not a line each
-        self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
+        rows = list(counts) if counts is not None else [counter_row() for _ in range(threads)]
+        self._counts = rows[0]  # written by this loop's thread only
+        self._open_connections = open_connections or self._open_in_shards
         self._conns: dict[socket.socket, _Conn] = {}
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
         self._readbuf = memoryview(bytearray(protocol.MAX_READ))  # and one read buffer
@@ -245,14 +267,14 @@ class PeerLoopServer:
                     secret, provider, node_name, handshake_timeout=handshake_timeout,
                     idle_timeout=idle_timeout, max_connections=max_connections,
                     trusted=trusted, verify_served=verify_served, sendfile=sendfile,
-                    _front=self) for _ in range(threads - 1)]
+                    counts=[row], _front=self) for row in rows[1:threads]]
         self._front = _front
         self._next_shard = 0
         self._finished: collections.deque = collections.deque()  # disk reads done
         self._checked: collections.deque = collections.deque()  # reports checked
         self.verify_served = verify_served
-        self._report_budget = TokenBucket(REPORT_CHECKS_PER_SECOND,
-                                          int(REPORT_CHECKS_PER_SECOND))
+        rate = REPORT_CHECKS_PER_SECOND / max(1, processes)
+        self._report_budget = TokenBucket(rate, max(1, int(rate)))
         self._reported: dict[tuple[bytes, int], float] = {}  # (dataset, chunk) -> when
         self._failed_chunks: set[tuple[bytes, int]] = set()  # logged once each
         self._listener: socket.socket | None = None
@@ -266,16 +288,15 @@ class PeerLoopServer:
     def start(self, host: str, port: int) -> int:
         """Bind and listen now (errors raise here), serve in `threads` threads; returns
         the port."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(128)
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
+        bound = self.serve_on(listen(host, port))
+        log.info("peer server of %s listening on %s:%d (%d loop threads)", self.node_name,
+                 host, bound, len(self._shards))
+        return bound
+
+    def serve_on(self, listener: socket.socket) -> int:
+        """Serve connections of a listening socket in `threads` threads (stop() closes
+        it); returns its port."""
+        listener.setblocking(False)
         self._listener = listener
         bound = listener.getsockname()[1]
         # Every loop is ready to be handed a connection before any accepts one: the
@@ -287,8 +308,6 @@ class PeerLoopServer:
             shard._prepare_loop()
         for index, shard in enumerate(self._shards):
             shard._start_loop(f"{bound}.{index}")
-        log.info("peer server of %s listening on %s:%d (%d loop threads)", self.node_name,
-                 host, bound, len(self._shards))
         return bound
 
     def _prepare_loop(self) -> None:
@@ -322,16 +341,13 @@ class PeerLoopServer:
 
     def counters(self) -> dict[str, int]:
         """Every loop's counters, summed."""
-        if len(self._shards) == 1:
-            return dict(self._counts)
-        total = dict.fromkeys(self._COUNTERS, 0)
-        for shard in self._shards:
-            for name, value in list(shard._counts.items()):
-                total[name] += value
-        return total
+        return sum_rows(shard._counts for shard in self._shards)
 
     def _count(self, name: str, n: int = 1) -> None:
-        self._counts[name] += n
+        self._counts[_INDEX[name]] += n
+
+    def _open_in_shards(self) -> int:
+        return sum(shard._counts[OPEN] for shard in (self._front or self)._shards)
 
     # -- the loop ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -364,38 +380,40 @@ class PeerLoopServer:
             self._selector.close()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                sock, address = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as error:  # e.g. EMFILE for a moment; keep serving
-                log.warning("peer server: cannot accept a connection: %s", error)
-                return
-            ip = plain_ip(address[0])
-            front = self._front or self
-            shards = front._shards
-            open_now = sum(shard._counts["connections_open"] for shard in shards)
-            refused = self.admission.admit(ip, open_now)
-            if refused is not None:
-                self._count("connections_rejected")
-                self._refusals.refused(ip, refused)
-                sock.close()
-                continue
-            self._count("connections_accepted")
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, ip, _address(address), time.monotonic() + self.handshake_timeout,
-                         protocol.ServerHandshake(self._secret, self.node_name))
-            turn = front._next_shard  # (two loops taking the same turn: harmless)
-            front._next_shard = (turn + 1) % len(shards)
-            shard = shards[turn]
-            if shard is self:
-                self._adopt(conn)
-            else:  # that loop watches it from now on
-                shard._incoming.append(conn)
-                with contextlib.suppress(OSError):
-                    shard._wake_w.send(b"c")
+        """One connection per wake-up, not all that wait: where several processes
+        accept on one socket, each that is free takes one in turn (the kernel wakes
+        them all), so a burst of connections (a reading node's workers) spreads over
+        them instead of landing in the process that woke first."""
+        try:
+            sock, address = self._listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as error:  # e.g. EMFILE for a moment; keep serving
+            log.warning("peer server: cannot accept a connection: %s", error)
+            return
+        ip = plain_ip(address[0])
+        refused = self.admission.admit(ip, self._open_connections())
+        if refused is not None:
+            self._count("connections_rejected")
+            self._refusals.refused(ip, refused)
+            sock.close()
+            return
+        self._count("connections_accepted")
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(sock, ip, _address(address), time.monotonic() + self.handshake_timeout,
+                     protocol.ServerHandshake(self._secret, self.node_name))
+        front = self._front or self
+        shards = front._shards
+        turn = front._next_shard  # (two loops taking the same turn: harmless)
+        front._next_shard = (turn + 1) % len(shards)
+        shard = shards[turn]
+        if shard is self:
+            self._adopt(conn)
+        else:  # that loop watches it from now on
+            shard._incoming.append(conn)
+            with contextlib.suppress(OSError):
+                shard._wake_w.send(b"c")
 
     def _adopt(self, conn: _Conn) -> None:
         """Watch a connection the first loop accepted (in the loop that serves it)."""
@@ -856,6 +874,30 @@ class PeerLoopServer:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.sock)
         conn.sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (errors raise: the port is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        listener.setblocking(False)  # (shared by the processes that inherit it)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def sum_rows(rows) -> dict[str, int]:
+    """Counter rows (COUNTERS order) summed into {name: value}."""
+    total = [0] * len(COUNTERS)
+    for row in rows:
+        for i, value in enumerate(row):
+            total[i] += value
+    return dict(zip(COUNTERS, total, strict=True))
 
 
 class BadCopyError(OSError):
