@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -125,7 +126,9 @@ class ChunkPool:
         # (node, ds, chunk) -> (avoid until, times found bad in a row)
         self._bad_copies: dict[tuple[int, int, int], tuple[float, int]] = {}
         self._reports = TokenBucket(REPORTS_PER_SECOND, REPORT_BURST)
-        self._checked: list[bytearray | None] = [None] * len(datasets)  # see serve_check
+        # --verify-served: per extent, the copy generation it was checked in (serve_check);
+        # shared by the peer server's processes (pages are only used where written)
+        self._checked = [_shared_bytes(d.directory.extent_count) for d in datasets]
         self._chunk_extents: list[list[int] | None] = [None] * len(datasets)  # extents_in
         # Shared by the forked workers, so made now; only where there are peers to read.
         self.share: PeerShare | None = None
@@ -208,6 +211,8 @@ class ChunkPool:
             client.close()
         for cache in self.caches:
             cache.close()
+        for checked in self._checked:
+            checked.close()
         if self.share is not None:
             self.share.close()
         self.demand.close()
@@ -477,10 +482,7 @@ class ChunkPool:
         ext = int(exts[0])
         if d.ext_offset_view[ext] != offset or d.ext_length_view[ext] != length:
             return None
-        checked = self._checked[ds]
-        if checked is None:  # one byte per extent: the copy generation it was checked in
-            checked = self._checked[ds] = bytearray(len(d.ext_offset_view))
-        if checked[ext] == gen:
+        if self._checked[ds][ext] == gen:
             return None
         return ext, int(d.ext_checksum_view[ext]), gen
 
@@ -503,3 +505,9 @@ class ChunkPool:
         if self.owned[ds][chunk]:
             self.demand.send(ds, chunk)
         return True
+
+
+def _shared_bytes(count: int) -> mmap.mmap:
+    """`count` zero bytes in anonymous shared memory: what one process of the daemon
+    writes, a process forked after it was made sees."""
+    return mmap.mmap(-1, max(1, count))
