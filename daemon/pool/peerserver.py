@@ -339,6 +339,11 @@ class PeerLoopServer:
         if self._listener is not None:  # every loop has stopped watching it
             self._listener.close()
 
+    def serving(self) -> bool:
+        """Every loop still runs: one ends only by stop() or an unexpected error (logged)."""
+        return all(shard._thread is not None and shard._thread.is_alive()
+                   for shard in self._shards)
+
     def counters(self) -> dict[str, int]:
         """Every loop's counters, summed."""
         return sum_rows(shard._counts for shard in self._shards)
