@@ -449,18 +449,16 @@ class Services:
                                  store_rate=config.store_bandwidth, replicas=self.replicas)
             pool.set_stager(self.stager.will_stage)
             if len(pool.view.nodes) > 1:
-                from dlfsd.pool.peerserver import (
-                    PeerLoopServer,
-                    connection_slots,
-                    serve_threads,
-                )
+                from dlfsd.pool.peerprocs import PeerServers, peer_processes
+                from dlfsd.pool.peerserver import connection_slots, serve_threads
 
-                self.server = PeerLoopServer(pool.view.secret, pool, pool.view.me.name,
-                                             max_connections=connection_slots(
-                                                 len(pool.view.nodes), config.workers),
-                                             trusted=node_addresses(pool.view.nodes),
-                                             verify_served=config.verify_served,
-                                             threads=serve_threads())
+                self.server = PeerServers(pool.view.secret, pool, pool.view.me.name,
+                                          processes=peer_processes(config.peer_procs),
+                                          max_connections=connection_slots(
+                                              len(pool.view.nodes), config.workers),
+                                          trusted=node_addresses(pool.view.nodes),
+                                          verify_served=config.verify_served,
+                                          threads=serve_threads())
             if config.scrub_rate:
                 from dlfsd.pool.scrub import Scrubber
 
@@ -503,16 +501,17 @@ class Services:
         self.ckpt_shared.publish(report)
         return report
 
-    def listen(self) -> None:
+    def listen(self, close_in_child=()) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a
         port taken since (another job's daemon on this node) must fail the mount with
-        one line, not end the daemon after `dlfs mount` said it is up."""
+        one line, not end the daemon after `dlfs mount` said it is up. The server's
+        processes must not hold `close_in_child` (/dev/fuse)."""
         if self.server is None:
             return
         me = self.pool.view.me
         for port in me.ports:  # taken since take_free_port looked: the next one
             try:
-                self.server.start(me.host, port)
+                self.server.start(me.host, port, close_in_child)
                 return
             except OSError as err:
                 error = err
@@ -532,6 +531,8 @@ class Services:
                     nursery.start_soon(self.scrubber.run)
                 if self.drainer is not None:  # threads: started after every fork
                     self.drainer.start()
+                if self.server is not None:
+                    nursery.start_soon(self.server.watch)
                 nursery.start_soon(keep_status, status_path(self.config.mountpoint),
                                    self.status, self._current)
                 task_status.started()
@@ -741,7 +742,7 @@ def _serve(config: MountConfig, daemon: _Loaded, readiness: Readiness, commit: L
             release.callback(daemon.order.close)
         # `dlfs trace` (after the workers: it must not serve FUSE, nor hold /dev/fuse)
         control.start(close_in_child=fuse_fds())
-        services.listen()  # after the workers: they must not inherit the listener
+        services.listen(fuse_fds())  # after the workers: they must not inherit the listener
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
                                   start_time(os.getpid())))
         write_status(status_path(config.mountpoint), services.status())  # before READY

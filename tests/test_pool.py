@@ -363,6 +363,7 @@ def test_mount_refuses_a_secret_others_can_read(mounted, pool_store, tmp_path):
     (["--nodes", "a=127.0.0.1:7001"], "need --cache-dir"),
     (["--verify-served"], "need --cache-dir"),
     (["--scrub-rate", "1M"], "need --cache-dir"),
+    (["--peer-procs", "2"], "need --cache-dir"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:70000"], "bad port"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,a=127.0.0.1:7002"], "listed twice"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,b=127.0.0.1:7001", "--node", "a"],
