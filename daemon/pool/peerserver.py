@@ -1,17 +1,19 @@
-"""PeerLoopServer: the peer protocol served by a few threads, each running a selector loop.
+"""PeerLoopServer: the peer protocol served by a selector loop (or a few, on threads).
 
-The daemon's server. Why a few loops and not a thread per connection: every
+One server of the daemon's: the daemon runs one in each of its `--peer-procs`
+processes, all accepting on one port (dlfsd.pool.peerprocs), because threads of
+one process share its GIL. Why a loop and not a thread per connection: every
 blocking call releases and re-takes the GIL, and with one thread per peer
 connection (a reader daemon opens one per worker process) the threads fought
 over it: strace showed ~36 futex calls per 110 KiB read served, and the
 server cost more CPU than the reads themselves. Here a loop thread owns each
 connection with non-blocking sockets; a READ is answered as soon as its frame
-is complete. `threads` loops (serve_threads(): one per core the daemon may run
-on, 4 to 8) share the connections: the first accepts and hands each new one
-to the next loop in turn. A loop spends most of a READ in system calls that
-release the GIL (receive, send, sendfile), so a second loop serves while the
-first is in the kernel: on one machine (bench/peer_serve.py) READs/s grows
-with the loops while there are cores for them.
+is complete. `threads` loops (serve_threads(): DLFS_PEER_LOOPS, default 1)
+share the connections: every loop accepts and hands each new one to the next
+loop in turn. A loop spends much of a READ in system calls that release the
+GIL, so a second loop serves while the first is in the kernel, up to about one
+core: on 16 cores (bench/peer_serve.py, 8 clients) 1 loop served 21,158 READs/s
+at 47 us of CPU each, 8 loops 16,089 at 103 us. Processes scale; loops do not.
 
 Zero copy (`sendfile=True`; off by default): a READ whose range is in the
 page cache (a non-blocking one-byte read of its first and last byte says so)
@@ -83,18 +85,17 @@ REPORT_CHECKS_PER_SECOND = 10.0  # re-checks of reported ranges, all peers toget
 REPORT_COOLDOWN = 2.0  # seconds a chunk just checked for a report is not checked again
 MIN_CONNECTIONS = 256
 MIN_THREADS, MAX_THREADS = 4, 8
-LOOPS_VAR = "DLFS_PEER_LOOPS"  # loop threads of the peer server; default 1 (see below)
+LOOPS_VAR = "DLFS_PEER_LOOPS"  # loop threads per server process; default 1 (see below)
 
 
 def serve_threads() -> int:
-    """Loop threads for a daemon's peer server: DLFS_PEER_LOOPS, else one.
+    """Loop threads per peer server process: DLFS_PEER_LOOPS, else one.
 
-    Several loops (sized from the cores: at least MIN_THREADS, at most MAX_THREADS, as
-    `DLFS_PEER_LOOPS=auto` asks) served 1.2x the READs/s of one on a single core
-    (bench/peer_serve.py, 8 peers), but with 16 daemons on this 2-core VM
-    (tests/test_pool_scale.py) handshakes then went unanswered for more than 2 s and
-    nodes read the store with every peer up, with 2 loops as with 4; one loop passes.
-    Until that is understood, one loop is the default (issue 33)."""
+    Several loops (`auto`: sized from the cores, MIN_THREADS to MAX_THREADS) share one
+    GIL: on one core 2 loops served 1.2x the READs/s of one, on 16 cores 8 loops
+    served less than one (bench/peer_serve.py); the daemon scales with processes
+    (`dlfs mount --peer-procs`) instead. (With several loops the 16-daemon test once
+    saw handshakes unanswered for over 2 s: a start-up race, fixed; see start().)"""
     wanted = os.environ.get(LOOPS_VAR, "1")
     if wanted != "auto":
         try:
