@@ -105,6 +105,8 @@ class Pool:
                 "--node", name, "--replicas", str(REPLICAS), "--secret-file", str(self.secret),
                 # both serving paths: the single trio process and forked workers
                 "--workers", "1" if i % 2 else "2", "--peer-timeout", "2",
+                # peers served by one or two processes (the supervisor's: peerprocs)
+                "--peer-procs", "2" if i % 4 < 2 else "1",
                 mountpoint=self.mountpoints[name])
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:

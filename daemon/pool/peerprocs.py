@@ -77,16 +77,21 @@ _WAKE = 1.0  # seconds between a supervisor's or a server's looks at its parent
 
 def peer_processes(wanted: int | None) -> int:
     """Server processes for `--peer-procs`: `wanted`, or (None: auto) half the cores
-    this daemon may run on (its CPU affinity, as a job step's binding sets it), at
-    least 2 (one that dies leaves another serving while it is restarted), at most
-    MAX_PROCESSES. 0: the loops run in the main process."""
+    this daemon may run on (its CPU affinity, as a job step's binding sets it; the
+    other half is the FUSE workers'), 1 to MAX_PROCESSES. 0: the loops run in the main
+    process. Not more than the cores: each request wakes the process that takes it,
+    so processes sharing a core split the requests and each pays its wake-ups (on one
+    CPU, bench/pool_read.py --pin: 2 processes 220 us of holder CPU per sample cold,
+    140 hot; 1 process or the main process's loop 187-197 and 120-137). One is
+    enough to survive its own death: the port stays open in its supervisor, which
+    starts another at once, and peers reconnect within their read."""
     if wanted is not None:
         return max(0, wanted)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(2, min(MAX_PROCESSES, cores // 2))
+    return max(1, min(MAX_PROCESSES, cores // 2))
 
 
 class _Board:
@@ -182,7 +187,7 @@ class PeerServers:
         (logged once each time), until stop()."""
         if not self._supervisor:
             return
-        backoff = BACKOFF_FIRST
+        backoff = 0.0
         while True:
             pid, started = self._supervisor, time.monotonic()
             status = await _exited(pid)
@@ -202,7 +207,8 @@ class PeerServers:
                     self._supervisor = self._fork_supervisor()
                 except OSError as err:  # out of processes for a moment
                     log.error("cannot start the peer server's supervisor again: %s", err)
-                    due, backoff = time.monotonic() + backoff, min(BACKOFF_MAX, backoff * 2)
+                    backoff = _longer(backoff)
+                    due = time.monotonic() + backoff
             self._board.restarts[0] += self.processes
 
     def stop(self) -> None:
@@ -243,7 +249,7 @@ class PeerServers:
         board = self._board
         children: dict[int, tuple[int, float]] = {}  # pid -> (slot, started)
         due = [0.0] * self.processes  # when an empty slot may start a server again
-        backoff = [BACKOFF_FIRST] * self.processes
+        backoff = [0.0] * self.processes
         ever = [False] * self.processes  # a server has run in that slot
         try:
             while parent_alive(parent):
@@ -359,16 +365,21 @@ def _reaped() -> list[tuple[int, int]]:
 
 def _restart_at(started: float, backoff: float) -> tuple[float, float]:
     """(when a dead server's slot starts another, the back-off after that): at once
-    after a long life, later and later while it keeps dying young."""
+    after a long life and the first time it dies young, then later and later (1 s
+    doubling to 60 s) while it keeps dying young: a crash loop must not spin."""
     now = time.monotonic()
     if now - started > YOUNG:
-        return 0.0, BACKOFF_FIRST
-    return now + backoff, min(BACKOFF_MAX, backoff * 2)
+        return 0.0, 0.0
+    return now + backoff, _longer(backoff)
+
+
+def _longer(backoff: float) -> float:
+    return min(BACKOFF_MAX, max(BACKOFF_FIRST, backoff * 2))
 
 
 def _when(due: float) -> str:
     wait = due - time.monotonic()
-    return "now" if wait <= 0 else f"in {wait:.0f} s (it died young)"
+    return "now" if wait <= 0 else f"in {wait:.0f} s (it died young again)"
 
 
 def _how(status: int) -> str:

@@ -285,8 +285,8 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="processes serving this node's staged chunks to its peers, each "
                         "with a core's worth of Python (threads of one process would share "
                         "one); a process that dies is restarted (default auto: half the "
-                        "cores this daemon may use, at least 2, at most 8; 0 serves from "
-                        "loop threads of the daemon's main process, the old way)")
+                        "cores this daemon may use, 1 to 8; 0 serves from loop threads of "
+                        "the daemon's main process, the old way)")
     g.add_argument("--verify-served", action="store_true",
                    help="check each extent against its checksum the first time this node "
                         "serves it to a peer from its staged copy (a copy gone bad since "
