@@ -38,7 +38,7 @@ will stage a chunk is in the stager's shared memory, --verify-served's "checked
 in this copy" bytes are shared, an eviction is a file operation. Counters: each
 loop of each server writes its own row of an anonymous shared mapping made before
 the fork, which the main process sums for `dlfs status`; the node's open
-connections are summed from those rows for --max-connections, and the per-node
+connections are summed from those rows for its connection slots, and the per-node
 limits on unauthenticated connections and report checks are split between the
 servers (dlfsd.pool.admission).
 
@@ -64,7 +64,14 @@ import trio
 
 from dlfs.signals import stop_signals_blocked
 from dlfsd.lineage import die_with_parent, name_process, parent_alive
-from dlfsd.pool.peerserver import COUNTERS, OPEN, PeerLoopServer, listen, sum_rows
+from dlfsd.pool.peerserver import (
+    COUNTERS,
+    OPEN,
+    BlockingChunkProvider,
+    PeerLoopServer,
+    listen,
+    sum_rows,
+)
 
 log = logging.getLogger("dlfsd.pool.peer")
 
@@ -132,8 +139,8 @@ class PeerServers:
     """The peer server of a daemon: `processes` forked servers (0: loops in this
     process), each a PeerLoopServer made with `server`'s arguments."""
 
-    def __init__(self, secret: bytes, provider, node_name: str, *, processes: int,
-                 threads: int = 1, **server) -> None:
+    def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
+                 processes: int, threads: int = 1, **server) -> None:
         """Made before the fork (the shared counters); nothing runs until start()."""
         self.processes = processes
         self.node_name = node_name
