@@ -206,13 +206,20 @@ def _is_dlfsd(pid: int) -> bool:
 
 
 def _daemon_pids(main_pid: int) -> list[int]:
-    """The daemon's main process and its worker processes (children running dlfsd)."""
-    pids = [main_pid]
+    """The daemon's main process and every process under it running dlfsd (its workers,
+    and the peer servers its supervisor process forked)."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = _stat_fields(int(entry))
-            if fields and fields[1] == str(main_pid).encode() and _is_dlfsd(int(entry)):
-                pids.append(int(entry))
+            if fields:
+                parents[int(entry)] = int(fields[1])
+    pids, todo = [], [main_pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += [child for child, parent in parents.items()
+                 if parent == pid and _is_dlfsd(child)]
     return pids
 
 

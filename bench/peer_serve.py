@@ -1,13 +1,16 @@
 """A holder's peer server alone: READs of ~110 KiB answered per second, and its CPU per READ.
 
-No FUSE, no reading daemon: a PeerLoopServer in a process of its own (pinned to
---holder-cpus) serves a staged chunk file (in the page cache, or dropped before
-each round with --cold) to --clients processes (spread over --reader-cpus), each a
+No FUSE, no reading daemon: the daemon's peer server (dlfsd.pool.peerprocs.PeerServers)
+in a process of its own (pinned to --holder-cpus, and so are the processes it
+forks) serves a staged chunk file (in the page cache, or dropped before each round
+with --cold) to --clients processes (spread over --reader-cpus), each a
 BlockingPeerClient reading random --size ranges for --seconds. Printed per
---threads value (the server's loop threads; issue 33 item 1 asks the curve for
-2, 4, 8): READs/s and the server process's CPU per READ (utime + stime from
-/proc/PID/stat), min/median/max over --rounds, and each value's READs/s over
-the first one's, measured in the same run.
+--procs value (forked server processes, as `dlfs mount --peer-procs`; 0: the
+loops run in that one process, the way before issue 33) and --threads value (loop
+threads per server; issue 33 item 1 asks the curve for 2, 4, 8): READs/s and the
+CPU per READ of the server's processes (utime + stime from /proc/PID/stat, the
+process and every process it forked), min/median/max over --rounds, and each
+set-up's READs/s over the first one's, measured in the same run.
 
 On one machine the holder's CPU includes the kernel's loopback delivery of its
 replies (softirq work charged to the sender), as a veth pair in a network
@@ -15,12 +18,16 @@ namespace would; a real NIC takes some of that off the CPU.
 
 examples (from the repository root):
   .venv/bin/python bench/peer_serve.py
-  .venv/bin/python bench/peer_serve.py --threads 1,2,4,8 --clients 8 --rounds 5
+  .venv/bin/python bench/peer_serve.py --procs 0,1,2 --holder-cpus 1 --reader-cpus 0
+  .venv/bin/python bench/peer_serve.py --procs 1,2,4,8 --holder-cpus 0-7 \
+      --reader-cpus 8,9,10,11,12,13,14,15 --rounds 5
+  .venv/bin/python bench/peer_serve.py --procs 0 --threads 1,2,4,8 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -72,13 +79,13 @@ class FileProvider:
         return False
 
 
-def _serve(path: Path, length: int, threads: int, sendfile: bool, cpus: set[int], ready,
-           stop) -> None:
-    from dlfsd.pool.peerserver import PeerLoopServer
+def _serve(path: Path, length: int, procs: int, threads: int, sendfile: bool,
+           cpus: set[int], ready, stop) -> None:
+    from dlfsd.pool.peerprocs import PeerServers
 
     os.sched_setaffinity(0, cpus)
-    server = PeerLoopServer(SECRET, FileProvider(path, length), "holder", threads=threads,
-                            sendfile=sendfile)
+    server = PeerServers(SECRET, FileProvider(path, length), "holder", processes=procs,
+                         threads=threads, sendfile=sendfile)
     ready.send(server.start("127.0.0.1", 0))
     stop.recv()
     ready.send(server.counters()["reads_served"])
@@ -107,17 +114,37 @@ def _client(port: int, length: int, size: int, seconds: float, seed: int, cpu: i
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rpartition(b")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of `pid` and of every process under it (the server's supervisor
+    and servers), so far."""
+    ticks = 0
+    for p in _tree(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def one_round(path: Path, length: int, threads: int, args) -> tuple[float, float]:
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (from /proc/*/stat's parent field)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat", "rb") as f:
+                parents[int(entry)] = int(f.read().rpartition(b")")[2].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += [child for child, parent in parents.items() if parent == p]
+    return found
+
+
+def one_round(path: Path, length: int, procs: int, threads: int, args) -> tuple[float, float]:
     """(READs/s, server CPU us per READ) of one round."""
     ctx = mp.get_context("fork")
     ready, ready_child = ctx.Pipe()
     stop_child, stop = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(path, length, threads, args.sendfile,
+    server = ctx.Process(target=_serve, args=(path, length, procs, threads, args.sendfile,
                                               args.holder_cpus, ready_child, stop_child))
     server.start()
     clients = []
@@ -133,10 +160,13 @@ def one_round(path: Path, length: int, threads: int, args) -> tuple[float, float
         time.sleep(0.5)  # every client connected
         if args.cold:
             drop_caches()
+        tree = _tree(server.pid)
         before = _cpu_seconds(server.pid)
         start.set()
         reads = sum(out.get(timeout=args.seconds + 30) for _ in clients)
         cpu = _cpu_seconds(server.pid) - before
+        if _tree(server.pid) != tree:
+            raise RuntimeError("a server process ended during the round")
         stop.send(None)
         ready.recv()
     finally:
@@ -153,8 +183,11 @@ def one_round(path: Path, length: int, threads: int, args) -> tuple[float, float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
     add_common_args(p)
-    p.add_argument("--threads", default="1,2,4", help="server loop threads to compare "
-                   "(default 1,2,4)")
+    p.add_argument("--procs", default="0,1,2",
+                   help="forked server processes to compare, as `dlfs mount --peer-procs` "
+                        "(0: loops in one process, the way before; default 0,1,2)")
+    p.add_argument("--threads", default="1", help="loop threads per server to compare "
+                   "(default 1)")
     p.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
     p.add_argument("--size", type=size_arg, default=110 << 10, help="bytes per READ (110K)")
     p.add_argument("--seconds", type=float, default=5.0, help="per round (default 5)")
@@ -162,38 +195,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold", action="store_true", help="drop the page cache each round")
     p.add_argument("--sendfile", action="store_true",
                    help="answer with os.sendfile (zero copy) instead of read + sendmsg")
-    p.add_argument("--holder-cpus", type=lambda t: {int(c) for c in t.split(",")},
-                   default={1}, help="CPUs of the server process (default 1)")
-    p.add_argument("--reader-cpus", type=lambda t: [int(c) for c in t.split(",")],
-                   default=[0], help="CPUs the clients are spread over (default 0; on "
-                                      "many cores give as many as clients)")
+    p.add_argument("--holder-cpus", type=_cpus, default={1},
+                   help="CPUs of the server's processes, e.g. 1 or 0-7 (default 1)")
+    p.add_argument("--reader-cpus", type=lambda t: sorted(_cpus(t)), default=[0],
+                   help="CPUs the clients are spread over, e.g. 0 or 8-15 (default 0; on "
+                        "many cores give as many as clients)")
     args = p.parse_args(argv)
     if args.quick:
         args.seconds = 1.0
-    counts = [int(t) for t in args.threads.split(",")]
+    setups = [(int(n), int(t)) for n in args.procs.split(",") for t in args.threads.split(",")]
     with workdir(args.workdir, args.keep, "peer-serve") as work:
         path = work / "chunk"
         path.write_bytes(b"h" * HEADER + os.urandom(args.chunk))
-        results: dict[int, list[tuple[float, float]]] = {t: [] for t in counts}
+        results: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in setups}
         for rnd in range(args.rounds):
-            for t in counts if rnd % 2 == 0 else counts[::-1]:
-                rate, cpu = one_round(path, args.chunk, t, args)
-                results[t].append((rate, cpu))
-                print(f"  round {rnd + 1} threads {t}: {rate:8,.0f} READs/s, server CPU "
+            for n, t in setups if rnd % 2 == 0 else setups[::-1]:
+                rate, cpu = one_round(path, args.chunk, n, t, args)
+                results[(n, t)].append((rate, cpu))
+                print(f"  round {rnd + 1} {_name(n, t)}: {rate:8,.0f} READs/s, server CPU "
                       f"{cpu:5.0f} us/READ", flush=True)
-        base = median([r for r, _ in results[counts[0]]])
+        base = median([r for r, _ in results[setups[0]]])
         rows = []
-        for t in counts:
-            rates = [r for r, _ in results[t]]
-            cpus = [c for _, c in results[t]]
-            rows.append((t, _spread(rates), _spread(cpus), f"{median(rates) / base:.2f}"))
-        print_table(("threads", "READs/s min/med/max", "server CPU us/READ min/med/max",
-                     f"READs/s / {counts[0]} thread(s)"), rows,
+        for n, t in setups:
+            rates = [r for r, _ in results[(n, t)]]
+            cpus = [c for _, c in results[(n, t)]]
+            rows.append((_name(n, t), _spread(rates), _spread(cpus),
+                         f"{median(rates) / base:.2f}"))
+        print_table(("server", "READs/s min/med/max", "server CPU us/READ min/med/max",
+                     f"READs/s / {_name(*setups[0])}"), rows,
                     title=f"{args.clients} clients, {args.size} bytes per READ, "
                           f"{'cold' if args.cold else 'hot'}, "
                           f"{'sendfile' if args.sendfile else 'copied'}, server on CPUs "
                           f"{sorted(args.holder_cpus)}, {args.rounds} rounds")
     return 0
+
+
+def _name(procs: int, threads: int) -> str:
+    where = f"{procs} procs" if procs else "in-process"
+    return f"{where} x {threads} loop{'s' if threads > 1 else ''}"
+
+
+def _cpus(text: str) -> set[int]:
+    """1,3 or 0-7 or a mix."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _spread(values: list[float]) -> str:

@@ -30,6 +30,12 @@ make it: remote / local is measured per round (same round, same pinning) and
 printed as min/median/max, with the holder's CPU per sample it served
 (utime + stime of its processes from /proc/PID/stat, over the samples read).
 
+--peer-procs LIST (issue 33 item 1): the remote side once per value, the holder
+mounted with `--peer-procs V` (its peer server in V forked processes; 0: loop
+threads in its main process, the way before), every value in every round, so the
+set-ups compare within one run: remote/local and the holder's CPU per sample for
+each.
+
 --net (issue 33 item 2): the remote side's two daemons run in network namespaces
 of their own joined by a bridge (tests/netsim.py), each link shaped to 10 Gbit/s
 (and 50 us one way where the kernel has netem); as root.
@@ -41,6 +47,7 @@ examples (from the repository root, as root):
   .venv/bin/python bench/pool_read.py --files 20000 --rounds 3
   .venv/bin/python bench/pool_read.py --files 64 --file-size 16M --rounds 5
   .venv/bin/python bench/pool_read.py --files 2000 --rounds 5 --pin
+  .venv/bin/python bench/pool_read.py --files 2000 --rounds 5 --pin --peer-procs 0,2
   .venv/bin/python bench/pool_read.py --files 2000 --rounds 3 --pin --net --workers 8
 """
 
@@ -90,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reader-cpu", type=int, default=0, help="with --pin (default 0)")
     p.add_argument("--net", action="store_true",
                    help="the remote side over network namespaces on 10 Gbit/s links")
+    p.add_argument("--peer-procs", default=None, metavar="LIST",
+                   help="measure the remote side with the holder mounted with each "
+                        "`--peer-procs` value, e.g. 0,2 (default: the mount's default)")
     args = p.parse_args(argv)
     if args.quick:
         args.files = max(100, args.files // 10)
@@ -151,7 +161,7 @@ def local_side(store: Path, work: Path, extra: list[str]):
 
 
 @contextlib.contextmanager
-def remote_side(store: Path, work: Path, extra: list[str]):
+def remote_side(store: Path, work: Path, extra: list[str], holder_extra: list[str]):
     if _NET:
         net = _NET[0]
         nodes = f"reader={net.address(0)}:7470,holder={net.address(1)}:7470"
@@ -161,7 +171,8 @@ def remote_side(store: Path, work: Path, extra: list[str]):
     secret = write_secret(work / "secret")
     common = ["--nodes", nodes, "--replicas", "2", "--secret-file", str(secret), *extra]
     with mounted_on(_PIN["holder"], store, work / "mnt-holder",
-                 ["--cache-dir", str(work / "cache-holder"), "--node", "holder", *common],
+                 ["--cache-dir", str(work / "cache-holder"), "--node", "holder", *common,
+                  *holder_extra],
                  work / "holder.log", node=1) as holder, \
          mounted_on(_PIN["reader"], store, work / "mnt-reader",
                  ["--cache-dir", str(work / "cache-reader"), "--node", "reader",
@@ -253,44 +264,58 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
               + (f"; holder on CPU {args.holder_cpu}, reading node and readers on CPU "
                  f"{args.reader_cpu}" if args.pin else ""))
         results: dict = {}
-        sides = {"local": lambda: local_side(work / "store", work, extra),
-                 "remote": lambda: remote_side(work / "store", work, extra)}
+        sides = {"local": lambda: local_side(work / "store", work, extra)}
+        remotes = remote_sides(args.peer_procs)
+        for name, holder_extra in remotes.items():
+            sides[name] = (lambda h: lambda: remote_side(work / "store", work, extra, h))(
+                holder_extra)
         for rnd in range(args.rounds):
-            order = ("local", "remote") if rnd % 2 == 0 else ("remote", "local")
+            order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
             print(f"round {rnd + 1}/{args.rounds}")
             for side in order:
                 measure(side, sides[side], paths, summary.bytes, args.workers, rnd, results)
-        rows = []
-        ratios = {}
-        for temp in ("cold", "hot"):
-            local, remote = median(results[("local", temp)]), median(results[("remote", temp)])
-            ratios[temp] = remote / local if local else float("nan")
-            rows.append((temp, local, remote, ratios[temp]))
-        print_table(("chunk files", "local files/s", "remote files/s", "remote/local"), rows,
-                    title=f"medians of {args.rounds} rounds")
-        cpu_rows = []
-        for temp in ("cold", "hot"):
-            local = median(results[("local", temp, "cpu")])
-            remote = median(results[("remote", temp, "cpu")])
-            cpu_rows.append((temp, f"{local:.0f}", f"{remote:.0f}",
-                             f"{local / remote:.3f}" if remote else "nan"))
-        print_table(("chunk files", "local us/file", "remote us/file", "local/remote"),
-                    cpu_rows, title="CPU of the reading node only (daemon + readers; "
-                                    "for information, no target)")
-        for temp in ("cold", "hot"):  # each round's ratio: same round, same machine state
-            per_round = [r / lo for r, lo in zip(results[("remote", temp)],
-                                                results[("local", temp)], strict=True)]
-            print(f"{temp}: remote/local per round {_spread(per_round)} (min/median/max); "
-                  f"holder CPU us per sample read {_spread(results[('remote', temp, 'holder')], 0)}"
-                  f", per read it served "
-                  f"{_spread(results[('remote', temp, 'holder_read')], 0)}")
-        print("holder bytes sent / bytes read (remote side): "
-              + ", ".join(f"{temp} {_spread(results[('remote', temp, 'sent')])}"
-                          for temp in ("cold", "hot")))
+        ratios = {name: report_remote(name, results, args.rounds) for name in remotes}
         goal = 0.8 if args.pin else 0.7
-        print_targets([Target("cold remote/local files/s", ratios["cold"], ">=", goal),
-                       Target("hot remote/local files/s", ratios["hot"], ">=", goal)], args.quick)
+        print_targets([Target(f"{temp} {name}/local files/s", ratios[name][temp], ">=", goal)
+                       for name in remotes for temp in ("cold", "hot")], args.quick)
     return 0
+
+
+def remote_sides(peer_procs: str | None) -> dict[str, list[str]]:
+    """The remote set-ups to measure: name -> extra `dlfs mount` flags of the holder."""
+    if peer_procs is None:
+        return {"remote": []}
+    return {f"remote p{v}": ["--peer-procs", v] for v in peer_procs.split(",")}
+
+
+def report_remote(name: str, results: dict, rounds: int) -> dict[str, float]:
+    """Print one remote set-up against the local side; its remote/local medians."""
+    rows, ratios = [], {}
+    for temp in ("cold", "hot"):
+        local, remote = median(results[("local", temp)]), median(results[(name, temp)])
+        ratios[temp] = remote / local if local else float("nan")
+        rows.append((temp, local, remote, ratios[temp]))
+    print_table(("chunk files", "local files/s", f"{name} files/s", f"{name}/local"), rows,
+                title=f"medians of {rounds} rounds")
+    cpu_rows = []
+    for temp in ("cold", "hot"):
+        local = median(results[("local", temp, "cpu")])
+        remote = median(results[(name, temp, "cpu")])
+        cpu_rows.append((temp, f"{local:.0f}", f"{remote:.0f}",
+                         f"{local / remote:.3f}" if remote else "nan"))
+    print_table(("chunk files", "local us/file", f"{name} us/file", "local/remote"),
+                cpu_rows, title="CPU of the reading node only (daemon + readers; "
+                                "for information, no target)")
+    for temp in ("cold", "hot"):  # each round's ratio: same round, same machine state
+        per_round = [r / lo for r, lo in zip(results[(name, temp)],
+                                            results[("local", temp)], strict=True)]
+        print(f"{name} {temp}: remote/local per round {_spread(per_round)} (min/median/max); "
+              f"holder CPU us per sample read {_spread(results[(name, temp, 'holder')], 0)}"
+              f", per read it served {_spread(results[(name, temp, 'holder_read')], 0)}")
+    print(f"{name}: holder bytes sent / bytes read: "
+          + ", ".join(f"{temp} {_spread(results[(name, temp, 'sent')])}"
+                      for temp in ("cold", "hot")))
+    return ratios
 
 
 def _spread(values: list[float], digits: int = 2) -> str:

@@ -43,9 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="holder daemon's CPU us per sample served (measured: bench/pool_read.py "
                         "--pin, cold, median; 275 with one loop before issue 33)")
     p.add_argument("--serve-cores", type=float, default=1.0,
-                   help="cores the peer server keeps busy (default 1: its loops share one "
-                        "GIL; on one core they saturate at 2 loops, bench/peer_serve.py; "
-                        "more than one core is unmeasured)")
+                   help="cores the peer server keeps busy: its `--peer-procs` processes, "
+                        "as far as the node gives them cores (auto: half the daemon's, "
+                        "4 of the 8 assumed here). Default 1: a holder on more than one "
+                        "core is not measured yet (this VM has two; bench/peer_serve.py "
+                        "--procs 1,2,4,8 on a bigger machine prints the curve)")
     p.add_argument("--placement-ns", type=float, default=55.0,
                    help="owners() ns per (chunk, node) cell at mount (measured)")
     p.add_argument("--manifest-bytes", type=float, default=73.0,

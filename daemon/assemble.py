@@ -307,13 +307,14 @@ def pool_services(config: MountConfig, pool: ChunkPool, datasets: list[Dataset],
     pool.set_stager(stager.will_stage)
     server = None
     if len(view.nodes) > 1:
-        from dlfsd.pool.peerserver import PeerLoopServer, connection_slots, serve_threads
+        from dlfsd.pool.peerprocs import PeerServers, peer_processes
+        from dlfsd.pool.peerserver import connection_slots, serve_threads
 
-        server = PeerLoopServer(view.secret, pool, view.me.name,
-                                max_connections=connection_slots(len(view.nodes),
-                                                                 config.workers),
-                                trusted=node_addresses(view.nodes),
-                                verify_served=config.verify_served, threads=serve_threads())
+        server = PeerServers(view.secret, pool, view.me.name,
+                             processes=peer_processes(config.peer_procs),
+                             max_connections=connection_slots(len(view.nodes), config.workers),
+                             trusted=node_addresses(view.nodes),
+                             verify_served=config.verify_served, threads=serve_threads())
     scrubber = None
     if config.scrub_rate:
         from dlfsd.pool.scrub import Scrubber

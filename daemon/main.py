@@ -143,7 +143,7 @@ def _serve(config: MountConfig, daemon: Daemon, readiness: Readiness, commit: La
             release.callback(daemon.order.close)
         # `dlfs trace` (after the workers: it must not serve FUSE, nor hold /dev/fuse)
         control.start(close_in_child=fuse_fds())
-        services.listen()  # after the workers: they must not inherit the listener
+        services.listen(fuse_fds())  # after the workers: they must not inherit the listener
         write_record(DaemonRecord(os.getpid(), config.mountpoint, config.store, config.log_file,
                                   start_time(os.getpid())))
         write_status(status_path(config.mountpoint), services.status())  # before READY

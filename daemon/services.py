@@ -11,7 +11,7 @@ in whole; Services only runs, reports and stops them.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,7 @@ from dlfsd.obs.status import StatusConfig, build_status, keep_status
 
 if TYPE_CHECKING:
     from dlfsd.ckptconnect import CkptConnection
-    from dlfsd.pool.peerserver import PeerLoopServer
+    from dlfsd.pool.peerprocs import PeerServers
     from dlfsd.pool.pool import ChunkPool
     from dlfsd.pool.replicate import ReplicaSource
     from dlfsd.pool.scrub import Scrubber
@@ -43,7 +43,7 @@ class PoolServices:
     pool: ChunkPool
     stager: Stager
     replicas: ReplicaSource | None = None  # secondary owners copy from primaries
-    server: PeerLoopServer | None = None  # other nodes read our staged copies
+    server: PeerServers | None = None  # other nodes read our staged copies
     scrubber: Scrubber | None = None  # --scrub-rate: re-reads the staged copies
 
     def report(self, status: dict) -> None:
@@ -55,16 +55,17 @@ class PoolServices:
         if self.replicas is not None:
             status["replication"] = self.replicas.snapshot()
 
-    def listen(self) -> None:
+    def listen(self, close_in_child: Sequence[int] = ()) -> None:
         """Take the peer port now, before READY: check_port_free only looked, and a
         port taken since (another job's daemon on this node) must fail the mount with
-        one line, not end the daemon after `dlfs mount` said it is up."""
+        one line, not end the daemon after `dlfs mount` said it is up. The server's
+        processes must not hold `close_in_child` (/dev/fuse)."""
         if self.server is None:
             return
         me = self.pool.view.me
         for port in me.ports:  # taken since take_free_port looked: the next one
             try:
-                self.server.start(me.host, port)
+                self.server.start(me.host, port, close_in_child)
                 return
             except OSError as err:
                 error = err
@@ -79,6 +80,8 @@ class PoolServices:
         nursery.start_soon(self.stager.run)
         if self.scrubber is not None:
             nursery.start_soon(self.scrubber.run)
+        if self.server is not None:
+            nursery.start_soon(self.server.watch)
 
     def stop(self) -> None:
         self.stop_listening()
@@ -132,10 +135,10 @@ class Services:
             status["passthrough"] = self.passthrough()
         return status
 
-    def listen(self) -> None:
+    def listen(self, close_in_child: Sequence[int] = ()) -> None:
         """Take the peer port (see PoolServices.listen)."""
         if self.staging is not None:
-            self.staging.listen()
+            self.staging.listen(close_in_child)
 
     def stop_listening(self) -> None:
         if self.staging is not None:

@@ -74,6 +74,9 @@ class MountConfig:
     store_bandwidth: int = 0  # bytes/s per store read stream; only to model a slow store
     # The peer server checks each extent the first time the current copy serves it.
     verify_served: bool = False
+    # Forked processes serving peers (None: auto, dlfsd.pool.peerprocs.peer_processes;
+    # 0: loop threads in the daemon's main process, the old way)
+    peer_procs: int | None = None
     scrub_rate: int = 0  # bytes/s the staged copies are re-read and checked at (0: never)
     # -- the look-ahead (dlfsd.core.lookahead): reads announced epochs ahead of the readers --
     lookahead: bool = True  # listen for samplers' announcements (off: --lookahead 0)

@@ -207,6 +207,17 @@ def kill_and_reap(pid: int) -> None:
     wait_dead(pid, 10)
 
 
+def kill_daemon_of(mount) -> None:
+    """SIGKILL every process of a mount's daemon (a lost node) and wait for them: those
+    found dead by the time their turn comes went with the main one (parent-death
+    signals: workers, the peer servers)."""
+    for pid in daemon_pids_for(os.path.realpath(mount.path)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in mount.pids:
+        kill_and_reap(pid)
+
+
 def _run_quietly(cmd: list[str], timeout: float) -> str:
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

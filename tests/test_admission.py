@@ -56,6 +56,22 @@ def test_one_node_address_may_not_hold_every_slot_unauthenticated():
     assert [a.admit(NODE, 0) for _ in range(5)] == [None] * 4 + [SOURCE_FULL]
 
 
+def test_servers_of_several_processes_split_the_nodes_pending_limits():
+    """Each of 4 server processes (dlfsd.pool.peerprocs) admits on its own: together
+    they hold a stranger to the node's 32 pending slots and 4 per address, and one
+    node address to a quarter of the slots, not 4 times that."""
+    def servers() -> list[Admission]:
+        return [Admission(frozenset({NODE}), max_connections=256, share=4) for _ in range(4)]
+
+    each = servers()
+    assert sum(a.admit(f"192.0.2.{i}", 0) is None for a in each for i in range(20)) == 32
+    each = servers()
+    assert sum(a.admit(STRANGER, 0) is None for a in each for _ in range(4)) == 4
+    each = servers()
+    assert sum(a.admit(NODE, 0) is None for a in each for _ in range(100)) == 64
+    assert each[0].admit("10.0.0.9", 256) == FULL  # the node's open connections, all of them
+
+
 def test_without_a_node_list_every_address_counts_as_a_node():
     a = Admission(None, max_connections=8, stranger_slots=1, per_source=1)
     assert [a.admit(STRANGER, 0) for _ in range(3)] == [None, None, SOURCE_FULL]

@@ -543,7 +543,7 @@ def slow_init(self, *args, **kwargs):
     time.sleep(0.5)
     real_init(self, *args, **kwargs)
 wireworker.WireWorker.__init__ = slow_init
-def port_taken(self):
+def port_taken(self, *args):
     raise DlfsError("cannot listen for peers: port taken (simulated)")
 services.Services.listen = port_taken
 started = time.monotonic()

@@ -10,15 +10,13 @@ another owner is faster. Expected bytes come from the source tree.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import time
 from pathlib import Path
 
 import netsim
 import pytest
-from conftest import daemon_pids_for, kill_and_reap
+from conftest import kill_daemon_of
 from test_pool import (
     expected_shares,
     fresh_sources,
@@ -149,10 +147,7 @@ def test_a_killed_peer_costs_no_failed_read_over_the_network(mounted, network, n
     random.Random(5).shuffle(files)
     cut = len(files) // 10
     _, errors = timed_reads(reader, net_source, files[:cut])
-    for pid in daemon_pids_for(os.path.realpath(victim.path)):
-        os.kill(pid, signal.SIGKILL)
-    for pid in victim.pids:
-        kill_and_reap(pid)
+    kill_daemon_of(victim)
     _, more = timed_reads(reader, net_source, files[cut:])
     assert errors + more == []
     assert fresh_sources(dlfs_cli, reader)["store"]["requests"] == 0  # the replica served

@@ -8,6 +8,7 @@ after each.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -638,3 +639,49 @@ def test_serve_threads_one_unless_asked_and_auto_follows_the_cores(monkeypatch):
     finally:
         os.sched_setaffinity(0, before)
     assert serve_threads() == min(max(len(before), 4), 8)
+
+
+def test_every_loop_serves_when_peers_connect_while_the_server_starts(tmp_path):
+    """Peers connect the moment the port listens (a job's daemons come up one by one
+    and retry). The first loop used to accept then, before the next loop had its
+    wake-up socket: it died of handing the connection over, and every connection
+    handed to it afterwards went unanswered (the 16-daemon test's handshakes > 2 s)."""
+    provider = Provider(tmp_path)
+    try:
+        for _ in range(5):
+            port = free_port()
+            stop = threading.Event()
+            knocker = threading.Thread(target=knock, args=(port, stop))
+            knocker.start()
+            server = PeerLoopServer(SECRET, provider, "server", threads=3)
+            try:
+                time.sleep(0.01)  # knocking already
+                server.start("127.0.0.1", port)
+                time.sleep(0.05)
+                stop.set()
+                knocker.join()
+                for _ in range(6):  # handed to each loop in turn, twice
+                    client = BlockingPeerClient(SECRET, "good", "127.0.0.1", port, timeout=2)
+                    try:
+                        assert client.read(DATASET, 0, 0, 10) == CHUNKS[0][:10]
+                    finally:
+                        client.close()
+            finally:
+                stop.set()
+                knocker.join()
+                server.stop()
+    finally:
+        provider.close()
+
+
+def knock(port: int, stop: threading.Event) -> None:
+    """Connect and hang up, again and again, until `stop`."""
+    while not stop.is_set():
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

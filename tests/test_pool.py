@@ -11,7 +11,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import socket
 import threading
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import daemon_pids_for, describe_result, kill_and_reap
+from conftest import describe_result, kill_daemon_of
 
 from dlfs.cluster.placement import owners
 from dlfs.demo.sampledata import generate_large_files, generate_tree
@@ -210,10 +209,7 @@ def test_a_killed_peer_costs_no_failed_read(mounted, pool_store, pool_source, tm
     killed = threading.Event()
 
     def kill_victim() -> None:
-        for pid in daemon_pids_for(os.path.realpath(victim.path)):
-            os.kill(pid, signal.SIGKILL)
-        for pid in victim.pids:
-            kill_and_reap(pid)
+        kill_daemon_of(victim)
         killed.set()
 
     for k, rel in enumerate(files):
@@ -363,6 +359,7 @@ def test_mount_refuses_a_secret_others_can_read(mounted, pool_store, tmp_path):
     (["--nodes", "a=127.0.0.1:7001"], "need --cache-dir"),
     (["--verify-served"], "need --cache-dir"),
     (["--scrub-rate", "1M"], "need --cache-dir"),
+    (["--peer-procs", "2"], "need --cache-dir"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:70000"], "bad port"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,a=127.0.0.1:7002"], "listed twice"),
     (["--cache-dir", "C", "--nodes", "a=127.0.0.1:7001,b=127.0.0.1:7001", "--node", "a"],

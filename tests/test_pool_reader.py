@@ -344,3 +344,48 @@ def test_verify_served_checks_each_extent_once_per_staged_copy(dataset, tmp_path
     again = pool.serve_check(ds.uuid, 0, offset, length)
     assert again is not None and again[2] != check[2]
     pool.close()
+
+
+def _answer_the_peer_server(pool: ChunkPool, dataset_id: bytes, extent: tuple[int, int],
+                            pipe) -> None:
+    """In a forked process, like a peer server (dlfsd.pool.peerprocs): answer what the
+    server would ask, each time the parent asks."""
+    while pipe.recv():
+        pipe.send((pool.will_stage(dataset_id, 1), pool.will_stage(dataset_id, 2),
+                   pool.serve_check(dataset_id, 0, *extent) is not None))
+
+
+def test_a_peer_server_forked_before_sees_the_stagers_and_the_checks_later_word(
+        dataset, tmp_path):
+    """The peer server's processes are forked at mount; whether the stager (main
+    process) will stage a chunk, and which extents another server process already
+    checked (--verify-served), change later and must reach them: shared memory."""
+    import errno
+    import multiprocessing
+
+    ds, _ = dataset
+    pool, stager = pool_with_chunk_0_staged(ds, tmp_path / "cache")
+    pool.set_stager(stager.will_stage)
+    pool.owned[0][1] = pool.owned[0][2] = True  # (the stager's owned masks too)
+    d = ds.directory
+    ext = int(pool.extents_in(0, 0, 0, 1)[0])
+    extent = (int(d.ext_offset_view[ext]), int(d.ext_length_view[ext]))
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    child = multiprocessing.get_context("fork").Process(
+        target=_answer_the_peer_server, args=(pool, ds.uuid, extent, theirs))
+    child.start()
+    try:
+        ours.send(True)
+        assert ours.recv() == (True, True, True)
+        stager.cache_limit = 1  # chunk 1 no longer fits: passed over for --cache-limit
+        assert not stager._eligible(0, 1)
+        pool.served_checked(ds.uuid, ext, pool.serve_check(ds.uuid, 0, *extent)[2])
+        ours.send(True)
+        assert ours.recv() == (False, True, False)
+        stager._pause(0, OSError(errno.ENOSPC, "No space left on device"), 0.0)  # disk full
+        ours.send(True)
+        assert ours.recv() == (False, False, False)
+    finally:
+        ours.send(False)
+        child.join(10)
+        pool.close()

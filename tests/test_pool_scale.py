@@ -38,13 +38,12 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import daemon_pids_for, kill_and_reap, populate_store
+from conftest import kill_daemon_of, populate_store
 from test_pool import free_ports, write_secret
 
 from dlfs.cluster.nodes import load_secret
@@ -106,6 +105,8 @@ class Pool:
                 "--node", name, "--replicas", str(REPLICAS), "--secret-file", str(self.secret),
                 # both serving paths: the single trio process and forked workers
                 "--workers", "1" if i % 2 else "2", "--peer-timeout", "2",
+                # peers served by one or two processes (the supervisor's: peerprocs)
+                "--peer-procs", "2" if i % 4 < 2 else "1",
                 mountpoint=self.mountpoints[name])
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -231,10 +232,7 @@ def test_sixteen_nodes_read_every_byte_balance_and_a_lost_node_moves_only_its_ch
     # A node is lost: its processes are killed. Survivors serve every byte from the other
     # replica, and nothing is staged anew while the job runs.
     victim = names[VICTIM]
-    for pid in daemon_pids_for(os.path.realpath(pool.mounts[victim].path)):
-        os.kill(pid, signal.SIGKILL)
-    for pid in pool.mounts[victim].pids:
-        kill_and_reap(pid)
+    kill_daemon_of(pool.mounts[victim])
     survivors = [n for n in names if n != victim]
     readers = survivors[:2]  # one trio process, one with workers
     served_before = {n: d["ds"]["sources"] for n, d in pool.statuses(readers).items()}

@@ -14,13 +14,12 @@ import ctypes
 import ctypes.util
 import os
 import select
-import signal
 import struct
 import time
 from pathlib import Path
 
 import pytest
-from conftest import daemon_pids_for, kill_and_reap
+from conftest import kill_daemon_of
 from test_pool import (
     Cluster,
     expected_shares,
@@ -181,10 +180,7 @@ def test_a_primary_killed_mid_staging_leaves_its_secondaries_complete(
     early = status_of(dlfs_cli, victim)["datasets"][0]["staging"]
     assert early["staged_chunks"] < early["owned_chunks"], \
         f"n3 staged its whole share before it could be killed: {early}"
-    for pid in daemon_pids_for(os.path.realpath(victim.path)):
-        os.kill(pid, signal.SIGKILL)
-    for pid in victim.pids:
-        kill_and_reap(pid)
+    kill_daemon_of(victim)
     survivors = cluster.mounts[:2]
     statuses = [wait_staged(dlfs_cli, m, timeout=120) for m in survivors]
     assert_complete_copies(cluster, pool_store, shares, [0, 1], store_chunks)

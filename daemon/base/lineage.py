@@ -44,3 +44,14 @@ def parent_alive(parent: int) -> bool:
     """The process that forked this one is still our parent (not dead, which would have
     made init or a subreaper our parent)."""
     return os.getppid() == parent
+
+
+PR_SET_NAME = 15  # <linux/prctl.h>
+
+
+def name_process(name: str) -> None:
+    """Name this process (its main thread) as `ps -o comm`, top and /proc/PID/comm show
+    it, at most 15 bytes: forked processes keep their parent's command line, and an
+    admin (or a test) must tell a peer server from a FUSE worker. Best effort."""
+    buffer = ctypes.create_string_buffer(name.encode()[:15])
+    _libc.prctl(PR_SET_NAME, ctypes.cast(buffer, ctypes.c_void_p).value, 0, 0, 0)

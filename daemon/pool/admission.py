@@ -48,14 +48,20 @@ class Admission:
     """Counts unauthenticated connections per source; says which to refuse."""
 
     def __init__(self, trusted: frozenset[str] | None, max_connections: int,
-                 stranger_slots: int = 32, per_source: int = 4) -> None:
+                 stranger_slots: int = 32, per_source: int = 4, share: int = 1) -> None:
+        """`share`: how many servers (processes, dlfsd.pool.peerprocs) accept for the
+        node, each with an Admission of its own: each then counts a `share`-th of the
+        node's unauthenticated slots (strangers', per source; at least one each), so
+        that together they hold to the node's limits. `max_connections` is the node's;
+        the caller passes the node's open connections to admit()."""
         # trusted None: no node list to go by (a pool of one, tests): every address
         # is treated as a node of the job.
+        share = max(1, share)
         self.trusted = None if trusted is None else frozenset(plain_ip(a) for a in trusted)
         self.max_connections = max_connections
-        self.stranger_slots = min(stranger_slots, max_connections)
-        self.per_source = per_source
-        self.per_trusted_source = max(per_source, max_connections // 4)
+        self.stranger_slots = max(1, min(stranger_slots, max_connections) // share)
+        self.per_source = max(1, per_source // share)
+        self.per_trusted_source = max(self.per_source, max_connections // 4 // share)
         self._pending: collections.Counter[str] = collections.Counter()  # by address
         self._pending_strangers = 0
 

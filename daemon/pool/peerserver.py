@@ -1,17 +1,19 @@
-"""PeerLoopServer: the peer protocol served by a few threads, each running a selector loop.
+"""PeerLoopServer: the peer protocol served by a selector loop (or a few, on threads).
 
-The daemon's server. Why a few loops and not a thread per connection: every
+One server of the daemon's: the daemon runs one in each of its `--peer-procs`
+processes, all accepting on one port (dlfsd.pool.peerprocs), because threads of
+one process share its GIL. Why a loop and not a thread per connection: every
 blocking call releases and re-takes the GIL, and with one thread per peer
 connection (a reader daemon opens one per worker process) the threads fought
 over it: strace showed ~36 futex calls per 110 KiB read served, and the
 server cost more CPU than the reads themselves. Here a loop thread owns each
 connection with non-blocking sockets; a READ is answered as soon as its frame
-is complete. `threads` loops (serve_threads(): one per core the daemon may run
-on, 4 to 8) share the connections: the first accepts and hands each new one
-to the next loop in turn. A loop spends most of a READ in system calls that
-release the GIL (receive, send, sendfile), so a second loop serves while the
-first is in the kernel: on one machine (bench/peer_serve.py) READs/s grows
-with the loops while there are cores for them.
+is complete. `threads` loops (serve_threads(): DLFS_PEER_LOOPS, default 1)
+share the connections: every loop accepts and hands each new one to the next
+loop in turn. A loop spends much of a READ in system calls that release the
+GIL, so a second loop serves while the first is in the kernel, up to about one
+core: on 16 cores (bench/peer_serve.py, 8 clients) 1 loop served 21,158 READs/s
+at 47 us of CPU each, 8 loops 16,089 at 103 us. Processes scale; loops do not.
 
 Zero copy (`sendfile=True`; off by default): a READ whose range is in the
 page cache (a non-blocking one-byte read of its first and last byte says so)
@@ -64,7 +66,8 @@ import selectors
 import socket
 import threading
 import time
-from typing import Protocol, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from dlfs.store.format import checksum
 from dlfsd.base.nowait import HAVE_NOWAIT, read_cached_into
@@ -82,19 +85,17 @@ REPORT_CHECKS_PER_SECOND = 10.0  # re-checks of reported ranges, all peers toget
 REPORT_COOLDOWN = 2.0  # seconds a chunk just checked for a report is not checked again
 MIN_CONNECTIONS = 256
 MIN_THREADS, MAX_THREADS = 4, 8
-LOOPS_VAR = "DLFS_PEER_LOOPS"  # loop threads of the peer server; default 1 (see below)
-T = TypeVar("T")
+LOOPS_VAR = "DLFS_PEER_LOOPS"  # loop threads per server process; default 1 (see below)
 
 
 def serve_threads() -> int:
-    """Loop threads for a daemon's peer server: DLFS_PEER_LOOPS, else one.
+    """Loop threads per peer server process: DLFS_PEER_LOOPS, else one.
 
-    Several loops (sized from the cores: at least MIN_THREADS, at most MAX_THREADS, as
-    `DLFS_PEER_LOOPS=auto` asks) served 1.2x the READs/s of one on a single core
-    (bench/peer_serve.py, 8 peers), but with 16 daemons on this 2-core VM
-    (tests/test_pool_scale.py) handshakes then went unanswered for more than 2 s and
-    nodes read the store with every peer up, with 2 loops as with 4; one loop passes.
-    Until that is understood, one loop is the default (issue 33)."""
+    Several loops (`auto`: sized from the cores, MIN_THREADS to MAX_THREADS) share one
+    GIL: on one core 2 loops served 1.2x the READs/s of one, on 16 cores 8 loops
+    served less than one (bench/peer_serve.py); the daemon scales with processes
+    (`dlfs mount --peer-procs`) instead. (With several loops the 16-daemon test once
+    saw handshakes unanswered for over 2 s: a start-up race, fixed; see start().)"""
     wanted = os.environ.get(LOOPS_VAR, "1")
     if wanted != "auto":
         try:
@@ -106,11 +107,6 @@ def serve_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(MIN_THREADS, min(MAX_THREADS, cores))
-
-
-def _locked(target: T, lock: threading.Lock) -> T:
-    """`target` with its methods called one at a time (see _Locked), typed as itself."""
-    return cast(T, _Locked(target, lock))
 
 
 class _Locked:
@@ -193,40 +189,61 @@ class _Conn:
         self.events = 0
 
 
+COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
+            "auth_failures", "protocol_errors", "reads_served", "reads_missed",
+            "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
+            "replies_waited",  # replies that had to wait for the peer to read
+            # REPORTs: checked and bad (evicted), checked and good (or not staged),
+            # out of bounds, dropped by the rate limits
+            "reports_received", "reports_confirmed", "reports_unconfirmed",
+            "reports_refused", "reports_dropped",
+            "served_checks", "served_bad")  # --verify-served
+_INDEX = {name: i for i, name in enumerate(COUNTERS)}
+OPEN = _INDEX["connections_open"]
+
+
+def counter_row() -> memoryview:
+    """One loop's counters (int64 each, COUNTERS order), private to this process; a
+    forked server's live in shared memory instead (dlfsd.pool.peerprocs)."""
+    return memoryview(bytearray(8 * len(COUNTERS))).cast("q")
+
+
 class PeerLoopServer:
     """Serves byte ranges of staged chunks to authenticated peers from one thread."""
-
-    _COUNTERS = ("connections_accepted", "connections_rejected", "connections_open",
-                 "auth_failures", "protocol_errors", "reads_served", "reads_missed",
-                 "reads_refused", "read_errors", "bytes_served", "reads_from_disk",
-                 "replies_waited",  # replies that had to wait for the peer to read
-                 # REPORTs: checked and bad (evicted), checked and good (or not staged),
-                 # out of bounds, dropped by the rate limits
-                 "reports_received", "reports_confirmed", "reports_unconfirmed",
-                 "reports_refused", "reports_dropped",
-                 "served_checks", "served_bad")  # --verify-served
 
     def __init__(self, secret: bytes, provider: BlockingChunkProvider, node_name: str, *,
                  handshake_timeout: float = 5.0, idle_timeout: float = 300.0,
                  max_connections: int = MIN_CONNECTIONS, disk_threads: int = 4,
                  trusted: frozenset[str] | None = None, verify_served: bool = False,
-                 threads: int = 1, sendfile: bool = False, _front: PeerLoopServer | None = None
-                 ) -> None:
+                 threads: int = 1, sendfile: bool = False,
+                 counts: Sequence[memoryview] | None = None,
+                 open_connections: Callable[[], int] | None = None, processes: int = 1,
+                 _front: PeerLoopServer | None = None) -> None:
         """`trusted`: the addresses of the job's nodes (None: treat every address so);
         see dlfsd.pool.admission for what strangers may do. `verify_served`: check
         each extent the first time the current copy serves it. `threads`: loops
         (serve_threads()). `sendfile`: answer cached READs with os.sendfile (see the
-        module's docstring for why it is off by default)."""
+        module's docstring for why it is off by default).
+
+        Serving from several processes (dlfsd.pool.peerprocs), each a server of its
+        own on one listening socket: `counts` are this server's counter rows (one per
+        loop, e.g. in shared memory; counts grow from what they hold), and
+        `open_connections` counts the node's open connections for
+        `max_connections`; the other per-node limits (unauthenticated connections
+        per source and from strangers, report checks per second) are split between
+        the `processes`."""
         self._secret = protocol.check_secret(secret)
         self.provider = provider
         self.node_name = node_name
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
-        self.admission = Admission(trusted, max_connections)
+        self.admission = Admission(trusted, max_connections, share=processes)
         self._refusals = RefusalLog()
         self.handshake_failures = HandshakeFailureLog()  # summed up, not a line each
-        self._counts = dict.fromkeys(self._COUNTERS, 0)  # written by the loop thread only
+        rows = list(counts) if counts is not None else [counter_row() for _ in range(threads)]
+        self._counts = rows[0]  # written by this loop's thread only
+        self._open_connections = open_connections or self._open_in_shards
         self._conns: dict[socket.socket, _Conn] = {}
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
         self._readbuf = memoryview(bytearray(protocol.MAX_READ))  # and one read buffer
@@ -235,8 +252,7 @@ class PeerLoopServer:
         self._probe = bytearray(1)  # the one-byte reads that say a range is cached
         self._incoming: collections.deque = collections.deque()  # handed over by the first loop
         self._shards: list[PeerLoopServer] = [self]
-        self._lock: threading.Lock = threading.Lock() if _front is None else _front._lock
-        self._disk: concurrent.futures.ThreadPoolExecutor  # the disk threads: the first loop's
+        self._lock = threading.Lock() if _front is None else _front._lock  # shared state
         if _front is not None:  # another loop of the same server: share what is the server's
             self.admission, self._refusals = _front.admission, _front._refusals
             self.handshake_failures, self._disk = _front.handshake_failures, _front._disk
@@ -245,29 +261,27 @@ class PeerLoopServer:
                 disk_threads, thread_name_prefix="dlfsd.pool.peer disk")
             if threads > 1:
                 lock = self._lock
-                self.admission = _locked(self.admission, lock)
-                self._refusals = _locked(self._refusals, lock)
-                self.handshake_failures = _locked(self.handshake_failures, lock)
+                self.admission = _Locked(self.admission, lock)
+                self._refusals = _Locked(self._refusals, lock)
+                self.handshake_failures = _Locked(self.handshake_failures, lock)
                 self._shards += [PeerLoopServer(
                     secret, provider, node_name, handshake_timeout=handshake_timeout,
                     idle_timeout=idle_timeout, max_connections=max_connections,
                     trusted=trusted, verify_served=verify_served, sendfile=sendfile,
-                    _front=self) for _ in range(threads - 1)]
+                    counts=[row], _front=self) for row in rows[1:threads]]
         self._front = _front
         self._next_shard = 0
         self._finished: collections.deque = collections.deque()  # disk reads done
         self._checked: collections.deque = collections.deque()  # reports checked
         self.verify_served = verify_served
-        self._report_budget = TokenBucket(REPORT_CHECKS_PER_SECOND,
-                                          int(REPORT_CHECKS_PER_SECOND))
+        rate = REPORT_CHECKS_PER_SECOND / max(1, processes)
+        self._report_budget = TokenBucket(rate, max(1, int(rate)))
         self._reported: dict[tuple[bytes, int], float] = {}  # (dataset, chunk) -> when
         self._failed_chunks: set[tuple[bytes, int]] = set()  # logged once each
-        self._listener: socket.socket | None = None  # the first loop's: stop() closes it
-        # The loop's own, made by _start_loop before its thread: used by the loop thread,
-        # the threads it hands work to, and stop() once _thread is set.
-        self._selector: selectors.BaseSelector
-        self._wake_r: socket.socket
-        self._wake_w: socket.socket
+        self._listener: socket.socket | None = None
+        self._selector: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -275,26 +289,29 @@ class PeerLoopServer:
     def start(self, host: str, port: int) -> int:
         """Bind and listen now (errors raise here), serve in `threads` threads; returns
         the port."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(128)
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
-        self._listener = listener
-        bound = listener.getsockname()[1]
-        for index, shard in enumerate(self._shards):
-            shard._listener = listener
-            shard._start_loop(listener, f"{bound}.{index}")
+        bound = self.serve_on(listen(host, port))
         log.info("peer server of %s listening on %s:%d (%d loop threads)", self.node_name,
                  host, bound, len(self._shards))
         return bound
 
-    def _start_loop(self, listener: socket.socket, name: str) -> None:
+    def serve_on(self, listener: socket.socket) -> int:
+        """Serve connections of a listening socket in `threads` threads (stop() closes
+        it); returns its port."""
+        listener.setblocking(False)
+        self._listener = listener
+        bound = listener.getsockname()[1]
+        # Every loop is ready to be handed a connection before any accepts one: the
+        # first loop used to accept (peers connect the moment the port listens) while
+        # the next had no wake-up socket yet, died of it, and the connections handed
+        # to it later were never answered (tests/test_pool_scale, issue 33).
+        for shard in self._shards:
+            shard._listener = listener
+            shard._prepare_loop()
+        for index, shard in enumerate(self._shards):
+            shard._start_loop(f"{bound}.{index}")
+        return bound
+
+    def _prepare_loop(self) -> None:
         """Every loop accepts (whichever is free first: a loop stuck on a slow disk
         call must not keep peers from connecting) and hands the connection to the
         next loop in turn."""
@@ -302,9 +319,11 @@ class PeerLoopServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)  # a full pipe means a wake-up is pending anyway
-        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._selector.register(self._listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._thread = threading.Thread(target=self._loop, args=(listener,), daemon=True,
+
+    def _start_loop(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"dlfsd.pool.peer server {name}")
         self._thread.start()
 
@@ -312,7 +331,7 @@ class PeerLoopServer:
         """Stop accepting and drop every connection; returns once the loops have ended."""
         for shard in self._shards:
             shard._stopping = True
-            if shard._thread is not None:  # started: it has its wake-up socket
+            if shard._wake_w is not None:
                 with contextlib.suppress(OSError):
                     shard._wake_w.send(b"x")
         for shard in self._shards:
@@ -321,27 +340,29 @@ class PeerLoopServer:
         if self._listener is not None:  # every loop has stopped watching it
             self._listener.close()
 
+    def serving(self) -> bool:
+        """Every loop still runs: one ends only by stop() or an unexpected error (logged)."""
+        return all(shard._thread is not None and shard._thread.is_alive()
+                   for shard in self._shards)
+
     def counters(self) -> dict[str, int]:
         """Every loop's counters, summed."""
-        if len(self._shards) == 1:
-            return dict(self._counts)
-        total = dict.fromkeys(self._COUNTERS, 0)
-        for shard in self._shards:
-            for name, value in list(shard._counts.items()):
-                total[name] += value
-        return total
+        return sum_rows(shard._counts for shard in self._shards)
 
     def _count(self, name: str, n: int = 1) -> None:
-        self._counts[name] += n
+        self._counts[_INDEX[name]] += n
+
+    def _open_in_shards(self) -> int:
+        return sum(shard._counts[OPEN] for shard in (self._front or self)._shards)
 
     # -- the loop ---------------------------------------------------------------------
-    def _loop(self, listener: socket.socket) -> None:
+    def _loop(self) -> None:
         next_sweep = time.monotonic() + _SWEEP
         try:
             while not self._stopping:
                 for key, events in self._selector.select(timeout=_SWEEP):
                     if key.data == "accept":
-                        self._accept(listener)
+                        self._accept()
                     elif key.data == "wake":
                         self._finish_disk_reads()
                     elif isinstance(key.data, _Conn):
@@ -360,42 +381,45 @@ class PeerLoopServer:
             for conn in list(self._conns.values()):
                 self._close(conn)
             for sock in (self._wake_r, self._wake_w):  # the listener: closed by stop()
-                sock.close()
+                if sock is not None:
+                    sock.close()
             self._selector.close()
 
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                sock, address = listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as error:  # e.g. EMFILE for a moment; keep serving
-                log.warning("peer server: cannot accept a connection: %s", error)
-                return
-            ip = plain_ip(address[0])
-            front = self._front or self
-            shards = front._shards
-            open_now = sum(shard._counts["connections_open"] for shard in shards)
-            refused = self.admission.admit(ip, open_now)
-            if refused is not None:
-                self._count("connections_rejected")
-                self._refusals.refused(ip, refused)
-                sock.close()
-                continue
-            self._count("connections_accepted")
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, ip, _address(address), time.monotonic() + self.handshake_timeout,
-                         protocol.ServerHandshake(self._secret, self.node_name))
-            turn = front._next_shard  # (two loops taking the same turn: harmless)
-            front._next_shard = (turn + 1) % len(shards)
-            shard = shards[turn]
-            if shard is self:
-                self._adopt(conn)
-            else:  # that loop watches it from now on
-                shard._incoming.append(conn)
-                with contextlib.suppress(OSError):
-                    shard._wake_w.send(b"c")
+    def _accept(self) -> None:
+        """One connection per wake-up, not all that wait: where several processes
+        accept on one socket, each that is free takes one in turn (the kernel wakes
+        them all), so a burst of connections (a reading node's workers) spreads over
+        them instead of landing in the process that woke first."""
+        try:
+            sock, address = self._listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as error:  # e.g. EMFILE for a moment; keep serving
+            log.warning("peer server: cannot accept a connection: %s", error)
+            return
+        ip = plain_ip(address[0])
+        refused = self.admission.admit(ip, self._open_connections())
+        if refused is not None:
+            self._count("connections_rejected")
+            self._refusals.refused(ip, refused)
+            sock.close()
+            return
+        self._count("connections_accepted")
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(sock, ip, _address(address), time.monotonic() + self.handshake_timeout,
+                     protocol.ServerHandshake(self._secret, self.node_name))
+        front = self._front or self
+        shards = front._shards
+        turn = front._next_shard  # (two loops taking the same turn: harmless)
+        front._next_shard = (turn + 1) % len(shards)
+        shard = shards[turn]
+        if shard is self:
+            self._adopt(conn)
+        else:  # that loop watches it from now on
+            shard._incoming.append(conn)
+            with contextlib.suppress(OSError):
+                shard._wake_w.send(b"c")
 
     def _adopt(self, conn: _Conn) -> None:
         """Watch a connection the first loop accepted (in the loop that serves it)."""
@@ -856,6 +880,30 @@ class PeerLoopServer:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.sock)
         conn.sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (errors raise: the port is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        listener.setblocking(False)  # (shared by the processes that inherit it)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def sum_rows(rows) -> dict[str, int]:
+    """Counter rows (COUNTERS order) summed into {name: value}."""
+    total = [0] * len(COUNTERS)
+    for row in rows:
+        for i, value in enumerate(row):
+            total[i] += value
+    return dict(zip(COUNTERS, total, strict=True))
 
 
 class BadCopyError(OSError):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -132,7 +133,9 @@ class ChunkPool:
         # (node, ds, chunk) -> (avoid until, times found bad in a row)
         self._bad_copies: dict[tuple[int, int, int], tuple[float, int]] = {}
         self._reports = TokenBucket(REPORTS_PER_SECOND, REPORT_BURST)
-        self._checked: list[bytearray | None] = [None] * len(datasets)  # see serve_check
+        # --verify-served: per extent, the copy generation it was checked in (serve_check);
+        # shared by the peer server's processes (pages are only used where written)
+        self._checked = [_shared_bytes(d.directory.extent_count) for d in datasets]
         self._chunk_extents: list[list[int] | None] = [None] * len(datasets)  # extents_in
         # Shared by the forked workers, so made now; only where there are peers to read.
         self.share: PeerShare | None = None
@@ -216,6 +219,8 @@ class ChunkPool:
             client.close()
         for cache in self.caches:
             cache.close()
+        for checked in self._checked:
+            checked.close()
         if self.share is not None:
             self.share.close()
         self.demand.close()
@@ -479,10 +484,7 @@ class ChunkPool:
         ext = int(exts[0])
         if d.ext_offset_view[ext] != offset or d.ext_length_view[ext] != length:
             return None
-        checked = self._checked[ds]
-        if checked is None:  # one byte per extent: the copy generation it was checked in
-            checked = self._checked[ds] = bytearray(len(d.ext_offset_view))
-        if checked[ext] == gen:
+        if self._checked[ds][ext] == gen:
             return None
         return ext, int(d.ext_checksum_view[ext]), gen
 
@@ -513,3 +515,7 @@ if TYPE_CHECKING:  # the seam ChunkPool fills for the peer server (mypy checks i
     def _serves_peers(pool: ChunkPool) -> BlockingChunkProvider:
         return pool
 
+def _shared_bytes(count: int) -> mmap.mmap:
+    """`count` zero bytes in anonymous shared memory: what one process of the daemon
+    writes, a process forked after it was made sees."""
+    return mmap.mmap(-1, max(1, count))

@@ -27,6 +27,7 @@ import errno
 import heapq
 import logging
 import math
+import mmap
 import os
 import struct
 import time
@@ -162,7 +163,16 @@ class Stager:
         self._failed: dict[tuple[int, int], Backoff] = {}
         self._retries: list[tuple[float, int, int]] = []  # heap of (due, ds, chunk)
         self._cache_pause = Backoff()  # the cache disk cannot be written
-        self._paused_until = 0.0  # the same, in time.monotonic() (read by will_stage)
+        # What will_stage reads, in shared memory: the peer server asks it from processes
+        # of its own (dlfsd.pool.peerprocs), forked after this was made. The pause in
+        # time.monotonic() (one clock for every process), and a byte per chunk passed
+        # over for --cache-limit.
+        self._shared = mmap.mmap(-1, 8 + sum(max(1, d.chunk_count) for d in datasets))
+        self._paused_until = np.frombuffer(self._shared, np.float64, 1)
+        self._declined, at = [], 8
+        for d in datasets:
+            self._declined.append(np.frombuffer(self._shared, np.uint8, d.chunk_count, at))
+            at += max(1, d.chunk_count)
         # For `dlfs status` (health()): demanded chunks -> when first demanded (monotonic),
         # chunks passed over for --cache-limit, copies that failed since mount.
         self._demanded: dict[tuple[int, int], float] = {}
@@ -321,6 +331,7 @@ class Stager:
         if self._fits(int(self.datasets[ds].chunk_lengths[chunk])):
             return True
         self._over_limit.add((ds, chunk))
+        self._declined[ds][chunk] = 1
         if self.replicas is not None:
             self.replicas.forget(ds, chunk)
         return False
@@ -376,7 +387,7 @@ class Stager:
             self._cache_pause.error = f"cannot write the cache dir {self.caches[ds].dir}: " \
                                       f"{err.strerror}"
             delay, grew = self._cache_pause.fail(now)
-            self._paused_until = time.monotonic() + delay
+            self._paused_until[0] = time.monotonic() + delay
             if grew:
                 log.error("staging paused for %.3g s: cannot write the cache dir %s (%s); "
                           "reads go to peers and the store", delay, self.caches[ds].dir,
@@ -385,11 +396,11 @@ class Stager:
 
     def will_stage(self, ds: int, chunk: int) -> bool:
         """Whether an owned chunk that is not staged will be soon: not while the cache
-        disk cannot be written, nor one passed over for --cache-limit. Called from the
-        peer server's thread: reads two fields, takes no lock."""
-        if not self.owned_masks[ds][chunk] or time.monotonic() < self._paused_until:
+        disk cannot be written, nor one passed over for --cache-limit. Called by the peer
+        server, in any process: reads shared memory, takes no lock."""
+        if not self.owned_masks[ds][chunk] or time.monotonic() < self._paused_until[0]:
             return False
-        return (ds, chunk) not in self._over_limit
+        return not self._declined[ds][chunk]
 
     def _log_failure(self, ds: int, chunk: int, err: Exception, delay: float) -> None:
         name = self.datasets[ds].name
@@ -556,7 +567,9 @@ class Stager:
         """
         for key in [k for k in self._demanded if self._staged(k)]:
             del self._demanded[key]
-        self._over_limit = {k for k in self._over_limit if not self._staged(k)}
+        for ds, chunk in [k for k in self._over_limit if self._staged(k)]:
+            self._over_limit.discard((ds, chunk))
+            self._declined[ds][chunk] = 0
         now_mono = time.monotonic()
         n = len(self.datasets)
         out = StagingHealth([0] * n, [0] * n, [0] * n, [0.0] * n, [0] * n, [None] * n,

@@ -306,6 +306,12 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="chunks copied from the store at once (default 2)")
     g.add_argument("--peer-timeout", type=_seconds, default=5.0,
                    help="seconds before a silent peer is skipped (default 5)")
+    g.add_argument("--peer-procs", type=_peer_procs, metavar="N|auto", default=None,
+                   help="processes serving this node's staged chunks to its peers, each "
+                        "with a core's worth of Python (threads of one process would share "
+                        "one); a process that dies is restarted (default auto: half the "
+                        "cores this daemon may use, 1 to 8; 0 serves from loop threads of "
+                        "the daemon's main process, the old way)")
     g.add_argument("--verify-served", action="store_true",
                    help="check each extent against its checksum the first time this node "
                         "serves it to a peer from its staged copy (a copy gone bad since "
@@ -335,6 +341,11 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-host", default="%n", metavar="PATTERN",
                    help="with --slurm/--mpi: address of each node, %%n = its host name "
                         "(default %%n; 127.0.0.1 for simulated nodes on one host)")
+
+
+def _peer_procs(text: str) -> int | None:
+    """`--peer-procs`: a count (0 or more) or `auto` (None)."""
+    return None if text == "auto" else _non_negative(text)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -381,11 +392,12 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
 
     nodes = node_items(args)
     wants_pool = bool(nodes or args.node or args.secret_file or args.cache_limit
-                      or args.node_cache_limit or args.verify_served or args.scrub_rate)
+                      or args.node_cache_limit or args.verify_served or args.scrub_rate
+                      or args.peer_procs is not None)
     if wants_pool and not args.cache_dir:
         raise UsageError("--nodes, --node, --secret-file, --cache-limit, --node-cache-limit, "
-                         "--verify-served and --scrub-rate need --cache-dir (the node-local "
-                         "directory chunks are staged into)")
+                         "--verify-served, --scrub-rate and --peer-procs need --cache-dir "
+                         "(the node-local directory chunks are staged into)")
     if not args.cache_dir:
         return {}
     view = resolve_cluster(tuple(nodes), args.node, args.replicas, args.secret_file)
@@ -396,6 +408,7 @@ def _cluster_settings(args: argparse.Namespace) -> dict:
                 cache_limit=args.cache_limit or 0, stage_jobs=args.stage_jobs,
                 node_cache_limit=args.node_cache_limit or 0,
                 peer_timeout=args.peer_timeout, verify_served=args.verify_served,
+                peer_procs=args.peer_procs,
                 scrub_rate=args.scrub_rate or 0)
 
 

@@ -144,6 +144,10 @@ def peer_server_line(c: dict) -> str:
             f"protocol errors")
     if "replies_waited" in c:
         line += f", {c['replies_waited']} replies waited for a slow peer"
+    if "processes" in c:  # served by forked processes (dlfsd.pool.peerprocs)
+        line += f"; {c['processes']} server processes"
+        if c.get("restarts"):
+            line += f", {c['restarts']} restarted"
     return line
 
 
