@@ -22,6 +22,7 @@ import trio
 from conftest import pid_alive
 from peerfakes import DATASET, SECRET, FileProvider
 
+from dlfs.procs import all_pids, parent_pid
 from dlfsd.pool.peerprocs import PeerServers, peer_processes
 from dlfsd.pool.peersync import BlockingPeerClient
 
@@ -65,19 +66,10 @@ def servers(provider):
     assert children() == [], "a server process outlived stop()"
 
 
-def children() -> list[int]:
-    """This process's child processes that have not been reaped (any state)."""
-    me = str(os.getpid()).encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    if f.read().rpartition(b")")[2].split()[1] == me:
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
+def children(of: int | None = None) -> list[int]:
+    """The child processes of `of` (this process) not reaped yet (any state)."""
+    parent = os.getpid() if of is None else of
+    return [pid for pid in all_pids() if parent_pid(pid) == parent]
 
 
 def client(port: int) -> BlockingPeerClient:
@@ -176,18 +168,7 @@ def server_pids(server: PeerServers) -> list[int]:
 
 
 def grandchildren() -> list[int]:
-    found = []
-    for pid in children():
-        me = str(pid).encode()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat", "rb") as f:
-                        if f.read().rpartition(b")")[2].split()[1] == me:
-                            found.append(int(entry))
-                except OSError:
-                    continue
-    return found
+    return [pid for child in children() for pid in children(child)]
 
 
 def test_a_dead_supervisor_is_started_again_and_its_servers_with_it(servers, peer_log):
