@@ -248,6 +248,28 @@ def test_data_frame_head_refuses_what_the_wire_cannot_carry():
         protocol.data_frame_head(-1, 10)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, protocol.MAX_REQUEST_ID), st.binary(min_size=16, max_size=16),
+       st.integers(0, protocol.MAX_UINT), st.integers(0, protocol.MAX_UINT),
+       st.integers(0, protocol.MAX_UINT))
+def test_read_frame_is_the_read_message(request_id, dataset_id, chunk, offset, length):
+    """The client's packed READ decodes to exactly the message encode() would carry."""
+    frame = protocol.read_frame(request_id, dataset_id, chunk, offset, length)
+    expected = protocol.read(request_id, dataset_id, chunk, offset, length)
+    assert protocol.FrameDecoder(protocol.MAX_CONTROL_FRAME).feed(frame) == [expected]
+
+
+@pytest.mark.parametrize("args", [
+    (-1, DATASET, 0, 0, 0), (protocol.MAX_REQUEST_ID + 1, DATASET, 0, 0, 0),
+    (0, DATASET[:15], 0, 0, 0), (0, DATASET + b"x", 0, 0, 0), (0, DATASET, -1, 0, 0),
+    (0, DATASET, 0, protocol.MAX_UINT + 1, 0), (0, DATASET, 0, 0, -5)])
+def test_read_frame_refuses_what_encode_refuses(args):
+    with pytest.raises(protocol.ProtocolError):
+        protocol.encode(protocol.read(*args))
+    with pytest.raises(protocol.ProtocolError):
+        protocol.read_frame(*args)
+
+
 # -- versions and REPORT (version 2) ------------------------------------------------------
 SECRET = b"s" * 32
 BAD = protocol.BadRange(DATASET, 7, 4096, 1 << 20)

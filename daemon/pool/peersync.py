@@ -8,10 +8,16 @@ protocol: docs/PROTOCOL.md (dlfsd.pool.protocol decides the handshake; this
 only moves its messages); errors: dlfsd.pool.peer. One request in flight per
 connection.
 
-A DATA reply is received whole into one buffer (MSG_WAITALL: one system call,
-not one per arriving segment) and its payload handed out as a view of that
-buffer when the frame starts with exactly the head expected for this
-request; anything else is decoded the general way. That buffer (4 MiB, the
+A DATA reply is received whole into one buffer and its payload handed out as
+a view of that buffer when the frame starts with exactly the head expected
+for this request; anything else is decoded the general way. The first
+receive asks for the whole expected frame, length prefix included, without
+MSG_WAITALL: a reply that has all come (the usual case: the reading worker
+is woken once the first segment is there, and runs after the rest came) is
+then one system call, not one for the prefix and one for the body; the rest
+of a reply that has not come is received with MSG_WAITALL (one call, not one
+per arriving segment). The request itself is protocol.read_frame, packed in
+one call. That buffer (4 MiB, the
 largest frame) is one per process, shared by all its clients: a worker serves
 one request at a time, and a worker talking to N peers must not hold N of them.
 So the view is valid only until the next read on ANY client of the process;
@@ -43,16 +49,21 @@ from dlfsd.pool.protocol import LENGTH_PREFIX, Message, ProtocolError
 
 _PREFIX = LENGTH_PREFIX.size
 _SLACK = 0.05  # s a read may run over its timeout, to spare a clock-based call per frame
-_shared_view: memoryview | None = None  # the receive buffer of this process's clients
+_shared_frame: memoryview | None = None  # the receive buffer of this process's clients
 
 
 def _receive_buffer() -> memoryview:
-    """The process's receive buffer, made when the first client is (the main daemon
-    process, which has none, does not pay for it)."""
-    global _shared_view
-    if _shared_view is None:
-        _shared_view = memoryview(bytearray(protocol.MAX_FRAME))
-    return _shared_view
+    """The process's receive buffer (a length prefix and the largest frame body), made
+    when the first client is (the main daemon process, which has none, does not pay
+    for it)."""
+    global _shared_frame
+    if _shared_frame is None:
+        _shared_frame = _new_buffer()
+    return _shared_frame
+
+
+def _new_buffer() -> memoryview:
+    return memoryview(bytearray(_PREFIX + protocol.MAX_FRAME))
 
 
 class BlockingPeerClient:
@@ -76,10 +87,10 @@ class BlockingPeerClient:
         self._session: protocol.ClientHandshake | None = None  # of the open connection
         self._version = protocol.PROTOCOL_VERSION  # lowered for a server that refused it
         self._next_id = 0
-        self._prefix = bytearray(_PREFIX)
-        # Shared (see the module's docstring) unless asked otherwise.
-        self._view = memoryview(bytearray(protocol.MAX_FRAME)) if own_buffer \
-            else _receive_buffer()
+        # Shared (see the module's docstring) unless asked otherwise: a frame as it
+        # came (prefix, body), and the body alone.
+        self._frame = _new_buffer() if own_buffer else _receive_buffer()
+        self._view = self._frame[_PREFIX:]
         self._replied = False  # a byte of the current reply has arrived
         self._deadline = 0.0  # of the read (or handshake) under way
         self._shortened = False  # the socket's kernel timeout is below `timeout`
@@ -101,20 +112,21 @@ class BlockingPeerClient:
             sock = self._connect()  # starts the read's clock
         self._next_id = (self._next_id + 1) % protocol.MAX_REQUEST_ID
         request_id = self._next_id
-        request = protocol.encode(protocol.read(request_id, dataset_id, chunk, offset, length))
+        request = protocol.read_frame(request_id, dataset_id, chunk, offset, length)
+        # A length over MAX_READ gets no DATA (the server refuses it): nothing to expect.
+        head = protocol.data_frame_head(request_id, length) if length <= protocol.MAX_READ \
+            else b""
+        expect = len(head) + length if head else 0
         try:
             try:
-                size = self._exchange(sock, request)
+                size = self._exchange(sock, request, expect)
             except (ConnectionResetError, BrokenPipeError) as error:
                 if not reused or self._replied:
                     raise
                 sock = self._reconnect(error)
-                size = self._exchange(sock, request)
-            if 0 <= length <= protocol.MAX_READ:  # else no DATA can come: the refusal
-                head = protocol.data_frame_head(request_id, length)
-                start = len(head) - _PREFIX  # where the payload starts in the body
-                if size == start + length and self._view[:start] == head[_PREFIX:]:
-                    return self._view[start:size]  # the expected DATA frame
+                size = self._exchange(sock, request, expect)
+            if size + _PREFIX == expect and self._frame[: len(head)] == head:
+                return self._view[len(head) - _PREFIX : size]  # the expected DATA frame
             reply = protocol.decode_body(self._view[:size])
         except (OSError, ProtocolError) as error:  # socket.timeout is an OSError
             self.close()
@@ -125,11 +137,12 @@ class BlockingPeerClient:
             raise PeerUnavailable(f"peer {self.address} answered another request")
         return self._result(reply, dataset_id, chunk, offset, length)
 
-    def _exchange(self, sock: socket.socket, request: bytes) -> int:
-        """Send a request and receive its reply's frame; returns the body's size."""
+    def _exchange(self, sock: socket.socket, request: bytes, expect: int) -> int:
+        """Send a request and receive its reply's frame (`expect`: the size of the
+        reply hoped for, prefix included); returns the body's size."""
         self._replied = False
         sock.sendall(request)
-        return self._receive_frame(sock)
+        return self._receive_frame(sock, expect)
 
     def _reconnect(self, error: OSError) -> socket.socket:
         """A new connection for a request the kept one could not carry: the server
@@ -272,15 +285,33 @@ class BlockingPeerClient:
     def _receive(self, sock: socket.socket) -> Message:
         return protocol.decode_body(self._view[: self._receive_frame(sock)])
 
-    def _receive_frame(self, sock: socket.socket) -> int:
-        """Receive one frame's body into the buffer; returns its size."""
-        self._fill(sock, memoryview(self._prefix))
-        (size,) = struct.unpack(">I", self._prefix)
+    def _receive_frame(self, sock: socket.socket, expect: int = 0) -> int:
+        """Receive one frame (prefix and body) into the buffer; returns the body's size.
+
+        `expect`: the size of the frame the caller hopes for, prefix included (0: none).
+        The first receive then takes whatever of it has come, in one call; a frame of
+        another size is received the general way. With one request in flight nothing
+        may follow the reply: bytes past its end break the stream (ProtocolError)."""
+        frame = self._frame
+        got = 0
+        if expect:
+            got = sock.recv_into(frame[:expect])
+            if not got:
+                raise ConnectionResetError("connection closed by the peer")
+            self._replied = True
+        if got < _PREFIX:
+            self._fill(sock, frame[got:_PREFIX])
+            got = _PREFIX
+        (size,) = LENGTH_PREFIX.unpack_from(frame)
         if size > protocol.MAX_FRAME:
             raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
                                 f"{protocol.MAX_FRAME}")
-        self._bound_by_deadline(sock, 0, size)
-        self._fill(sock, self._view[:size])
+        end = _PREFIX + size
+        if got > end:
+            raise ProtocolError("the peer sent more than the one reply asked for")
+        if got < end:
+            self._bound_by_deadline(sock, got, end)
+            self._fill(sock, frame[got:end])
         return size
 
     def _bound_by_deadline(self, sock: socket.socket, got: int, want: int) -> None:
