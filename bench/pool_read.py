@@ -40,6 +40,16 @@ each.
 of their own joined by a bridge (tests/netsim.py), each link shaped to 10 Gbit/s
 (and 50 us one way where the kernel has netem); as root.
 
+--floor (with --pin): a reference measured in the same run, after each remote
+"hot" epoch while the holder is still up: on the reading CPU, one process reads
+every extent of the dataset once (shuffled) through dlfsd.pool.peersync's client
+from the holder's peer server and checks it (xxh3), then the same extents with a
+pread from the holder's staged copies (in the page cache) and checks them. The
+difference is what a peer read costs the reading CPU beyond a local one, with
+none of the pool's bookkeeping, FUSE or the readers; added to the local side's
+CPU per file it bounds remote/local on a CPU-bound reading node:
+bound = local us/file / (local us/file + exchange - pread).
+
 Target (issue #3): remote/local files/s >= 0.7; with --pin (issue 33) >= 0.8.
 
 examples (from the repository root, as root):
@@ -97,6 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reader-cpu", type=int, default=0, help="with --pin (default 0)")
     p.add_argument("--net", action="store_true",
                    help="the remote side over network namespaces on 10 Gbit/s links")
+    p.add_argument("--floor", action="store_true",
+                   help="with --pin: measure the bound remote/local on this machine in the "
+                        "same run (the client's exchange against a pread; see above)")
     p.add_argument("--peer-procs", default=None, metavar="LIST",
                    help="measure the remote side with the holder mounted with each "
                         "`--peer-procs` value, e.g. 0,2 (default: the mount's default)")
@@ -122,6 +135,7 @@ def pinned(cpu: int | None):
 
 
 _PIN: dict[str, int | None] = {"holder": None, "reader": None}
+_HOLDER: dict[str, object] = {}  # the remote side's holder: host, port (for --floor)
 _NET: list = []  # the netsim.Network of --net, once made
 
 
@@ -168,6 +182,8 @@ def remote_side(store: Path, work: Path, extra: list[str], holder_extra: list[st
     else:
         ports = free_ports(2)
         nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    _HOLDER.update(host=nodes.split("holder=")[1].rsplit(":", 1)[0],
+                   port=int(nodes.rsplit(":", 1)[1]))
     secret = write_secret(work / "secret")
     common = ["--nodes", nodes, "--replicas", "2", "--secret-file", str(secret), *extra]
     with mounted_on(_PIN["holder"], store, work / "mnt-holder",
@@ -182,7 +198,9 @@ def remote_side(store: Path, work: Path, extra: list[str], holder_extra: list[st
 
 
 def measure(side: str, ctx, paths: list[str], nbytes: int, workers: int, seed: int,
-            results: dict) -> None:
+            results: dict, floor_work: Path | None = None) -> None:
+    """One cold and one hot epoch of `side`; with `floor_work` (--floor) the floor's
+    reference after the hot one, while the holder is up."""
     for temp in ("cold", "hot"):
         with ctx() as (mp, holder):
             if temp == "cold":
@@ -198,6 +216,13 @@ def measure(side: str, ctx, paths: list[str], nbytes: int, workers: int, seed: i
             sent = _served(holder) if holder else 0
             if holder:
                 served = _served(holder, "reads_served") - served
+            if holder and temp == "hot" and floor_work is not None:
+                exchange, local = floor(floor_work, seed)
+                results.setdefault(("floor", "exchange"), []).append(exchange)
+                results.setdefault(("floor", "pread"), []).append(local)
+                print(f"  floor: on the reading CPU a peer read of an extent costs "
+                      f"{exchange:.0f} us (client + check), a pread of it {local:.0f} us",
+                      flush=True)
         results.setdefault((side, temp), []).append(r.files_per_s)
         results.setdefault((side, temp, "cpu"), []).append(cpu[0] + cpu[1])
         where = ", ".join(f"{k} {v['bytes'] / (1 << 20):.0f} MiB" for k, v in counts.items()
@@ -212,6 +237,54 @@ def measure(side: str, ctx, paths: list[str], nbytes: int, workers: int, seed: i
         print(f"  {side:<6} {temp:<4} {r.files_per_s:9,.0f} files/s {r.mib_per_s:8,.1f} MiB/s"
               f"   (from {where}; CPU us/file: daemon {cpu[0]:.0f}, readers {cpu[1]:.0f}"
               f"{holder_cpu})", flush=True)
+
+
+def floor(work: Path, seed: int) -> tuple[float, float]:
+    """(CPU us per extent read from the holder's peer server by the client, CPU us per
+    extent pread from the holder's staged copy), both checked, on the reading CPU (in
+    the reading node's namespace with --net): see --floor."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    there, here = ctx.Pipe()
+    with pinned(_PIN["reader"]), in_node(0):
+        child = ctx.Process(target=_floor_child, args=(work, seed, here))
+        child.start()
+    result = there.recv()
+    child.join()
+    return result
+
+
+def _floor_child(work: Path, seed: int, out) -> None:
+    import random
+
+    from dlfs.cluster.nodes import load_secret
+    from dlfs.store.format import CHUNK_HEADER_SIZE, checksum, chunk_filename
+    from dlfs.store.store import Store
+    from dlfsd.pool.peersync import BlockingPeerClient
+
+    ds = Store(work / "store").open("ds")
+    arrays = ds.directory.arrays
+    extents = list(zip(arrays["ext_chunk"].tolist(), arrays["ext_offset"].tolist(),
+                       arrays["ext_length"].tolist(), strict=True))
+    random.Random(seed).shuffle(extents)
+    client = BlockingPeerClient(load_secret(str(work / "secret")), "reader",
+                                str(_HOLDER["host"]), int(_HOLDER["port"]))
+    client.read(ds.uuid, *extents[0][:3])  # connected and shaken hands before the clock
+    started = time.process_time()
+    for chunk, offset, length in extents:
+        checksum(client.read(ds.uuid, chunk, offset, length))
+    exchange = (time.process_time() - started) / len(extents) * 1e6
+    client.close()
+    fds = {c: os.open(next((work / "cache-holder").rglob(chunk_filename(c))), os.O_RDONLY)
+           for c in {e[0] for e in extents}}
+    started = time.process_time()
+    for chunk, offset, length in extents:
+        checksum(os.pread(fds[chunk], length, CHUNK_HEADER_SIZE + offset))
+    local = (time.process_time() - started) / len(extents) * 1e6
+    for fd in fds.values():
+        os.close(fd)
+    out.send((exchange, local))
 
 
 def _served(holder: Path, counter: str = "bytes_served") -> int:
@@ -273,7 +346,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
             print(f"round {rnd + 1}/{args.rounds}")
             for side in order:
-                measure(side, sides[side], paths, summary.bytes, args.workers, rnd, results)
+                measure(side, sides[side], paths, summary.bytes, args.workers, rnd, results,
+                        work if args.floor and args.pin else None)
         ratios = {name: report_remote(name, results, args.rounds) for name in remotes}
         goal = 0.8 if args.pin else 0.7
         print_targets([Target(f"{temp} {name}/local files/s", ratios[name][temp], ">=", goal)
@@ -312,6 +386,15 @@ def report_remote(name: str, results: dict, rounds: int) -> dict[str, float]:
         print(f"{name} {temp}: remote/local per round {_spread(per_round)} (min/median/max); "
               f"holder CPU us per sample read {_spread(results[(name, temp, 'holder')], 0)}"
               f", per read it served {_spread(results[(name, temp, 'holder_read')], 0)}")
+    if ("floor", "exchange") in results:  # --floor: the bound, from this run's medians
+        exchange = median(results[("floor", "exchange")])
+        local_read = median(results[("floor", "pread")])
+        local = median(results[("local", "hot", "cpu")])
+        bound = local / (local + exchange - local_read)
+        print(f"floor: a peer read costs the reading CPU {exchange:.0f} us (client + check), "
+              f"a pread {local_read:.0f} us; with the local side's {local:.0f} us/file (hot) "
+              f"remote/local is bounded by {bound:.2f} on a CPU-bound reading node "
+              f"({name} hot reached {ratios['hot']:.2f})")
     print(f"{name}: holder bytes sent / bytes read: "
           + ", ".join(f"{temp} {_spread(results[(name, temp, 'sent')])}"
                       for temp in ("cold", "hot")))
