@@ -259,6 +259,35 @@ def test_read_frame_is_the_read_message(request_id, dataset_id, chunk, offset, l
     assert protocol.FrameDecoder(protocol.MAX_CONTROL_FRAME).feed(frame) == [expected]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, protocol.MAX_REQUEST_ID), st.integers(0, protocol.MAX_UINT),
+       st.integers(0, 10_000))
+def test_a_read_frame_changed_anywhere_decodes_as_msgpack_says(request_id, offset, where):
+    """The server's one-struct decoding of a READ takes only read_frame's exact layout:
+    a frame with any byte of its layout changed decodes as the general way would, to
+    another valid message or a ProtocolError, never to the READ it was."""
+    body = bytearray(protocol.read_frame(request_id, DATASET, 1, offset, 4096)[4:])
+    body[where % len(body)] ^= 0x01
+    try:
+        general = protocol.validate(msgpack.unpackb(bytes(body), raw=False))
+    except Exception:
+        general = None
+    try:
+        got = protocol.decode_body(bytes(body))
+    except ProtocolError:
+        got = None
+    assert got == general
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, protocol.MAX_REQUEST_ID))
+def test_a_data_head_packs_its_id_as_msgpack_does(request_id):
+    head = protocol.data_frame_head(request_id, 10)
+    assert msgpack.packb(request_id) in head
+    assert protocol.FrameDecoder().feed(head + bytes(10)) == [protocol.data(request_id,
+                                                                             bytes(10))]
+
+
 @pytest.mark.parametrize("args", [
     (-1, DATASET, 0, 0, 0), (protocol.MAX_REQUEST_ID + 1, DATASET, 0, 0, 0),
     (0, DATASET[:15], 0, 0, 0), (0, DATASET + b"x", 0, 0, 0), (0, DATASET, -1, 0, 0),
