@@ -4,9 +4,10 @@ network namespace of its own, joined by veth pairs to a bridge, shaped with tc.
 The pool's main tests (tests/test_pool.py) run over loopback; two of them run
 here again over 10 Gbit/s links, and the tests of what loopback cannot show:
 a partition (packets dropped, no RST) costs a reader one --peer-timeout, and a
-slow link (10 Mbit/s; 1% loss where the kernel has netem or cls_bpf) is avoided
-while another owner is faster. Expected bytes come from the source tree. And a
-test of the model itself: the lossy link loses what it says, and only while shaped.
+slow link (10 Mbit/s) is avoided while another owner is faster (a link losing 1%,
+where the kernel has netem or cls_bpf, is not slow to the pool: an expected
+failure). Expected bytes come from the source tree. And a test of the model
+itself: the lossy link loses what it says, and only while shaped.
 """
 
 from __future__ import annotations
@@ -265,13 +266,22 @@ def test_a_partitioned_peer_costs_a_reader_one_timeout_then_is_tried_again(
 
 
 # -- slow peers -----------------------------------------------------------------------------
-@pytest.mark.parametrize("profile", ["slow", "lossy"])
+# A 1%-loss peer is not slow by the pool's measure (a read over SLOW_FLOOR + bytes /
+# SLOW_RATE, 24 ms for 110 KiB, in SLOW_SHARE of its recent reads): over 10 Gbit/s with
+# no delay its 102 reads took 0.62 ms on average, 11.7 ms at most (n2's: 0.57, 9.0), none
+# slow; TCP recovers a lost packet within a read. Strict: it fails once the pool avoids it.
+LOSS_IS_NOT_SLOW = pytest.mark.xfail(
+    strict=True, reason="the pool does not count a 1%-loss peer as slow (no read of it is)")
+
+
+@pytest.mark.parametrize("profile", ["slow", pytest.param("lossy", marks=LOSS_IS_NOT_SLOW)])
 @pytest.mark.parametrize("network", [3], indirect=True)
 def test_a_slow_peer_is_avoided_while_another_owner_is_faster(
         mounted, network, big_store, big_source, tmp_path, dlfs_cli, profile):
-    """n3's link is 10 Mbit/s (or loses 1% of its packets); n2's is 10 Gbit/s; both
-    own every chunk, the reader none it may stage. After a few slow reads the reader
-    skips n3 and reads from n2: n3 serves a small share, `dlfs status` says why."""
+    """n3's link is 10 Mbit/s (or loses 1% of its packets: expected to fail, see
+    LOSS_IS_NOT_SLOW); n2's is 10 Gbit/s; both own every chunk, the reader none it may
+    stage. After a few slow reads the reader skips n3 and reads from n2: n3 serves a
+    small share, `dlfs status` says why."""
     if profile == "lossy" and netsim.loss_missing():
         pytest.skip(netsim.loss_missing())
     cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
