@@ -4,13 +4,16 @@ network namespace of its own, joined by veth pairs to a bridge, shaped with tc.
 The pool's main tests (tests/test_pool.py) run over loopback; two of them run
 here again over 10 Gbit/s links, and the tests of what loopback cannot show:
 a partition (packets dropped, no RST) costs a reader one --peer-timeout, and a
-slow link (10 Mbit/s; 1% loss where the kernel has netem) is avoided while
-another owner is faster. Expected bytes come from the source tree.
+slow link (10 Mbit/s) is avoided while another owner is faster (a link losing 1%,
+where the kernel has netem or cls_bpf, is not slow to the pool: an expected
+failure). Expected bytes come from the source tree. And a test of the model
+itself: the lossy link loses what it says, and only while shaped.
 """
 
 from __future__ import annotations
 
 import random
+import socket
 import time
 from pathlib import Path
 
@@ -118,6 +121,71 @@ def timed_reads(mount, source: Path, files: list[Path]) -> tuple[list[float], li
     return took, errors
 
 
+# -- the model itself ------------------------------------------------------------------------
+DATAGRAMS, BATCH = 5000, 100
+
+
+def test_loss_bytecode_is_the_program_tested_by_hand():
+    """1%: T = round(0.01 * 2**32); the program a `tc` on this project's kernel took."""
+    assert netsim.loss_bytecode(0.01) == \
+        "4,32 0 0 4294963256,53 1 0 42949673,6 0 0 2,6 0 0 4294967295"
+    assert netsim.loss_bytecode(1.0) == "1,6 0 0 2"
+    with pytest.raises(ValueError):
+        netsim.loss_bytecode(0.0)
+
+
+def datagrams_lost(sender: socket.socket, receiver: socket.socket, to: tuple[str, int]) -> int:
+    """How many of DATAGRAMS numbered UDP datagrams do not arrive. Sent BATCH at a time,
+    each batch read before the next goes (the receive buffer holds them all anyway), so
+    that no queue on the way overflows (a veth's backlog holds 1000): only the link's
+    loss counts."""
+    got: set[int] = set()
+
+    def drain(wait: float) -> None:
+        receiver.settimeout(wait)
+        while True:
+            try:
+                got.add(int(receiver.recv(64)))
+            except (BlockingIOError, TimeoutError):
+                return
+
+    for first in range(0, DATAGRAMS, BATCH):
+        for n in range(first, first + BATCH):
+            sender.sendto(b"%d" % n, to)
+        drain(0.001)
+    drain(0.5)  # the last ones
+    return DATAGRAMS - len(got)
+
+
+def test_a_lossy_link_loses_its_share_of_packets_only_while_shaped():
+    """Node 0's link, shaped "lossy" (1%), loses 0.3% to 5% of 5000 datagrams (50
+    expected, 7 standard deviations: the band's floor is 5 below, so it fails when no
+    loss is applied and not by chance); none unshaped, first (which also resolves
+    node 1's address before packets are lost), and none once shaped again without
+    loss (`shape` takes the loss away)."""
+    if netsim.loss_missing():
+        pytest.skip(netsim.loss_missing())
+    with netsim.Network(2) as net:
+        with net.inside(1):
+            receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with net.inside(0):
+            sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with receiver, sender:
+            # root may set a buffer past rmem_max: all 5000, whatever the pacing
+            receiver.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33),
+                                16 << 20)
+            receiver.bind((net.address(1), PORT))
+            to = (net.address(1), PORT)
+            assert datagrams_lost(sender, receiver, to) == 0
+            net.shape(0, "lossy")
+            lost = datagrams_lost(sender, receiver, to)
+            print(f"lossy ({netsim.modeled('lossy')}): {lost} of {DATAGRAMS} datagrams lost")
+            assert 0.003 * DATAGRAMS <= lost <= 0.05 * DATAGRAMS, \
+                f"{lost} of {DATAGRAMS} lost over {netsim.modeled('lossy')}"
+            net.shape(0, "10gbit")
+            assert datagrams_lost(sender, receiver, to) == 0
+
+
 # -- the main pool tests, over 10 Gbit/s links ----------------------------------------------
 @pytest.mark.parametrize("network", [3], indirect=True)
 def test_three_nodes_read_identical_over_the_network(mounted, network, net_store,
@@ -198,15 +266,24 @@ def test_a_partitioned_peer_costs_a_reader_one_timeout_then_is_tried_again(
 
 
 # -- slow peers -----------------------------------------------------------------------------
-@pytest.mark.parametrize("profile", ["slow", "lossy"])
+# A 1%-loss peer is not slow by the pool's measure (a read over SLOW_FLOOR + bytes /
+# SLOW_RATE, 24 ms for 110 KiB, in SLOW_SHARE of its recent reads): over 10 Gbit/s with
+# no delay its 102 reads took 0.62 ms on average, 11.7 ms at most (n2's: 0.57, 9.0), none
+# slow; TCP recovers a lost packet within a read. Strict: it fails once the pool avoids it.
+LOSS_IS_NOT_SLOW = pytest.mark.xfail(
+    strict=True, reason="the pool does not count a 1%-loss peer as slow (no read of it is)")
+
+
+@pytest.mark.parametrize("profile", ["slow", pytest.param("lossy", marks=LOSS_IS_NOT_SLOW)])
 @pytest.mark.parametrize("network", [3], indirect=True)
 def test_a_slow_peer_is_avoided_while_another_owner_is_faster(
         mounted, network, big_store, big_source, tmp_path, dlfs_cli, profile):
-    """n3's link is 10 Mbit/s (or loses 1% of its packets); n2's is 10 Gbit/s; both
-    own every chunk, the reader none it may stage. After a few slow reads the reader
-    skips n3 and reads from n2: n3 serves a small share, `dlfs status` says why."""
-    if profile == "lossy" and netsim.netem_missing():
-        pytest.skip(netsim.netem_missing())
+    """n3's link is 10 Mbit/s (or loses 1% of its packets: expected to fail, see
+    LOSS_IS_NOT_SLOW); n2's is 10 Gbit/s; both own every chunk, the reader none it may
+    stage. After a few slow reads the reader skips n3 and reads from n2: n3 serves a
+    small share, `dlfs status` says why."""
+    if profile == "lossy" and netsim.loss_missing():
+        pytest.skip(netsim.loss_missing())
     cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
                          extra_by_node={0: ("--cache-limit", "1")})
     network.shape(2, profile)
