@@ -4,9 +4,9 @@ network namespace of its own, joined by veth pairs to a bridge, shaped with tc.
 The pool's main tests (tests/test_pool.py) run over loopback; two of them run
 here again over 10 Gbit/s links, and the tests of what loopback cannot show:
 a partition (packets dropped, no RST) costs a reader one --peer-timeout, and a
-slow link (10 Mbit/s) is avoided while another owner is faster (a link losing 1%,
-where the kernel has netem or cls_bpf, is not slow to the pool: an expected
-failure). Expected bytes come from the source tree. And a test of the model
+slow link (10 Mbit/s) is avoided while another owner is faster, and a link losing
+1% (netem, else a cls_bpf filter) costs readers no stall and no wrong byte.
+Expected bytes come from the source tree. And a test of the model
 itself: the lossy link loses what it says, and only while shaped.
 """
 
@@ -266,27 +266,15 @@ def test_a_partitioned_peer_costs_a_reader_one_timeout_then_is_tried_again(
 
 
 # -- slow peers -----------------------------------------------------------------------------
-# A 1%-loss peer is not slow by the pool's measure (a read over SLOW_FLOOR + bytes /
-# SLOW_RATE, 24 ms for 110 KiB, in SLOW_SHARE of its recent reads): over 10 Gbit/s with
-# no delay its 102 reads took 0.62 ms on average, 11.7 ms at most (n2's: 0.57, 9.0), none
-# slow; TCP recovers a lost packet within a read. Strict: it fails once the pool avoids it.
-LOSS_IS_NOT_SLOW = pytest.mark.xfail(
-    strict=True, reason="the pool does not count a 1%-loss peer as slow (no read of it is)")
-
-
-@pytest.mark.parametrize("profile", ["slow", pytest.param("lossy", marks=LOSS_IS_NOT_SLOW)])
 @pytest.mark.parametrize("network", [3], indirect=True)
 def test_a_slow_peer_is_avoided_while_another_owner_is_faster(
-        mounted, network, big_store, big_source, tmp_path, dlfs_cli, profile):
-    """n3's link is 10 Mbit/s (or loses 1% of its packets: expected to fail, see
-    LOSS_IS_NOT_SLOW); n2's is 10 Gbit/s; both own every chunk, the reader none it may
-    stage. After a few slow reads the reader skips n3 and reads from n2: n3 serves a
-    small share, `dlfs status` says why."""
-    if profile == "lossy" and netsim.loss_missing():
-        pytest.skip(netsim.loss_missing())
+        mounted, network, big_store, big_source, tmp_path, dlfs_cli):
+    """n3's link is 10 Mbit/s; n2's is 10 Gbit/s; both own every chunk, the reader
+    none it may stage. After a few slow reads the reader skips n3 and reads from n2:
+    n3 serves a small share, `dlfs status` says why."""
     cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
                          extra_by_node={0: ("--cache-limit", "1")})
-    network.shape(2, profile)
+    network.shape(2, "slow")
     reader, fast, slow = cluster.mounts
     wait_staged(dlfs_cli, fast)
     wait_staged(dlfs_cli, slow)
@@ -301,4 +289,34 @@ def test_a_slow_peer_is_avoided_while_another_owner_is_faster(
     assert "slow" in peers["n3"]["down_why"], peers
     text = dlfs_cli("status", reader.path).stdout
     assert "peer n3 is slow" in text and "asked last" in text, text
+    assert fresh_sources(dlfs_cli, reader)["store"]["requests"] == 0
+
+
+@pytest.mark.parametrize("network", [3], indirect=True)
+def test_a_lossy_peer_costs_readers_no_stall_and_no_wrong_byte(
+        mounted, network, big_store, big_source, tmp_path, dlfs_cli):
+    """n3's link loses 1% of its packets (netem, or the cls_bpf filter of netsim), n2's
+    none; both own every chunk. Every read is right, none fails, none waits anywhere near
+    a --peer-timeout, and n3 keeps serving its share: as modeled here TCP recovers a
+    lost packet within the read (102 reads of n3 took 0.62 ms on average, 11.7 at most;
+    n2's 0.57 and 9.0), so n3 is not slow and is rightly not avoided. (Loss of single
+    1500-byte packets, which needs segmentation off, made ~2% of reads wait a
+    retransmission timeout of ~210 ms; the pool's slow rule, a share of slow reads,
+    does not catch those rare stalls: docs/SCALE.md.)"""
+    if netsim.loss_missing():
+        pytest.skip(netsim.loss_missing())
+    cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
+                         extra_by_node={0: ("--cache-limit", "1")})
+    network.shape(2, "lossy")
+    reader, fast, lossy = cluster.mounts
+    wait_staged(dlfs_cli, fast)
+    wait_staged(dlfs_cli, lossy)
+    files = source_files(big_source)
+    took, errors = timed_reads(reader, big_source, files)
+    assert errors == []
+    assert max(took) < TIMEOUT / 2, f"a read took {max(took):.2f} s over a 1%-loss link"
+    served = {name: fresh_status(dlfs_cli, m)["peer_server"]["reads_served"]
+              for name, m in (("n2", fast), ("n3", lossy))}
+    assert served["n3"] >= len(files) // 8, served  # half of the chunks list n3 first
+    assert served["n2"] + served["n3"] >= len(files), served
     assert fresh_sources(dlfs_cli, reader)["store"]["requests"] == 0
