@@ -35,19 +35,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--file-size", type=size_arg, default=110 << 10, help="mean sample (110K)")
     p.add_argument("--chunk-size", type=size_arg, default=64 << 20, help="chunk (default 64M)")
     # measured here (docs/SCALE.md, "Figures measured here")
-    p.add_argument("--local-us", type=float, default=225.0,
-                   help="daemon CPU us per sample read from its own NVMe copy (measured)")
-    p.add_argument("--remote-us", type=float, default=282.0,
-                   help="reading daemon CPU us per sample fetched from a peer (measured)")
-    p.add_argument("--serve-us", type=float, default=170.0,
-                   help="holder daemon's CPU us per sample served (measured: bench/pool_read.py "
-                        "--pin, cold, median; 275 with one loop before issue 33)")
-    p.add_argument("--serve-cores", type=float, default=1.0,
+    p.add_argument("--local-us", type=float, default=125.0,
+                   help="daemon CPU us per sample read from its own NVMe copy (measured: "
+                        "bench/pool_read.py --pin --net, cold, median; 225 unpinned before)")
+    p.add_argument("--remote-us", type=float, default=140.0,
+                   help="reading daemon CPU us per sample fetched from a peer (measured: "
+                        "same run; 282 unpinned before)")
+    p.add_argument("--serve-us", type=float, default=140.0,
+                   help="holder daemon's CPU us per sample served (measured: same run; 170 "
+                        "before the protocol's fast paths, 275 with one loop before issue 33)")
+    p.add_argument("--serve-cores", type=float, default=1.4,
                    help="cores the peer server keeps busy: its `--peer-procs` processes, "
                         "as far as the node gives them cores (auto: half the daemon's, "
-                        "4 of the 8 assumed here). Default 1: a holder on more than one "
-                        "core is not measured yet (this VM has two; bench/peer_serve.py "
-                        "--procs 1,2,4,8 on a bigger machine prints the curve)")
+                        "4 of the 8 assumed here). Default 1.4: what 2 processes served "
+                        "over 1 on this VM's 2 cores, shared with the clients "
+                        "(bench/peer_serve.py --procs 1,2,4 --holder-cpus 0-1 --reader-cpus "
+                        "0-1); more cores are not measured yet")
     p.add_argument("--placement-ns", type=float, default=55.0,
                    help="owners() ns per (chunk, node) cell at mount (measured)")
     p.add_argument("--manifest-bytes", type=float, default=73.0,
