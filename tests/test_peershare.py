@@ -107,6 +107,63 @@ def test_a_whole_extent_read_keeps_its_bytes_only_for_a_waiter(share):
     assert calls.value == 1 and share.counters()["stored"] == 1
 
 
+def test_whole_extent_reads_nobody_is_fetching_take_no_lock_and_wait_for_nobody(share):
+    """A small file is read whole by one request: with no fetch of it in flight its
+    reader fetches at once (no fetch lock: two fcntl calls less per read). Two such
+    readers at the same moment both fetch, neither waits: the price of the fast path
+    (one extent more over the wire), and the bytes are right for both."""
+    calls = Calls()
+
+    def peer():
+        calls.add()
+        until(lambda: calls.value == 2, timeout=5.0)  # both are in their fetch at once
+        return EXTENT
+
+    pids = [fork(lambda: share.read(KEY, 0, len(EXTENT), True, peer, whole=True) == EXTENT)
+            for _ in range(2)]
+    assert [exit_code(pid) for pid in pids] == [0, 0]
+    assert calls.value == 2
+    counts = share.counters()
+    assert counts["waits"] == 0 and counts["stored"] == 0  # nobody waited: nothing kept
+
+
+def test_a_whole_extent_read_waits_for_a_fetch_in_flight_and_shares_it(share):
+    """Another process holds the fetch (a partial reader, the look-ahead) and has noted
+    it: the whole-extent reader waits for that one fetch and copies from its slot."""
+    calls = Calls()
+
+    def peer():
+        calls.add()
+        until(lambda: share.counters()["waits"] == 1)
+        return EXTENT
+
+    pid = fork(lambda: share.read(KEY, 0, 4096, True, peer) == EXTENT[:4096])
+    assert until(lambda: calls.value == 1)
+    got = share.read(KEY, 0, len(EXTENT), True, lambda: None, whole=True)
+    assert got == EXTENT and exit_code(pid) == 0
+    assert calls.value == 1 and share.counters()["shared_reads"] == 1
+
+
+def test_a_note_left_by_a_dead_fetcher_costs_a_whole_read_no_wait(share):
+    """A fetcher killed mid-fetch leaves its in-flight note but not its lock: the next
+    whole-extent reader takes the locked path, finds the lock free and fetches."""
+    started = Calls()
+
+    def stuck_peer():
+        started.add()
+        time.sleep(3600)
+
+    pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
+    try:
+        assert until(lambda: started.value == 1)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert share.read(KEY, 0, len(EXTENT), True, lambda: EXTENT, whole=True) == EXTENT
+    assert share.counters()["wait_timeouts"] == 0
+    assert share.read(KEY, 0, len(EXTENT), True, lambda: EXTENT, whole=True) == EXTENT
+
+
 def test_a_fetcher_killed_mid_fetch_holds_up_nobody(share):
     """Its fetch lock dies with it: the next process fetches at once, no wait runs out."""
     started = Calls()

@@ -29,6 +29,9 @@ How: everything lives in memory made before the workers fork.
   them otherwise) and "the last fetch of this extent failed" (a waiter that
   then gets the lock goes to the store at once instead of trying the same
   peers again, one process after the other).
+* An in-flight note by key hash, set by the holder of an extent's fetch lock:
+  a read of a whole extent (a small file) that finds no note fetches without
+  the lock (two fcntl calls less per read; see PeerShare._read_whole).
 * Counters per process (rows, as in dlfsd.obs.stats), summed on reading.
 
 Record locks belong to a process: two threads of one process (the look-ahead's
@@ -101,18 +104,20 @@ class PeerShare:
         self._buffer = mmap.mmap(-1, self.slots * self.slot_size)
         self._data = memoryview(self._buffer)
         rows = self._slot.count
-        words = 3 * self.slots + 3 * NOTES + rows * len(COUNTERS)
+        words = 3 * self.slots + 4 * NOTES + rows * len(COUNTERS)
         self._meta = mmap.mmap(-1, 8 * words + 4 * INDEX)
         table = np.frombuffer(self._meta, dtype=np.int64, count=words)
         s = self.slots
         self._keys, self._lengths, self._used = table[:s], table[s : 2 * s], table[2 * s : 3 * s]
-        notes = table[3 * s : 3 * s + 3 * NOTES]
-        self._wanted, self._failed_key, self._failed_until = (
-            notes[:NOTES], notes[NOTES : 2 * NOTES], notes[2 * NOTES :])
-        self._counts = table[3 * s + 3 * NOTES :].reshape(rows, len(COUNTERS))
+        notes = table[3 * s : 3 * s + 4 * NOTES]
+        self._wanted, self._failed_key, self._failed_until, self._in_flight = (
+            notes[:NOTES], notes[NOTES : 2 * NOTES], notes[2 * NOTES : 3 * NOTES],
+            notes[3 * NOTES :])
+        self._counts = table[3 * s + 4 * NOTES :].reshape(rows, len(COUNTERS))
         self._index = np.frombuffer(self._meta, dtype=np.int32, count=INDEX, offset=8 * words)
         self._keys[:] = -1
         self._wanted[:] = -1
+        self._in_flight[:] = -1
         self._failed_key[:] = -1
         self._index[:] = -1
         self._locks = os.memfd_create("dlfs-peer-share", os.MFD_CLOEXEC)
@@ -123,7 +128,7 @@ class PeerShare:
     def close(self) -> None:
         # Drop the arrays over the mappings so those can close (a closed share is never
         # read again; None makes a stray use fail loudly).
-        self._keys = self._lengths = self._used = self._wanted = None  # type: ignore[assignment]
+        self._keys = self._lengths = self._used = self._wanted = self._in_flight = None  # type: ignore[assignment]
         self._failed_key = self._failed_until = self._counts = self._index = None  # type: ignore[assignment]
         self._data.release()
         self._buffer.close()
@@ -133,15 +138,20 @@ class PeerShare:
 
     # -- the read path: one request at a time per process, blocking -----------------------
     def read(self, key: int, rel: int, length: int, lasting: bool,
-             fetch: Fetch, *args: object) -> bytes | memoryview | None:
+             fetch: Fetch, *args: object, whole: bool = False) -> bytes | memoryview | None:
         """`length` bytes at `rel` of extent `key`: from a slot, else from the node's one
         fetch of it (`fetch(*args)`: the whole extent, checked, or None), else None.
 
         Without `lasting` the bytes may be a view valid until this process's next read.
+        `whole`: the read asks for the whole extent (a small file read in one request):
+        unless another process is fetching it now, it is fetched without the fetch
+        lock (see _read_whole).
         """
         data = self.copy_out(key, rel, length, lasting)
         if data is not None:
             return data
+        if whole and self._in_flight[_spot(key, NOTES)] != key:
+            return self._read_whole(key, lasting, fetch, args)
         holding = self._try_lock(FETCH_LOCKS + key, exclusive=True)
         if not holding:  # another process fetches it: wait, then take our part
             holding = self._wait_for_fetch(key)
@@ -154,6 +164,8 @@ class PeerShare:
             if data is not None:
                 self._release_fetch(key, True)
                 return data
+        if holding:
+            self._in_flight[_spot(key, NOTES)] = key
         try:
             whole = fetch(*args)
             if whole is None:
@@ -166,6 +178,26 @@ class PeerShare:
         if rel or length < len(whole):
             whole = memoryview(whole)[rel : rel + length]
         return bytes(whole) if lasting else whole
+
+    def _read_whole(self, key: int, lasting: bool, fetch: Fetch,
+                    args: tuple) -> bytes | memoryview | None:
+        """A whole-extent read that nobody else is fetching: fetched at once, no lock.
+
+        Why: the fetch lock costs two fcntl calls and a second look at the slots, ~7% of
+        a remote small-file read's CPU on a busy reading node (bench/pool_read.py
+        --pin), and a small file is read whole by one request, so another process
+        rarely wants the same extent at the same moment. If one does and gets there
+        second, it sees the in-flight note and waits for this fetch as before (when
+        the note came first), or both fetch (when both looked at the same moment: one
+        extent more over the wire, nothing worse). A process waiting on the locked
+        path still gets the bytes kept for it (its `wanted` note)."""
+        got = fetch(*args)
+        if got is None:
+            self._note_failed(key)
+            return None
+        if self._wanted[_spot(key, NOTES)] == key:
+            self.store(key, got)
+        return bytes(got) if lasting else got
 
     def prefetch(self, key: int, fetch: Fetch, *args: object) -> int | None:
         """The look-ahead: fetch extent `key` (`fetch(*args)`, as `read` does) into a slot
@@ -187,12 +219,13 @@ class PeerShare:
                 held = self._slot_length(key)  # its fetch ended between our look and the lock
                 if held:
                     return held
+                self._in_flight[_spot(key, NOTES)] = key
                 whole = fetch(*args)
                 if whole is None:
                     return None
                 return len(whole) if self.store(key, whole) else 0
             finally:
-                self._unlock(FETCH_LOCKS + key)
+                self._fetch_done(key)
         finally:
             with self._inproc:
                 self._fetching.discard(key)
@@ -214,7 +247,16 @@ class PeerShare:
         if holding:
             if self._wanted[_spot(key, NOTES)] == key:
                 self._wanted[_spot(key, NOTES)] = -1
-            self._unlock(FETCH_LOCKS + key)
+            self._fetch_done(key)
+
+    def _fetch_done(self, key: int) -> None:
+        """Drop the fetch lock of `key` and its in-flight note (if no other key's fetch
+        took the note's place meanwhile). A fetcher that dies leaves its note: the next
+        whole-extent reader of that key then takes the locked path, which is free."""
+        note = _spot(key, NOTES)
+        if self._in_flight[note] == key:
+            self._in_flight[note] = -1
+        self._unlock(FETCH_LOCKS + key)
 
     def _note_failed(self, key: int) -> None:
         note = _spot(key, NOTES)
