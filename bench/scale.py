@@ -26,7 +26,7 @@ Targets (issue 21, item 2): mount < 5 s; daemon PSS < 1.5 GiB; the 100,000-entry
 listing through the mount <= 2x the source's cold listing.
 
 examples (from the repository root, as root; 10 M needs ~10 M free inodes):
-  .venv/bin/python bench/scale.py --entries 200000 --quick
+  .venv/bin/python bench/scale.py --quick                # 500,000 entries
   .venv/bin/python bench/scale.py --entries 1000000
   .venv/bin/python bench/scale.py                       # 10,000,000 entries
   .venv/bin/python bench/scale.py --entries 1000000 --keep --workdir /var/tmp/big
@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="processes that create the tree (default: the cores)")
     args = p.parse_args(argv)
     if args.quick:
+        args.entries = max(10_000, args.entries // 20)
         args.big_dir = min(args.big_dir, max(1000, args.entries // 10))
         args.epoch_files = min(args.epoch_files, 10_000)
     args.big_dir = min(args.big_dir, args.entries)

@@ -86,7 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "open connections they had not needed, and after its shared peer "
                         "extents filled up)")
     p.add_argument("--peer-timeout", type=float, default=2.0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:  # one cut and one kill before the baseline, one of each after it
+        args.duration = min(args.duration, 150.0)
+        args.readers = min(args.readers, 4)
+        args.files = min(args.files, 400)
+    return args
 
 
 class Node:
