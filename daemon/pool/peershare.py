@@ -167,17 +167,17 @@ class PeerShare:
         if holding:
             self._in_flight[_spot(key, NOTES)] = key
         try:
-            whole = fetch(*args)
-            if whole is None:
+            extent = fetch(*args)
+            if extent is None:
                 self._note_failed(key)
                 return None
-            if length < len(whole) or self._wanted[_spot(key, NOTES)] == key:
-                self.store(key, whole)
+            if length < len(extent) or self._wanted[_spot(key, NOTES)] == key:
+                self.store(key, extent)
         finally:
             self._release_fetch(key, holding)
-        if rel or length < len(whole):
-            whole = memoryview(whole)[rel : rel + length]
-        return bytes(whole) if lasting else whole
+        if rel or length < len(extent):
+            extent = memoryview(extent)[rel : rel + length]
+        return bytes(extent) if lasting else extent
 
     def _read_whole(self, key: int, lasting: bool, fetch: Fetch,
                     args: tuple) -> bytes | memoryview | None:
