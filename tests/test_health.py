@@ -32,7 +32,8 @@ from test_pool import (  # the pool helpers, reused
 )
 
 from dlfs.demo.sampledata import generate_large_files, generate_tree
-from dlfs.obs.healthview import problem_lines
+from dlfs.obs.healthview import peer_server_problems, problem_lines
+from dlfs.obs.statusview import plain_lines
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfs.store.store import Store
 from dlfsd.base.slots import ProcessSlot
@@ -545,3 +546,18 @@ def test_a_healthy_pool_shows_no_problem_and_exports_the_health_series(
         assert not missing, f"metrics lack {missing}"
         assert metrics["dlfs_stalled_reads"][()] == 0
         assert metrics["dlfs_stall_threshold_seconds"][()] == 10
+
+
+def test_a_peer_server_short_of_its_processes_is_a_problem_line():
+    """Fewer server processes than configured: a slot waits out a crash loop's
+    back-off. All running (restarted or not), or no forked servers at all: nothing."""
+    assert peer_server_problems(None) == [] and peer_server_problems({}) == []
+    assert peer_server_problems({"processes": 4, "configured": 4, "restarts": 9}) == []
+    assert peer_server_problems({"reads_served": 10}) == []  # loops in the main process
+    lines = peer_server_problems({"processes": 3, "configured": 4, "restarts": 7})
+    assert lines == ["problem: peer server: 3 of 4 processes running, 7 restarted since "
+                     "mount (a server keeps dying soon after it starts: the log says why)"]
+    status_lines = plain_lines({"mountpoint": "/m", "store": "/s", "pid": 1, "datasets": [],
+                                "peer_server": {"processes": 0, "configured": 1,
+                                                "restarts": 3}})
+    assert status_lines[-1].startswith("problem: peer server: 0 of 1 processes running")

@@ -22,6 +22,7 @@ import trio
 from conftest import pid_alive
 from peerfakes import DATASET, SECRET, FileProvider
 
+from dlfs.obs.healthview import peer_server_problems
 from dlfs.procs import all_pids, parent_pid
 from dlfsd.pool.peerprocs import PeerServers, peer_processes
 from dlfsd.pool.peersync import BlockingPeerClient
@@ -247,6 +248,12 @@ def test_a_server_whose_loop_ended_on_an_error_is_replaced(servers, peer_log, mo
     wait_for(lambda: server.counters()["restarts"] >= 1)
     text = peer_log.read_text()
     assert "stopped by an unexpected error" in text and "died (exit code 1)" in text, text
+    # It keeps dying young: its slot waits out a back-off, and `dlfs status` says so.
+    wait_for(lambda: server.counters()["processes"] == 0 and server.counters()["restarts"] >= 1)
+    counts = server.counters()
+    assert counts["configured"] == 1
+    lines = peer_server_problems(counts)
+    assert len(lines) == 1 and "0 of 1 processes running" in lines[0], lines
 
 
 def test_zero_processes_serves_from_loops_of_this_process(servers):

@@ -171,14 +171,16 @@ class PeerServers:
         return bound
 
     def counters(self) -> dict[str, int]:
-        """Every server's counters summed, with the servers running (`processes`) and
-        started again after one died (`restarts`)."""
+        """Every server's counters summed, with the servers running (`processes`) out of
+        `configured` (fewer while a slot waits out a crash loop's back-off), and started
+        again after one died (`restarts`)."""
         if self._inproc is not None:
             return self._inproc.counters()
         if self._board is None:
             return {}
         total = sum_rows(self._board.rows)
         total["processes"] = sum(1 for pid in self._board.pids if pid)
+        total["configured"] = self.processes
         total["restarts"] = self._board.restarts[0]
         return total
 

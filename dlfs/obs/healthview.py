@@ -26,6 +26,18 @@ def problem_lines(health: dict | None) -> list[str]:
     return lines
 
 
+def peer_server_problems(counters: dict | None) -> list[str]:
+    """A problem line when fewer peer server processes run than `--peer-procs` asked
+    for: a slot waits out the back-off of a server that keeps dying young (a crash loop,
+    dlfsd.pool.peerprocs), and peers get less service from this node meanwhile. One
+    that died once is started again at once and never shows here."""
+    if not counters or counters.get("processes", 0) >= counters.get("configured", 0):
+        return []
+    return [f"{PROBLEM}peer server: {counters['processes']} of {counters['configured']} "
+            f"processes running, {counters.get('restarts', 0)} restarted since mount (a "
+            "server keeps dying soon after it starts: the log says why)"]
+
+
 def history_lines(health: dict | None) -> list[str]:
     """What went wrong earlier and is over: stalls since mount."""
     total = (health or {}).get("stalls_total", 0)

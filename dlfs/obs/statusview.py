@@ -21,7 +21,7 @@ from rich.text import Text
 
 from dlfs.errors import EXIT_OK, NotFoundError
 from dlfs.mountinfo import find_mount
-from dlfs.obs.healthview import history_lines, problem_lines
+from dlfs.obs.healthview import history_lines, peer_server_problems, problem_lines
 from dlfs.procs import serving_daemon
 from dlfs.runtime import (
     mountpoint_path,
@@ -106,7 +106,8 @@ def plain_lines(status: dict) -> list[str]:
         lines.append(fuse_line(status["fuse"]))
     if status.get("passthrough"):
         lines.append(passthrough_line(status["passthrough"]))
-    return lines + history_lines(status.get("health")) + problem_lines(status.get("health"))
+    return lines + history_lines(status.get("health")) + problem_lines(status.get("health")) \
+        + peer_server_problems(status.get("peer_server"))
 
 
 def passthrough_line(c: dict) -> str:
@@ -235,7 +236,8 @@ def rich_view(status: dict) -> Group:
         parts.append(peer_server_line(status["peer_server"]))
     parts += ckpt_lines(status.get("ckpt"))
     parts += [Text(line, style="dim") for line in history_lines(status.get("health"))]
-    parts += [Text(line, style="bold red") for line in problem_lines(status.get("health"))]
+    parts += [Text(line, style="bold red") for line in problem_lines(status.get("health"))
+              + peer_server_problems(status.get("peer_server"))]
     return Group(*parts)
 
 
