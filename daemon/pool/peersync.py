@@ -17,12 +17,14 @@ is woken once the first segment is there, and runs after the rest came) is
 then one system call, not one for the prefix and one for the body; the rest
 of a reply that has not come is received with MSG_WAITALL (one call, not one
 per arriving segment). The request itself is protocol.read_frame, packed in
-one call. That buffer (4 MiB, the
-largest frame) is one per process, shared by all its clients: a worker serves
-one request at a time, and a worker talking to N peers must not hold N of them.
-So the view is valid only until the next read on ANY client of the process;
-the callers (ChunkPool.fetch, PeerShare.read) use or copy it
-first. Not for use from several threads at once.
+one call.
+
+The receive buffer (4 MiB, the largest frame) is one per process, shared by
+all its clients: a worker serves one request at a time, and a worker talking
+to N peers must not hold N of them. So the view is valid only until the next
+read on ANY client of the process; the callers (ChunkPool.fetch,
+PeerShare.read) use or copy it first. Not for use from several threads at
+once.
 
 A connection kept between reads may have been closed by the server meanwhile
 (idle for its idle_timeout, or the peer daemon restarted): a read on it that

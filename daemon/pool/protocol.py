@@ -236,16 +236,6 @@ def data_frame_head(request_id: int, length: int) -> bytes:
     return LENGTH_PREFIX.pack(len(body_head) + length) + body_head
 
 
-# read_frame's layout: map of 6, "t": "read", "id": uint32, "ds": bin8 of 16 bytes,
-# "chunk", "off", "len": uint64 each.
-_READ_HEAD = b"\x86" + msgpack.packb("t") + msgpack.packb(READ) + msgpack.packb("id") + b"\xce"
-_READ_DS = msgpack.packb("ds") + b"\xc4" + bytes([DATASET_ID_SIZE])
-_READ_CHUNK = msgpack.packb("chunk") + b"\xcf"
-_READ_OFF = msgpack.packb("off") + b"\xcf"
-_READ_LEN = msgpack.packb("len") + b"\xcf"
-_READ_FRAME = struct.Struct(
-    f">I{len(_READ_HEAD)}sI{len(_READ_DS)}s{DATASET_ID_SIZE}s{len(_READ_CHUNK)}sQ"
-    f"{len(_READ_OFF)}sQ{len(_READ_LEN)}sQ")
 def _packed_uint(n: int) -> bytes:
     """msgpack.packb(n) for 0 <= n < 2**32, without making a Packer per call (a DATA
     head is made for every READ on both sides): the smallest form, as msgpack's."""
@@ -259,7 +249,19 @@ def _packed_uint(n: int) -> bytes:
 
 
 _FIXINTS = [bytes([i]) for i in range(0x80)]
-_READ_BODY = struct.Struct(">" + _READ_FRAME.format[2:])  # the frame less its prefix
+
+# read_frame's layout: map of 6, "t": "read", "id": uint32, "ds": bin8 of 16 bytes,
+# "chunk", "off", "len": uint64 each; decode_body takes a body in exactly this layout
+# (_READ_BODY: the frame less its prefix) by comparing its constant parts.
+_READ_HEAD = b"\x86" + msgpack.packb("t") + msgpack.packb(READ) + msgpack.packb("id") + b"\xce"
+_READ_DS = msgpack.packb("ds") + b"\xc4" + bytes([DATASET_ID_SIZE])
+_READ_CHUNK = msgpack.packb("chunk") + b"\xcf"
+_READ_OFF = msgpack.packb("off") + b"\xcf"
+_READ_LEN = msgpack.packb("len") + b"\xcf"
+_READ_FRAME = struct.Struct(
+    f">I{len(_READ_HEAD)}sI{len(_READ_DS)}s{DATASET_ID_SIZE}s{len(_READ_CHUNK)}sQ"
+    f"{len(_READ_OFF)}sQ{len(_READ_LEN)}sQ")
+_READ_BODY = struct.Struct(">" + _READ_FRAME.format[2:])
 _READ_CONSTANTS = (_READ_HEAD, _READ_DS, _READ_CHUNK, _READ_OFF, _READ_LEN)
 _DATA_MAP_HEAD = b"\x83" + msgpack.packb("t") + msgpack.packb(DATA) + msgpack.packb("id")
 _DATA_KEY = msgpack.packb("data")
