@@ -129,15 +129,14 @@ class ExtentSource:
         self._unusable: set[int] = set()  # store chunk files that failed to open: logged
         self._purges = 0  # times a reader ran out of descriptors (see _open_or_purge)
         self._demand: DemandSink = _NoDemand() if pool is None else pool.demand
-        self.cache: ChunkCache | None = None  # this node's staged copies
-        self._copies: ChunkCache | _NoCopies = _NoCopies()  # the same, for local_fd
+        self._copies: ChunkCache | _NoCopies = _NoCopies()  # this node's staged copies
         # Per chunk: staged (non-zero) or not; the plan bits besides TRY_LOCAL, for a
         # reader and for the look-ahead. Without a pool: nothing, the store only.
         self._staged: bytes | mmap.mmap = bytes(dataset.chunk_count)
         self._read_plans = self._ahead_plans = self._staged
         if pool is not None:
-            self.cache = self._copies = pool.caches[ds]
-            self._staged = self.cache.state_map
+            cache = self._copies = pool.caches[ds]
+            self._staged = cache.state_map
             self._read_plans, self._ahead_plans = _plans(pool.owned[ds],
                                                          pool.remote_owners[ds])
 
