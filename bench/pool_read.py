@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="measure the remote side with the holder mounted with each "
                         "`--peer-procs` value, e.g. 0,2 (default: the mount's default)")
     args = p.parse_args(argv)
+    if args.floor and not args.pin:
+        p.error("--floor needs --pin: the bound holds for a reading node on a CPU of its own")
     if args.quick:
         args.files = max(100, args.files // 10)
     return args
@@ -250,8 +252,14 @@ def floor(work: Path, seed: int) -> tuple[float, float]:
     with pinned(_PIN["reader"]), in_node(0):
         child = ctx.Process(target=_floor_child, args=(work, seed, here))
         child.start()
-    result = there.recv()
-    child.join()
+    here.close()  # the child's end: if it dies, recv() ends (EOFError) instead of waiting
+    try:
+        result = there.recv()
+    except EOFError:
+        raise RuntimeError(f"--floor: the measuring process failed (exit code "
+                           f"{child.exitcode}); its error is above") from None
+    finally:
+        child.join()
     return result
 
 
