@@ -266,23 +266,34 @@ def test_a_partitioned_peer_costs_a_reader_one_timeout_then_is_tried_again(
 
 
 # -- slow peers -----------------------------------------------------------------------------
+def read_with_n3_shaped(profile: str, mounted, network, big_store, big_source, tmp_path,
+                        dlfs_cli):
+    """Three nodes, all owning every chunk; the reader (n1) stages none, n3's link gets
+    `profile`, n2's stays 10 Gbit/s. Every file is read once through n1: returns the
+    reader's mount, the files, the seconds each read took, what went wrong, and how many
+    reads n2 and n3 served."""
+    cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
+                         extra_by_node={0: ("--cache-limit", "1")})
+    network.shape(2, profile)
+    reader, n2, n3 = cluster.mounts
+    wait_staged(dlfs_cli, n2)
+    wait_staged(dlfs_cli, n3)
+    files = source_files(big_source)
+    took, errors = timed_reads(reader, big_source, files)
+    served = {name: fresh_status(dlfs_cli, m)["peer_server"]["reads_served"]
+              for name, m in (("n2", n2), ("n3", n3))}
+    return reader, files, took, errors, served
+
+
 @pytest.mark.parametrize("network", [3], indirect=True)
 def test_a_slow_peer_is_avoided_while_another_owner_is_faster(
         mounted, network, big_store, big_source, tmp_path, dlfs_cli):
     """n3's link is 10 Mbit/s; n2's is 10 Gbit/s; both own every chunk, the reader
     none it may stage. After a few slow reads the reader skips n3 and reads from n2:
     n3 serves a small share, `dlfs status` says why."""
-    cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
-                         extra_by_node={0: ("--cache-limit", "1")})
-    network.shape(2, "slow")
-    reader, fast, slow = cluster.mounts
-    wait_staged(dlfs_cli, fast)
-    wait_staged(dlfs_cli, slow)
-    files = source_files(big_source)
-    _, errors = timed_reads(reader, big_source, files)
+    reader, files, _, errors, served = read_with_n3_shaped(
+        "slow", mounted, network, big_store, big_source, tmp_path, dlfs_cli)
     assert errors == []
-    served = {name: fresh_status(dlfs_cli, m)["peer_server"]["reads_served"]
-              for name, m in (("n2", fast), ("n3", slow))}
     assert served["n3"] <= len(files) // 8, served  # half of the chunks list n3 first
     assert served["n2"] >= len(files) - served["n3"] - 4, served
     peers = {p["name"]: p for p in fresh_status(dlfs_cli, reader)["health"]["peers"]}
@@ -305,18 +316,10 @@ def test_a_lossy_peer_costs_readers_no_stall_and_no_wrong_byte(
     does not catch those rare stalls: docs/SCALE.md.)"""
     if netsim.loss_missing():
         pytest.skip(netsim.loss_missing())
-    cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
-                         extra_by_node={0: ("--cache-limit", "1")})
-    network.shape(2, "lossy")
-    reader, fast, lossy = cluster.mounts
-    wait_staged(dlfs_cli, fast)
-    wait_staged(dlfs_cli, lossy)
-    files = source_files(big_source)
-    took, errors = timed_reads(reader, big_source, files)
+    reader, files, took, errors, served = read_with_n3_shaped(
+        "lossy", mounted, network, big_store, big_source, tmp_path, dlfs_cli)
     assert errors == []
     assert max(took) < TIMEOUT / 2, f"a read took {max(took):.2f} s over a 1%-loss link"
-    served = {name: fresh_status(dlfs_cli, m)["peer_server"]["reads_served"]
-              for name, m in (("n2", fast), ("n3", lossy))}
     assert served["n3"] >= len(files) // 8, served  # half of the chunks list n3 first
     assert served["n2"] + served["n3"] >= len(files), served
     assert fresh_sources(dlfs_cli, reader)["store"]["requests"] == 0

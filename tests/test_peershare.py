@@ -61,6 +61,23 @@ def exit_code(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def kill_mid_fetch(share: PeerShare) -> None:
+    """A process that fetches KEY (holding its fetch lock and in-flight note) is
+    SIGKILLed in the middle of its fetch."""
+    started = Calls()
+
+    def stuck_peer():
+        started.add()
+        time.sleep(3600)
+
+    pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
+    try:
+        assert until(lambda: started.value == 1)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 @pytest.fixture
 def share():
     share = PeerShare(len(EXTENT), wait=30.0, processes=8)
@@ -147,18 +164,7 @@ def test_a_whole_extent_read_waits_for_a_fetch_in_flight_and_shares_it(share):
 def test_a_note_left_by_a_dead_fetcher_costs_a_whole_read_no_wait(share):
     """A fetcher killed mid-fetch leaves its in-flight note but not its lock: the next
     whole-extent reader takes the locked path, finds the lock free and fetches."""
-    started = Calls()
-
-    def stuck_peer():
-        started.add()
-        time.sleep(3600)
-
-    pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
-    try:
-        assert until(lambda: started.value == 1)
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    kill_mid_fetch(share)
     assert share.read(KEY, 0, len(EXTENT), True, lambda: EXTENT, whole=True) == EXTENT
     assert share.counters()["wait_timeouts"] == 0
     assert share.read(KEY, 0, len(EXTENT), True, lambda: EXTENT, whole=True) == EXTENT
@@ -166,18 +172,7 @@ def test_a_note_left_by_a_dead_fetcher_costs_a_whole_read_no_wait(share):
 
 def test_a_fetcher_killed_mid_fetch_holds_up_nobody(share):
     """Its fetch lock dies with it: the next process fetches at once, no wait runs out."""
-    started = Calls()
-
-    def stuck_peer():
-        started.add()
-        time.sleep(3600)
-
-    pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
-    try:
-        assert until(lambda: started.value == 1)
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    kill_mid_fetch(share)
     calls = Calls()
 
     def peer():

@@ -323,10 +323,10 @@ class SampleReader:
     def _read_peer(self, ext: int, rel: int, length: int, chunk: int, lasting: bool):
         """From an owner: the node fetches the whole extent once (checked by the pool) and
         keeps it where its other processes find it (PeerShare) for their partial reads."""
-        whole = self._ext_len[ext]
+        size = self._ext_len[ext]
         return self._share.read(extent_key(self.ds, ext), rel, length, lasting,
                                 self._pool.fetch, self.ds, chunk, self._ext_off[ext],
-                                whole, self._ext_sum[ext], whole=length == whole)
+                                size, self._ext_sum[ext], whole=length == size)
 
     def _wait_for_other_load(self, ext: int) -> None:
         """Worker processes: if another one is loading this extent, wait for its result.
