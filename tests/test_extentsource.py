@@ -20,9 +20,10 @@ import pytest
 
 import dlfsd.core.extentsource as extentsource
 from dlfs.cluster.nodes import ClusterView, Node
+from dlfs.cluster.placement import owners
 from dlfs.errors import CorruptDataError
 from dlfs.store.populate import PopulateOptions, populate
-from dlfs.store.store import Store
+from dlfs.store.store import Dataset, Store
 from dlfsd.core.extentsource import DEMAND, TRY_LOCAL, TRY_PEER, ExtentSource
 from dlfsd.pool.pool import ChunkPool
 
@@ -38,8 +39,18 @@ def dataset(tmp_path):
                     PopulateOptions(chunk_size=256 << 10, fsync=False, progress=False))
 
 
-def two_nodes(replicas: int) -> ClusterView:
-    nodes = (Node("a", "127.0.0.1", 1), Node("b", "127.0.0.1", 2))
+def two_nodes(replicas: int, dataset: Dataset) -> ClusterView:
+    """Nodes a and b, b's name chosen so that with one replica each owns a chunk of
+    `dataset`: placement hashes the dataset's uuid (random at populate), and 6 chunks
+    all fall on one node once in 32 populates."""
+    for suffix in range(64):
+        names = ["a", f"b{suffix}"]
+        first = owners(dataset.uuid, dataset.chunk_count, names, 1)[:, 0]
+        if 0 < int(first.sum()) < dataset.chunk_count:
+            break
+    else:
+        pytest.fail("no node name splits the dataset's chunks between two nodes")
+    nodes = (Node(names[0], "127.0.0.1", 1), Node(names[1], "127.0.0.1", 2))
     return ClusterView(nodes, 0, replicas, secrets.token_bytes(32))
 
 
@@ -61,7 +72,7 @@ def test_one_replica_local_if_staged_else_the_owner(dataset, tmp_path):
     """R=1: a chunk this node owns is demanded (read from the store meanwhile), one the
     peer owns is asked of the peer; a staged copy comes first. The look-ahead's plan
     is the same here: no chunk has an owner besides this node and a peer."""
-    pool = ChunkPool(two_nodes(1), [dataset], tmp_path / "cache")
+    pool = ChunkPool(two_nodes(1, dataset), [dataset], tmp_path / "cache")
     try:
         owned = pool.owned[0]
         assert owned.any() and not owned.all(), "the test wants chunks on both nodes"
@@ -83,7 +94,7 @@ def test_two_replicas_a_reader_asks_the_co_owner_the_look_ahead_does_not(dataset
     """R=2 on two nodes: both own every chunk. A reader without a staged copy asks the
     co-owner, then the store (demanding the chunk); the look-ahead demands it and reads
     ahead from the store (docs/ORDER.md)."""
-    pool = ChunkPool(two_nodes(2), [dataset], tmp_path / "cache")
+    pool = ChunkPool(two_nodes(2, dataset), [dataset], tmp_path / "cache")
     try:
         source = ExtentSource(dataset, pool, 0)
         assert source.plan(0) == TRY_PEER | DEMAND
