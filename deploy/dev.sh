@@ -8,6 +8,8 @@
 #                         container's /tmp) that it mounts and unmounts; needs root
 #   deploy/dev.sh setup   only install (Debian packages, .venv, pip install -e .)
 #   DLFS_TORCH_TESTS=1 deploy/dev.sh test   also install torch==2.13.0 (and torchdata) and run its tests
+#   DLFS_TEST_JOBS=N deploy/dev.sh test   N pytest-xdist workers (default: one per core;
+#                         0 runs the tests in this process, one after another)
 #
 # Needs root or sudo for apt-get and for mounting FUSE (/dev/fuse).
 set -euo pipefail
@@ -95,6 +97,12 @@ typecheck() {
     return $rc
 }
 
+# Most tests wait (on FUSE timeouts, daemons, peers, Slurm), so workers side by side
+# shorten the run even on 2 cores. Whole modules per worker (loadfile): a module's
+# fixtures (a Slurm cluster, a populated store) are made once, and tests that share
+# one machine-wide thing (Slurm's ports) never run at the same moment.
+XDIST=(-n "${DLFS_TEST_JOBS:-auto}" --dist loadfile)
+
 case "${1:-}" in
     setup) setup ;;
     demo) setup; shift; exec "$VENV/bin/dlfs" demo "$@" ;;
@@ -104,7 +112,7 @@ case "${1:-}" in
         if [ "${DLFS_TORCH_TESTS:-}" = 1 ]; then install_torch; fi
         "$VENV/bin/ruff" check .
         typecheck
-        exec "$VENV/bin/python" -m pytest "$@" ;;
+        exec "$VENV/bin/python" -m pytest "${XDIST[@]}" "$@" ;;
     test-overlay)
         # overlayfs lacks RWF_NOWAIT and its cachestat sees no page cache: every test
         # must pass or skip saying why (tests/pagecache.py probes the file system).
@@ -122,6 +130,7 @@ case "${1:-}" in
         fi
         # shellcheck disable=SC2064  # expand $base now
         trap "as_root umount '$base/merged' || as_root umount -l '$base/merged'; rm -rf '$base'" EXIT
-        TMPDIR="$base/merged" "$VENV/bin/python" -m pytest --basetemp="$base/merged/pytest" "$@" ;;
+        TMPDIR="$base/merged" "$VENV/bin/python" -m pytest "${XDIST[@]}" \
+            --basetemp="$base/merged/pytest" "$@" ;;
     *) sed -n '2,11p' "$0"; exit 2 ;;
 esac
