@@ -339,7 +339,7 @@ def test_a_lossy_peer_costs_readers_no_stall_and_no_wrong_byte(
     assert status["datasets"][0]["sources"]["store"]["requests"] == 0
 
 
-SLOW_FOUND_WITHIN = 20.0  # s of reading n3 must be found slow in (1.6-3.4 s measured)
+SLOW_FOUND_WITHIN = 20.0  # s of reading n3 must be found slow in (1.6-6.4 s measured)
 
 
 def asked_first(store: Path, source: Path, names: list[str], node: int) -> list[Path]:
