@@ -31,8 +31,10 @@ not the yardstick of another while it is asked last, nor found slow again at
 once from old reads. The look-ahead's fetch threads share their process's
 sums: an update lost between two threads is a read not counted, nothing more.
 
-The read path is hot (~150 us per file all told): a read costs a method call,
-four additions, a division and three comparisons here, no allocation; the
+The read path is hot (~150 us per file all told): a read costs two method
+calls (ChunkPool._timed, then here), four additions, a division, three
+comparisons and a dict lookup, no allocation: ~120 ns more than the share
+rule's inline check alone (79 -> 197 ns a read, timeit on the 2-core VM); the
 rules' own work is done on slow reads only.
 """
 
