@@ -5,14 +5,18 @@ The pool's main tests (tests/test_pool.py) run over loopback; two of them run
 here again over 10 Gbit/s links, and the tests of what loopback cannot show:
 a partition (packets dropped, no RST) costs a reader one --peer-timeout, and a
 slow link (10 Mbit/s) is avoided while another owner is faster, and a link losing
-1% (netem, else a cls_bpf filter) costs readers no stall and no wrong byte.
+1% (netem, else a cls_bpf filter) costs readers no stall and no wrong byte, and
+one losing single packets (segmentation off), whose reads now and then wait a
+retransmission timeout, is avoided too.
 Expected bytes come from the source tree. And a test of the model
 itself: the lossy link loses what it says, and only while shaped.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import socket
 import time
 from pathlib import Path
@@ -21,6 +25,7 @@ import netsim
 import pytest
 from conftest import kill_daemon_of
 from test_pool import (
+    drop_from_page_cache,
     expected_shares,
     fresh_sources,
     fresh_status,
@@ -32,7 +37,9 @@ from test_pool import (
     write_secret,
 )
 
+from dlfs.cluster.placement import owners
 from dlfs.demo.sampledata import generate_tree
+from dlfs.store.store import Store
 
 pytestmark = [pytest.mark.usefixtures("daemon_guard"),
               pytest.mark.skipif(netsim.unavailable() is not None,
@@ -267,22 +274,26 @@ def test_a_partitioned_peer_costs_a_reader_one_timeout_then_is_tried_again(
 
 # -- slow peers -----------------------------------------------------------------------------
 def read_with_n3_shaped(profile: str, mounted, network, big_store, big_source, tmp_path,
-                        dlfs_cli):
-    """Three nodes, all owning every chunk; the reader (n1) stages none, n3's link gets
-    `profile`, n2's stays 10 Gbit/s. Every file is read once through n1: returns the
-    reader's mount, the files, the seconds each read took, what went wrong, and how many
-    reads n2 and n3 served."""
+                        dlfs_cli, reader_args: tuple[str, ...] = ()):
+    """Three nodes, all owning every chunk; the reader (n1, mounted with `reader_args`
+    too) stages none, n3's link gets `profile`, n2's stays 10 Gbit/s. Every file is read
+    once through n1: returns the cluster (the reader's mount first), the files, the
+    seconds each read took, and what went wrong."""
     cluster = NetCluster(mounted, network, big_store, tmp_path, replicas=3,
-                         extra_by_node={0: ("--cache-limit", "1")})
+                         extra_by_node={0: ("--cache-limit", "1", *reader_args)})
     network.shape(2, profile)
     reader, n2, n3 = cluster.mounts
     wait_staged(dlfs_cli, n2)
     wait_staged(dlfs_cli, n3)
     files = source_files(big_source)
     took, errors = timed_reads(reader, big_source, files)
-    served = {name: fresh_status(dlfs_cli, m)["peer_server"]["reads_served"]
-              for name, m in (("n2", n2), ("n3", n3))}
-    return reader, files, took, errors, served
+    return cluster, files, took, errors
+
+
+def served_by_holders(cluster: NetCluster, dlfs_cli) -> dict[str, int]:
+    """Reads n2 and n3 served since they mounted."""
+    return {name: fresh_status(dlfs_cli, m)["peer_server"]["reads_served"]
+            for name, m in zip(cluster.names[1:], cluster.mounts[1:], strict=True)}
 
 
 @pytest.mark.parametrize("network", [3], indirect=True)
@@ -291,8 +302,9 @@ def test_a_slow_peer_is_avoided_while_another_owner_is_faster(
     """n3's link is 10 Mbit/s; n2's is 10 Gbit/s; both own every chunk, the reader
     none it may stage. After a few slow reads the reader skips n3 and reads from n2:
     n3 serves a small share, `dlfs status` says why."""
-    reader, files, _, errors, served = read_with_n3_shaped(
+    cluster, files, _, errors = read_with_n3_shaped(
         "slow", mounted, network, big_store, big_source, tmp_path, dlfs_cli)
+    reader, served = cluster.mounts[0], served_by_holders(cluster, dlfs_cli)
     assert errors == []
     assert served["n3"] <= len(files) // 8, served  # half of the chunks list n3 first
     assert served["n2"] >= len(files) - served["n3"] - 4, served
@@ -310,16 +322,104 @@ def test_a_lossy_peer_costs_readers_no_stall_and_no_wrong_byte(
     none; both own every chunk. Every read is right, none fails, none waits anywhere near
     a --peer-timeout, and n3 keeps serving its share: as modeled here TCP recovers a
     lost packet within the read (102 reads of n3 took 0.62 ms on average, 11.7 at most;
-    n2's 0.57 and 9.0), so n3 is not slow and is rightly not avoided. (Loss of single
-    1500-byte packets, which needs segmentation off, made ~2% of reads wait a
-    retransmission timeout of ~210 ms; the pool's slow rule, a share of slow reads,
-    does not catch those rare stalls: docs/SCALE.md.)"""
+    n2's 0.57 and 9.0), so n3 is not slow (no read near the 100 ms of a stall) and is
+    rightly not avoided. (Loss of single 1500-byte packets, which needs segmentation
+    off, makes some reads wait a retransmission timeout: the next test.)"""
     if netsim.loss_missing():
         pytest.skip(netsim.loss_missing())
-    reader, files, took, errors, served = read_with_n3_shaped(
+    cluster, files, took, errors = read_with_n3_shaped(
         "lossy", mounted, network, big_store, big_source, tmp_path, dlfs_cli)
+    reader, served = cluster.mounts[0], served_by_holders(cluster, dlfs_cli)
     assert errors == []
     assert max(took) < TIMEOUT / 2, f"a read took {max(took):.2f} s over a 1%-loss link"
     assert served["n3"] >= len(files) // 8, served  # half of the chunks list n3 first
     assert served["n2"] + served["n3"] >= len(files), served
+    status = fresh_status(dlfs_cli, reader)
+    assert not any(p["down_processes"] for p in status["health"]["peers"]), status["health"]
+    assert status["datasets"][0]["sources"]["store"]["requests"] == 0
+
+
+SLOW_FOUND_WITHIN = 20.0  # s of reading n3 must be found slow in (1.6-6.4 s measured)
+
+
+def asked_first(store: Path, source: Path, names: list[str], node: int) -> list[Path]:
+    """The files of `source` whose one extent lies in a chunk that lists `node` first among
+    the nodes other than names[0] (the reader asks it first), with every node an owner."""
+    d = Store(store).open("ds")
+    table = owners(d.uuid, d.chunk_count, names, len(names)).tolist()
+    first = {chunk for chunk, row in enumerate(table) if next(n for n in row if n) == node}
+    directory = d.directory
+    files = []
+    for rel in source_files(source):
+        extents = directory.extents(directory.resolve(os.fsencode(rel)))
+        if len(extents) == 1 and int(directory.ext_chunk_view[extents[0]]) in first:
+            files.append(rel)
+    return files
+
+
+def peer_skipped(mount, peer: str) -> bool:
+    """Whether some process of the mount skips or asks last `peer` now (.dlfs/metrics:
+    a read through the mount, far cheaper than `dlfs status`)."""
+    text = (Path(mount.path) / ".dlfs" / "metrics").read_text()
+    found = re.search(rf'^dlfs_peer_down_processes{{peer="{peer}"}} (\d+)', text, re.M)
+    return found is not None and int(found.group(1)) > 0
+
+
+@pytest.mark.parametrize("network", [3], indirect=True)
+def test_a_peer_losing_single_packets_is_asked_last(
+        mounted, network, big_store, big_source, tmp_path, dlfs_cli):
+    """n3's link loses 1% of single 1500-byte packets (segmentation off: netsim's
+    "lossy-packets"), n2's none; both own every chunk. Most of n3's reads take under a
+    millisecond, but a few in a thousand to a few in a hundred wait a TCP retransmission
+    timeout (~210 ms): rare stalls, and no share of slow reads (the pool before its time
+    rule did not find n3 slow). After one pass over every file (n2's reads measured too),
+    the files n3 serves are read again and again (the page cache dropped in between)
+    until n3 is found slow by the time its reads cost against n2's; `dlfs status` says so
+    and what was measured; then a whole pass comes from n2. Every read is right, none
+    fails, none waits near a --peer-timeout, none goes to the store.
+
+    Why so: each process measures its own reads, and the rule wants 3 stalls in n3's
+    last 64-128 reads. The reader runs one worker, which sees all of them (with two,
+    each sees half), and reads only n3's files while it waits (a pass over all files
+    reads n3 for 30% to 80% of them, as the dataset's random uuid places the chunks).
+    Loss stays at 1%, the case the share rule misses: at 3% that rule found n3 first (its
+    stalls come in runs), and 2% was found no sooner (runs of 1.6-3.1 s against 2.4-3.4
+    s: the share of reads that stall follows the machine's load more than the loss)."""
+    for missing in (netsim.loss_missing(), netsim.segmentation_missing()):
+        if missing:
+            pytest.skip(missing)
+    cluster, files, took, errors = read_with_n3_shaped(
+        "lossy-packets", mounted, network, big_store, big_source, tmp_path, dlfs_cli,
+        reader_args=("--workers", "1"))
+    reader = cluster.mounts[0]
+    n3_files = asked_first(big_store, big_source, cluster.names, 2)
+    assert n3_files, "no file lies in a chunk that lists n3 first"
+
+    def read_again(which: list[Path]) -> None:
+        for rel in which:
+            drop_from_page_cache(Path(reader.path) / "ds" / rel)
+        more, wrong = timed_reads(reader, big_source, which)
+        took.extend(more)
+        errors.extend(wrong)
+
+    started = time.monotonic()
+    rounds = 0
+    while not peer_skipped(reader, "n3") and time.monotonic() - started < SLOW_FOUND_WITHIN:
+        read_again(n3_files)
+        rounds += 1
+    peers = {p["name"]: p for p in fresh_status(dlfs_cli, reader)["health"]["peers"]}
+    why = peers["n3"]["down_why"] if peers.get("n3", {}).get("down_processes") else ""
+    print(f"{netsim.modeled('lossy-packets')}: n3 {why or 'not slow'} after {rounds} rounds "
+          f"of its {len(n3_files)} files ({time.monotonic() - started:.1f} s); reads over "
+          f"100 ms: {sum(t > 0.1 for t in took)} of {len(took)}")
+    assert why.startswith("slow (mean"), f"n3 not found slow in {rounds} rounds: {why!r}"
+    text = dlfs_cli("status", reader.path).stdout
+    assert "peer n3 is slow" in text and "asked last" in text, text
+    before = served_by_holders(cluster, dlfs_cli)
+    read_again(files)
+    after = served_by_holders(cluster, dlfs_cli)
+    assert after["n3"] == before["n3"], (before, after)  # asked last: n2 served them all
+    assert after["n2"] - before["n2"] >= len(files), (before, after)
+    assert errors == []
+    assert max(took) < TIMEOUT / 2, f"a read took {max(took):.2f} s"
     assert fresh_sources(dlfs_cli, reader)["store"]["requests"] == 0

@@ -8,12 +8,13 @@ checksum; a peer that times out or refuses is skipped for DOWN_SECONDS, by
 every process of the node (PeerMarks.node_down: a partitioned peer costs a
 reader one --peer-timeout, not one per worker process); after that one read
 of one process tries it again while the others still skip it. A peer whose
-reads are slow (1% loss, a 10 Mbit/s link: a read slower than SLOW_FLOOR +
-bytes / SLOW_RATE counts as slow, and SLOW_SHARE of its recent reads, by a
-moving average, make the peer slow) is asked last, after the chunk's other
-live owners, for SLOW_SECONDS, by every process of the node; it still serves
-where it is the only owner left (the store is not known to be faster). `dlfs
-status` names the peer and why.
+reads are slow is asked last, after the chunk's other live owners, for
+SLOW_SECONDS, by every process of the node; it still serves where it is the
+only owner left (the store is not known to be faster). Two rules find it
+(dlfsd.pool.slowpeers): a share of slow reads (a 10 Mbit/s link: most reads
+slow), and the time its reads cost against the other peers' (a link losing
+single packets: a few reads in a hundred wait a ~210 ms retransmission, the
+rest are fast). `dlfs status` names the peer and why.
 A peer whose bytes of a chunk fail their checksum has a bad copy of that
 chunk (a flipped bit on its NVMe; the protocol itself is authenticated and
 length-checked): only that chunk is read elsewhere while the peer keeps
@@ -66,6 +67,7 @@ from dlfsd.pool.peer import PeerError, PeerMiss, PeerUnavailable, PeerUnreachabl
 from dlfsd.pool.peershare import SHARE_BYTES, PeerShare
 from dlfsd.pool.peersync import BlockingPeerClient
 from dlfsd.pool.protocol import BadRange
+from dlfsd.pool.slowpeers import SlowPeers
 from dlfsd.pool.stager import DemandChannel
 
 if TYPE_CHECKING:
@@ -82,9 +84,7 @@ STARTING_DOWN_SECONDS = 0.5
 BAD_COPY_SECONDS = 60.0
 REPORTED_BAD_SECONDS = 2.0  # the peer re-stages a reported copy at once: look again soon
 REPORTS_PER_SECOND, REPORT_BURST = 2.0, 5  # per process: a rotting disk costs peers little
-SLOW_FLOOR, SLOW_RATE = 0.01, 8e6  # s, bytes/s: a 110 KiB read over 24 ms is slow
-SLOW_SHARE, SLOW_WEIGHT = 0.3, 0.125  # moving average of slow reads that marks a peer slow
-SLOW_SECONDS = 30.0
+SLOW_SECONDS = 30.0  # a peer found slow (dlfsd.pool.slowpeers) is asked last this long
 _NO_MARK = (0.0, 0)
 
 # Whether the stager will stage chunk (ds, chunk) soon (Stager.will_stage; set_stager).
@@ -126,7 +126,7 @@ class ChunkPool:
         # gave one; this process's own until then).
         self._node_down = np.zeros(len(view.nodes), np.float64)
         self._node_slow = np.zeros(len(view.nodes), np.float64)  # asked last until
-        self._slow: dict[int, float] = {}  # node -> moving average of slow reads (0..1)
+        self._slow_peers = SlowPeers([node.name for node in view.nodes])  # this process's reads
         self.started = time.monotonic()  # the mount's start (see STARTUP_SECONDS)
         self._answered: set[int] = set()  # peers that answered a read of this process
         self._starting_logged: set[int] = set()
@@ -207,7 +207,7 @@ class ChunkPool:
     def after_fork(self) -> None:
         """In a forked worker: drop the parent's client objects and peer health."""
         self._clients = {}
-        self._slow = {}
+        self._slow_peers.forget()
         self._owner = threading.get_ident()
         self._threads = threading.local()
         self._thread_clients = []
@@ -241,9 +241,7 @@ class ChunkPool:
             except PeerError as err:
                 self._peer_failed(node, err)
                 continue
-            took = time.monotonic() - started
-            if took > SLOW_FLOOR + length / SLOW_RATE or node in self._slow:
-                self._timed(node, took, length)
+            self._timed(node, time.monotonic() - started, length)
             if self._accept(node, ds, chunk, data, length, expected):
                 return data
             if len(data) == length:  # a bad copy there: tell it
@@ -278,22 +276,16 @@ class ChunkPool:
         return True
 
     def _timed(self, node: int, took: float, length: int) -> None:
-        """A read from `node` took `took` s: keep the moving average of its slow reads
-        (only once one was slow); past SLOW_SHARE the peer is asked last."""
-        slow = took > SLOW_FLOOR + length / SLOW_RATE
-        share = self._slow.get(node, 0.0) * (1.0 - SLOW_WEIGHT) + SLOW_WEIGHT * slow
-        if share < 0.01:
-            self._slow.pop(node, None)
+        """A read of `length` bytes from `node` took `took` s: if that makes the peer slow
+        (SlowPeers says why), it is asked last for SLOW_SECONDS, in every process of the
+        node."""
+        why = self._slow_peers.timed(node, took, length)
+        if why is None:
             return
-        self._slow[node] = share
-        if share >= SLOW_SHARE:
-            self._slow.pop(node, None)  # measured afresh when it is asked again
-            why = (f"slow ({length >> 10} KiB in {took * 1e3:.0f} ms, {length / took / 1e6:.1f} "
-                   f"MB/s; {share:.0%} of its recent reads slow)")
-            log.warning("peer %s %s; reading from the other owners first for %.0f s",
-                        self.view.nodes[node].name, why, SLOW_SECONDS)
-            self._node_slow[node] = until = time.monotonic() + SLOW_SECONDS
-            self.marks.down(node, until, why)
+        log.warning("peer %s %s; reading from the other owners first for %.0f s",
+                    self.view.nodes[node].name, why, SLOW_SECONDS)
+        self._node_slow[node] = until = time.monotonic() + SLOW_SECONDS
+        self.marks.down(node, until, why)
 
     def _peer_failed(self, node: int, err: PeerError) -> None:
         """A miss just means "not staged there"; anything else marks the peer down (for
