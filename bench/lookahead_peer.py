@@ -15,6 +15,11 @@ daemon (every process: the peer server's) and of the reading daemon (the
 look-ahead's threads). Settings alternate within each round, so the ratios
 compare the same machine state; min/median/max over --rounds.
 
+--read N: instead, N reader processes read the announced epoch at once
+(dlfs.demo.workload.shuffled_epoch, the order announced) while the look-ahead
+fetches ahead of them (its width then follows them): files/s of the epoch, the
+holder's CPU per sample, the reading node's (its daemon and the readers).
+
 --pin: the holder on --holder-cpu, the reading daemon on --reader-cpu (as
 pool_read.py --pin): each "node" has a CPU of its own.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import time
 from pathlib import Path
@@ -34,6 +40,7 @@ from pathlib import Path
 import numpy as np
 from _common import (
     add_common_args,
+    children_cpu_seconds,
     daemon_cpu_seconds,
     formatter,
     median,
@@ -44,9 +51,10 @@ from _common import (
     workdir,
 )
 from _pool import free_ports, wait_staged, write_secret
-from pool_read import _PIN, mounted_on
+from pool_read import _PIN, mounted_on, pinned
 
 from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import shuffled_epoch
 from dlfs.order.client import connect
 
 SETTINGS = ("off", "on")
@@ -59,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--file-size", type=size_arg, default=110 << 10,
                    help="bytes per file (default 110K)")
     p.add_argument("--mount-args", default="", help="extra `dlfs mount` arguments for both sides")
+    p.add_argument("--read", type=int, default=0, metavar="N",
+                   help="N reader processes read the announced epoch (default 0: none, "
+                        "the fill alone)")
     p.add_argument("--pin", action="store_true", help="holder and reading node on a CPU each")
     p.add_argument("--holder-cpu", type=int, default=1, help="with --pin (default 1)")
     p.add_argument("--reader-cpu", type=int, default=0, help="with --pin (default 0)")
@@ -97,9 +108,9 @@ def holders_files(work: Path, paths: list[str]) -> list[str]:
 
 
 def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
-         extra: list[str]) -> dict[str, float]:
+         extra: list[str], readers: int = 0) -> dict[str, float]:
     """Announce `paths` on a fresh pair and time the look-ahead's fetch of all of
-    them from the holder."""
+    them from the holder (`readers`: the epoch read by that many processes)."""
     window = ["--lookahead", f"{len(paths)}:{2 * nbytes}", "--lookahead-pipeline", setting]
     with pair(work, [*extra, *window]) as (reader, holder):
         client = connect([str(reader / "ds" / p) for p in paths])
@@ -110,8 +121,17 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
         cpu = (daemon_cpu_seconds(holder), daemon_cpu_seconds(reader))
         started = time.perf_counter()
         client.announce(seed, np.asarray(order))
+        if readers:
+            before = children_cpu_seconds()
+            with pinned(_PIN["reader"]):  # the reader processes are forked in here
+                r = shuffled_epoch([str(reader / "ds" / p) for p in paths], readers, seed=seed)
+            if r.bytes != nbytes:
+                raise RuntimeError(f"read {r.bytes} bytes, expected {nbytes}")
+            read_cpu = children_cpu_seconds() - before
+            counters = client.status()["counters"]
+            done = len(paths)
         deadline = started + 300
-        while True:
+        while not readers:
             counters = client.status()["counters"]
             done = counters["samples_prefetched"] + counters["fetch_errors"]
             if done >= len(paths) or time.perf_counter() > deadline:
@@ -119,6 +139,9 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
             time.sleep(0.005)
         seconds = time.perf_counter() - started
         spent = (daemon_cpu_seconds(holder) - cpu[0], daemon_cpu_seconds(reader) - cpu[1])
+        if readers:
+            spent = (spent[0], spent[1] + read_cpu)
+            hits = json.loads((reader / ".dlfs" / "stats.json").read_text())["mount"]["lookahead"]
     if done < len(paths):
         raise RuntimeError(f"{setting}: {done} of {len(paths)} samples in 300 s: {counters}")
     n = len(paths)
@@ -126,8 +149,11 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
               "reader_us": spent[1] * 1e6 / n, "batches": counters["peer_batches"],
               "peer_fetches": counters["peer_fetches"],
               "from_peers": counters["bytes_prefetched_from_peers"] / nbytes}
+    node = "reading node" if readers else "reading daemon"
+    took = (f"  hits {hits['hits'] / max(1, hits['hits'] + hits['misses']):.0%}, width "
+            f"{counters['fetch_width']}") if readers else ""
     print(f"  {setting:<3} {result['rate']:8,.0f} samples/s  holder {result['holder_us']:5.0f} "
-          f"us/sample  reading daemon {result['reader_us']:5.0f} us/sample  "
+          f"us/sample  {node} {result['reader_us']:5.0f} us/sample{took}  "
           f"({counters['peer_fetches']} peer fetches, {counters['peer_batches']} batches, "
           f"{result['from_peers']:.2f}x the bytes from peers, fetch errors "
           f"{counters['fetch_errors']})", flush=True)
@@ -154,21 +180,24 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             print(f"round {rnd + 1}/{args.rounds}")
             for setting in SETTINGS if rnd % 2 == 0 else SETTINGS[::-1]:
-                results[setting].append(fill(work, theirs, nbytes, setting, rnd, extra))
-        report(results, args.rounds)
+                results[setting].append(fill(work, theirs, nbytes, setting, rnd, extra,
+                                             args.read))
+        report(results, args.rounds, args.read)
     return 0
 
 
-def report(results: dict[str, list[dict[str, float]]], rounds: int) -> None:
+def report(results: dict[str, list[dict[str, float]]], rounds: int, readers: int) -> None:
     rows = []
+    node = "reading node (daemon + readers)" if readers else "reading daemon"
     for key, label in (("rate", "samples/s"), ("holder_us", "holder CPU us/sample"),
-                       ("reader_us", "reading daemon CPU us/sample")):
+                       ("reader_us", f"{node} CPU us/sample")):
         off = [r[key] for r in results["off"]]
         on = [r[key] for r in results["on"]]
         ratios = [b / a for a, b in zip(off, on, strict=True)]
         rows.append((label, f"{median(off):,.0f}", f"{median(on):,.0f}", _spread(ratios)))
     print_table(("", "off (median)", "on (median)", "on/off per round min/median/max"), rows,
-                title=f"look-ahead fill from one peer, {rounds} rounds")
+                title=f"look-ahead {'ahead of ' + str(readers) + ' readers' if readers else 'fill'}"
+                      f" from one peer, {rounds} rounds")
 
 
 def _spread(values: list[float]) -> str:
