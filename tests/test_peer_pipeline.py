@@ -8,6 +8,8 @@ middle of a batch fails it within the timeout and what came before stays good.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import trio
 from peerfakes import DATASET, SECRET
@@ -182,3 +184,25 @@ async def test_a_batch_on_a_connection_closed_while_idle_goes_again_on_a_new_one
     assert got == {i: CHUNKS[1][i * 10:i * 10 + 10] for i in range(4)}
     assert len(connections) == 2 and bursts[-1] == 4
     client.close()
+
+
+def test_a_rounds_requests_fit_the_smallest_socket_buffers_unread():
+    """Why a batch cannot deadlock: the READs of a full round go into the kernel at
+    once even with the smallest send and receive buffers TCP allows and a server that
+    reads nothing (it reads nothing while one of its replies waits to go out)."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the kernel's minimum
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+    client.connect(listener.getsockname())
+    server, _ = listener.accept()
+    try:
+        client.setblocking(False)
+        round_ = b"".join(protocol.read_frame(i, DATASET, 1 << 40, 1 << 40, protocol.MAX_READ)
+                          for i in range(BATCH_READS))
+        assert client.send(round_) == len(round_)
+    finally:
+        for s in (client, server, listener):
+            s.close()

@@ -14,6 +14,7 @@ from test_pool_reader import dataset, holder_of_every_chunk, reading_node
 
 from dlfs.store.format import CHUNK_HEADER_SIZE
 from dlfsd.pool.peershare import extent_key
+from dlfsd.pool.peersync import BATCH_READS
 
 __all__ = ["dataset"]  # the fixture used here
 
@@ -61,7 +62,7 @@ def test_fetch_many_returns_each_extent_checked_over_one_connection(dataset, tmp
             got = fetch_all(pool, reads)
             assert got == {i: staged_bytes(holder, r) for i, r in enumerate(reads)}
             counts = server.counters()
-            assert counts["reads_served"] == len(reads) > 32  # more than one round
+            assert counts["reads_served"] == len(reads) > BATCH_READS  # more than one round
             assert counts["connections_accepted"] == 1
             assert pool.fetch_counters()["fetches"] == len(reads)
         finally:

@@ -42,10 +42,11 @@ alone costs both sides a wake-up (the server's loop, the reader's recv); a batch
 of N costs about one. A batch is cut into rounds of at most BATCH_READS requests
 and BATCH_BYTES bytes asked (a single larger read goes alone), each round with
 the deadline of one read: its replies are no more bytes than one read of
-MAX_READ. Its requests (~60 bytes each, BATCH_READS of them: under 2 KiB) fit
-in the smallest send buffer a TCP socket gets, so the one send never waits for
-the server, which stops reading a connection while a reply of it waits to go
-out: the client always gets to reading the replies, no deadlock whatever the
+MAX_READ. Its requests (82 bytes each, BATCH_READS of them: 1.3 KiB) go into
+the kernel at once even with the smallest send and receive buffers TCP allows
+(2.3 KiB get in then; tests/test_peer_pipeline.py), so the one send never waits
+for the server, which stops reading a connection while a reply of it waits to
+go out: the client always gets to reading the replies, no deadlock whatever the
 socket buffers.
 
 A client speaks protocol version 2 first; a server that refuses it (version
@@ -71,7 +72,7 @@ _SLACK = 0.05  # s a read may run over its timeout, to spare a clock-based call 
 _shared_frame: memoryview | None = None  # the receive buffer of this process's clients
 # read_many: requests sent together at most (their frames must fit a socket's smallest
 # send buffer, see the module's docstring), and bytes they ask for (one read's worth)
-BATCH_READS = 32
+BATCH_READS = 16
 BATCH_BYTES = protocol.MAX_READ
 
 #: One read of a batch: (dataset id, chunk, offset, length).
