@@ -36,7 +36,8 @@ Peer clients are blocking (dlfsd.pool.peersync: the worker processes serve
 one request at a time); forked workers call `after_fork` and open their own.
 Another thread of a process (the look-ahead's fetch threads) gets clients of
 its own, with buffers of their own, so its fetches go in parallel with the
-other threads' rather than one at a time.
+other threads' rather than one at a time; `fetch_many` sends a thread's extents
+for one owner together, pipelined on its connection (BlockingPeerClient.read_many).
 """
 
 from __future__ import annotations
