@@ -22,6 +22,12 @@ examples (from the repository root):
   .venv/bin/python bench/peer_serve.py --procs 1,2,4,8 --holder-cpus 0-7 \
       --reader-cpus 8,9,10,11,12,13,14,15 --rounds 5
   .venv/bin/python bench/peer_serve.py --procs 0 --threads 1,2,4,8 --rounds 5
+  .venv/bin/python bench/peer_serve.py --procs 0 --batch 1,8 --sendfile --rounds 5
+
+--batch (issue 33 item 1): each client keeps that many READs in flight on its
+connection (BlockingPeerClient.read_many, what the look-ahead's fetch threads do
+with --lookahead-pipeline on) instead of one: the server's CPU per READ with and
+without pipelining, same run.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ def _serve(path: Path, length: int, procs: int, threads: int, sendfile: bool,
 
 
 def _client(port: int, length: int, size: int, seconds: float, seed: int, cpu: int,
-            start, out) -> None:
+            start, out, batch: int = 1) -> None:
     from dlfsd.pool.peersync import BlockingPeerClient
 
     os.sched_setaffinity(0, {cpu})
@@ -103,12 +109,22 @@ def _client(port: int, length: int, size: int, seconds: float, seed: int, cpu: i
     client.read(DATASET, 0, 0, size)  # connected before the clock
     start.wait()
     reads, deadline, i = 0, time.monotonic() + seconds, 0
+    sizes: list[int] = []
+
+    def on_reply(index: int, data) -> None:
+        sizes.append(len(data))
+
     while time.monotonic() < deadline:
-        data = client.read(DATASET, 0, offsets[i & 4095], size)
-        if len(data) != size:
+        if batch > 1:  # read_many: `batch` READs in flight
+            sizes.clear()
+            client.read_many([(DATASET, 0, offsets[(i + k) & 4095], size)
+                              for k in range(batch)], on_reply)
+            if sizes != [size] * batch:
+                raise RuntimeError("short read")
+        elif len(client.read(DATASET, 0, offsets[i & 4095], size)) != size:
             raise RuntimeError("short read")
-        reads += 1
-        i += 1
+        reads += batch
+        i += batch
     client.close()
     out.put(reads)
 
@@ -139,7 +155,8 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def one_round(path: Path, length: int, procs: int, threads: int, args) -> tuple[float, float]:
+def one_round(path: Path, length: int, procs: int, threads: int, args,
+              batch: int = 1) -> tuple[float, float]:
     """(READs/s, server CPU us per READ) of one round."""
     ctx = mp.get_context("fork")
     ready, ready_child = ctx.Pipe()
@@ -153,7 +170,7 @@ def one_round(path: Path, length: int, procs: int, threads: int, args) -> tuple[
         start, out = ctx.Event(), ctx.Queue()
         clients = [ctx.Process(target=_client, args=(port, length, args.size, args.seconds,
                                                      i, args.reader_cpus[i % len(args.reader_cpus)],
-                                                     start, out))
+                                                     start, out, batch))
                    for i in range(args.clients)]
         for c in clients:
             c.start()
@@ -189,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1", help="loop threads per server to compare "
                    "(default 1)")
     p.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
+    p.add_argument("--batch", default="1",
+                   help="READs each client keeps in flight, to compare (BlockingPeerClient."
+                        "read_many; 1: one at a time, `read`; default 1)")
     p.add_argument("--size", type=size_arg, default=110 << 10, help="bytes per READ (110K)")
     p.add_argument("--seconds", type=float, default=5.0, help="per round (default 5)")
     p.add_argument("--chunk", type=size_arg, default=64 << 20, help="staged file (64M)")
@@ -203,23 +223,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.seconds = 1.0
-    setups = [(int(n), int(t)) for n in args.procs.split(",") for t in args.threads.split(",")]
+    setups = [(int(n), int(t), int(b)) for n in args.procs.split(",")
+              for t in args.threads.split(",") for b in args.batch.split(",")]
     with workdir(args.workdir, args.keep, "peer-serve") as work:
         path = work / "chunk"
         path.write_bytes(b"h" * HEADER + os.urandom(args.chunk))
-        results: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in setups}
+        results: dict[tuple[int, int, int], list[tuple[float, float]]] = \
+            {s: [] for s in setups}
         for rnd in range(args.rounds):
-            for n, t in setups if rnd % 2 == 0 else setups[::-1]:
-                rate, cpu = one_round(path, args.chunk, n, t, args)
-                results[(n, t)].append((rate, cpu))
-                print(f"  round {rnd + 1} {_name(n, t)}: {rate:8,.0f} READs/s, server CPU "
+            for n, t, b in setups if rnd % 2 == 0 else setups[::-1]:
+                rate, cpu = one_round(path, args.chunk, n, t, args, b)
+                results[(n, t, b)].append((rate, cpu))
+                print(f"  round {rnd + 1} {_name(n, t, b)}: {rate:8,.0f} READs/s, server CPU "
                       f"{cpu:5.0f} us/READ", flush=True)
         base = median([r for r, _ in results[setups[0]]])
         rows = []
-        for n, t in setups:
-            rates = [r for r, _ in results[(n, t)]]
-            cpus = [c for _, c in results[(n, t)]]
-            rows.append((_name(n, t), _spread(rates), _spread(cpus),
+        for setup in setups:
+            rates = [r for r, _ in results[setup]]
+            cpus = [c for _, c in results[setup]]
+            rows.append((_name(*setup), _spread(rates), _spread(cpus),
                          f"{median(rates) / base:.2f}"))
         print_table(("server", "READs/s min/med/max", "server CPU us/READ min/med/max",
                      f"READs/s / {_name(*setups[0])}"), rows,
@@ -230,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _name(procs: int, threads: int) -> str:
+def _name(procs: int, threads: int, batch: int = 1) -> str:
     where = f"{procs} procs" if procs else "in-process"
-    return f"{where} x {threads} loop{'s' if threads > 1 else ''}"
+    pipelined = f", {batch} in flight" if batch > 1 else ""
+    return f"{where} x {threads} loop{'s' if threads > 1 else ''}{pipelined}"
 
 
 def _cpus(text: str) -> set[int]:

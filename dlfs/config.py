@@ -85,6 +85,8 @@ class MountConfig:
     # fetches at once, (MIN, MAX): the width follows the readers (one paced store stream each)
     lookahead_streams: tuple[int, int] = (8, 32)
     lookahead_stale: float = 60.0  # seconds without a read before an announcement is dropped
+    # a fetch thread's peer extents go out together, pipelined per owner (off: one at a time)
+    lookahead_pipeline: bool = True
 
     # -- the checkpoint tier (dlfsd.ckpt, docs/CKPT.md): needs cache_dir --
     ckpt_store: str | None = None  # store directory MOUNTPOINT/ckpt/ drains to (None: no tier)

@@ -207,19 +207,21 @@ def test_in_a_pool_extents_no_peer_has_staged_are_read_ahead_from_the_store(
     assert counters["mount"]["lookahead"]["hits"] > 0
 
 
+@pytest.mark.parametrize("pipeline", ["on", "off"])
 def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
-        mounted, tmp_path, dlfs_cli):
+        mounted, tmp_path, dlfs_cli, pipeline):
     """Two nodes, R=1, the other node's share staged: the announcing node fetches the
     samples of the other node's chunks from it before its readers ask (into its
     PeerShare), the readers take them from there (look-ahead hits, shared reads) and
-    every byte is the source's."""
+    every byte is the source's. With --lookahead-pipeline on (the default) a fetch
+    thread's peer extents went out together (peer_batches); off, one at a time."""
     from test_pool import Cluster, fresh_status, pool_source_tree, wait_staged
 
     source = pool_source_tree(tmp_path / "src")
     from conftest import populate_store
 
     store = populate_store(source, tmp_path / "store", "ds", "256K", "--no-fsync")
-    pool = Cluster(mounted, store, tmp_path, 2)
+    pool = Cluster(mounted, store, tmp_path, 2, extra=("--lookahead-pipeline", pipeline))
     holder, mount = pool.mounts
     wait_staged(dlfs_cli, holder)
     wait_staged(dlfs_cli, mount)
@@ -241,6 +243,8 @@ def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
     counters = stats(mount)
     assert counters["lookahead"]["fetch_errors"] == 0
     assert counters["mount"]["lookahead"]["hits"] > 0
+    batches = counters["lookahead"]["peer_batches"]
+    assert batches > 0 if pipeline == "on" else batches == 0, counters["lookahead"]
     fetches = fresh_status(dlfs_cli, mount)["peer_fetch"]
     assert fetches["shared_reads"] > 0, fetches  # readers took peer bytes fetched ahead
 

@@ -26,7 +26,10 @@ Per extent:
   the hit count); an owner that has not staged it answers MISS and stages the
   chunk next. Staged nowhere: the readers would go to the store anyway, so it
   is read ahead as below. Each fetch thread has peer clients of its own
-  (ChunkPool), so these fetches go in parallel, one per thread;
+  (ChunkPool), so these fetches go in parallel, one per thread; within a
+  thread's batch of samples, the peer extents go out together (`peer_pipeline`,
+  on by default: ChunkPool.fetch_many pipelines those of one owner on one
+  connection, counted in `peer_batches`), the per-extent way for the rest;
 - otherwise the store: the whole extent is read (one paced stream per thread
   with a throttled store) and checked against its checksum; the extent is
   then marked STORE_OK | AHEAD in the readers' shared state, so the reader
@@ -62,7 +65,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -106,17 +109,18 @@ MIN_HELD_BYTES = 256 << 10  # a small mount still follows a few dozen epochs
 
 # Counters (int64, written by the control process only; read by `.dlfs/` renders).
 (ANNOUNCED, SAMPLES_AHEAD, BYTES_AHEAD, DEMANDED, DROPPED_STALE, DROPPED_FULL,
- FETCH_ERRORS, SKIPPED_PEER, PEER_FETCHES, PEER_BYTES, WIDTH, WIDENED) = range(12)
+ FETCH_ERRORS, SKIPPED_PEER, PEER_FETCHES, PEER_BYTES, WIDTH, WIDENED, PEER_BATCHES) = range(13)
 COUNTER_NAMES = ("announcements", "samples_prefetched", "bytes_prefetched",
                  "chunks_demanded", "streams_dropped_stale", "streams_dropped_full",
                  "fetch_errors", "extents_left_to_peers", "peer_fetches",
-                 "bytes_prefetched_from_peers", "fetch_width", "fetch_width_grown")
+                 "bytes_prefetched_from_peers", "fetch_width", "fetch_width_grown",
+                 "peer_batches")  # fetch_many calls: peer extents of a batch sent together
 
 
 class AheadPool(ReaderPool, Protocol):
     """What the look-ahead needs of the chunk pool (ChunkPool) besides what a reader
-    does: its own peer connections in the control process, and who owns each chunk
-    (the placement tables, the nodes) for `locality`."""
+    does: its own peer connections in the control process, who owns each chunk (the
+    placement tables, the nodes) for `locality`, and several peer fetches at once."""
 
     @property
     def tables(self) -> Sequence[np.ndarray]: ...
@@ -125,6 +129,9 @@ class AheadPool(ReaderPool, Protocol):
     def view(self) -> ClusterView: ...
 
     def after_fork(self) -> None: ...
+
+    def fetch_many(self, reads: Sequence[tuple[int, int, int, int, int]],
+                   on_fetched: Callable[[int, bytes | memoryview | None], None]) -> None: ...
 
 
 @dataclass
@@ -158,8 +165,12 @@ class LookAhead:
 
     def __init__(self, namespace: Namespace, pool: AheadPool | None = None, samples: int = 256,
                  nbytes: int = 256 << 20, streams: tuple[int, int] = (8, 32),
-                 store_rate: int = 0, stale_seconds: float = STALE_SECONDS) -> None:
+                 store_rate: int = 0, stale_seconds: float = STALE_SECONDS,
+                 peer_pipeline: bool = True) -> None:
+        """`peer_pipeline`: a fetch thread's peer extents go out together (see the
+        module's docstring); off: one prefetch each, the way before."""
         self.ns = namespace
+        self.peer_pipeline = peer_pipeline
         self.pool = pool
         # What a fetch from a peer uses, kept only where there are peers (as the
         # reader keeps it: a plan has TRY_PEER only then).
@@ -496,8 +507,11 @@ class LookAhead:
     def _fetch_batch(self, batch: list[tuple[int, int]]) -> None:
         started = time.monotonic()
         try:
-            for ds, row in batch:
-                self._fetch_sample(ds, row)
+            if self.peer_pipeline and self.pool is not None and self.pool.share is not None:
+                self._fetch_samples_together(batch)
+            else:
+                for ds, row in batch:
+                    self._fetch_sample(ds, row)
         finally:
             spent = time.monotonic() - started
             with self._lock:
@@ -517,13 +531,69 @@ class LookAhead:
             self._count(FETCH_ERRORS)
             log.debug("look-ahead fetch of dataset %d row %d failed: %s", ds, row, err)
 
+    def _fetch_samples_together(self, batch: list[tuple[int, int]]) -> None:
+        """`_fetch_sample` for each sample of a batch, with the peer extents of all of
+        them held back and fetched together at the end (`_from_peers`); an extent no
+        peer served is read from the store then, as the per-extent way does."""
+        fetched = [0] * len(batch)
+        failed = [False] * len(batch)
+        later: list[_PeerExtent] = []
+        for k, (ds, row) in enumerate(batch):
+            try:
+                reader = self.ns.readers[ds]
+                for ext in reader.directory.extents(row):
+                    fetched[k] += self._fetch_extent(reader, ds, ext, later, k)
+            except Exception as err:  # the reader will meet (and report) the same problem
+                failed[k] = True
+                log.debug("look-ahead fetch of dataset %d row %d failed: %s", ds, row, err)
+        if later:
+            try:
+                self._from_peers(later, fetched)
+            except Exception as err:
+                for extent in later:
+                    failed[extent.sample] = True
+                log.debug("look-ahead peer fetch of %d extents failed: %s", len(later), err)
+        with self._lock:
+            for k in range(len(batch)):
+                if failed[k]:
+                    self.counters[FETCH_ERRORS] += 1
+                else:
+                    self.counters[SAMPLES_AHEAD] += 1
+                    self.counters[BYTES_AHEAD] += fetched[k]
+
+    def _from_peers(self, later: list[_PeerExtent], fetched: list[int]) -> None:
+        """Fetch held-back peer extents (one alone the per-extent way) into PeerShare,
+        adding what each brought to `fetched` of its sample; the store for those no
+        peer served."""
+        if len(later) == 1:
+            results: list[int | None] = [self._prefetch(later[0])]
+        else:
+            reads = [(e.ds, e.chunk, int(e.reader.ext_offsets[e.ext]),
+                      int(e.reader.ext_lengths[e.ext]), int(e.reader.ext_checksums[e.ext]))
+                     for e in later]
+            with self._lock:
+                self.counters[PEER_FETCHES] += len(later)
+                self.counters[PEER_BATCHES] += 1
+            results = self._share.prefetch_many([extent_key(e.ds, e.ext) for e in later],
+                                                self._pool.fetch_many, reads)
+        for e, got in zip(later, results, strict=True):
+            got = self._peer_fetched(e.ds, e.ext, e.chunk, got)
+            if got is None:
+                offset = CHUNK_HEADER_SIZE + int(e.reader.ext_offsets[e.ext])
+                got = self._from_store(e.reader, e.ds, e.ext, e.chunk, offset,
+                                       int(e.reader.ext_lengths[e.ext]))
+            fetched[e.sample] += got
+
     def _count(self, counter: int) -> None:
         with self._lock:
             self.counters[counter] += 1
 
-    def _fetch_extent(self, reader: SampleReader, ds: int, ext: int) -> int:
+    def _fetch_extent(self, reader: SampleReader, ds: int, ext: int,
+                      later: list[_PeerExtent] | None = None, sample: int = 0) -> int:
         """Fetch one extent ahead where the readers' plan (dlfsd.core.extentsource) would
-        read it: its length when it is fetched (or on its way), 0 when left to them."""
+        read it: its length when it is fetched (or on its way), 0 when left to them.
+        `later`: where an extent to fetch from a peer is put instead (for `sample` of
+        the batch; 0 for now)."""
         state = self._states[ds]
         if state[ext] & AHEAD or self._marks[ds][ext]:
             return 0
@@ -540,6 +610,10 @@ class LookAhead:
             return length
         if plan & DEMAND:
             self._demand(source, chunk)
+        if plan & TRY_PEER and later is not None \
+                and self._not_on_peers.get((ds, chunk), 0.0) <= time.monotonic():
+            later.append(_PeerExtent(sample, reader, ds, ext, chunk))
+            return 0
         if plan & TRY_PEER:
             fetched = self._from_peer(reader, ds, ext, chunk)
             if fetched is not None:
@@ -572,10 +646,20 @@ class LookAhead:
         it is read ahead from the store)."""
         if self._not_on_peers.get((ds, chunk), 0.0) > time.monotonic():
             return None
+        return self._peer_fetched(ds, ext, chunk,
+                                  self._prefetch(_PeerExtent(0, reader, ds, ext, chunk)))
+
+    def _prefetch(self, e: _PeerExtent) -> int | None:
+        """One extent from its owners into PeerShare (PeerShare.prefetch)."""
         self._count(PEER_FETCHES)
-        fetched = self._share.prefetch(
-            extent_key(ds, ext), self._pool.fetch, ds, chunk, int(reader.ext_offsets[ext]),
-            int(reader.ext_lengths[ext]), int(reader.ext_checksums[ext]))
+        reader = e.reader
+        return self._share.prefetch(
+            extent_key(e.ds, e.ext), self._pool.fetch, e.ds, e.chunk,
+            int(reader.ext_offsets[e.ext]), int(reader.ext_lengths[e.ext]),
+            int(reader.ext_checksums[e.ext]))
+
+    def _peer_fetched(self, ds: int, ext: int, chunk: int, fetched: int | None) -> int | None:
+        """Note what a prefetch of an extent brought (see _from_peer); returns it."""
         if fetched is None:  # its owner stages it now (a MISS asks it to): ask again later
             self._not_on_peers[(ds, chunk)] = time.monotonic() + NOT_ON_PEERS_SECONDS
             return None
@@ -594,6 +678,17 @@ class LookAhead:
             self._demanded.add((source.ds, chunk))
             source.demand(chunk)
             self._count(DEMANDED)
+
+
+@dataclass(slots=True)
+class _PeerExtent:
+    """An extent a fetch thread fetches from a peer with the others of its batch."""
+
+    sample: int  # its sample's place in the batch
+    reader: SampleReader
+    ds: int
+    ext: int
+    chunk: int
 
 
 class Width:

@@ -50,7 +50,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -77,6 +77,9 @@ COUNTERS = ("fetches", "fetched_bytes", "shared_reads", "shared_bytes", "waits",
 # A whole extent fetched from an owner peer, checked, or None (ChunkPool.fetch, called
 # as fetch(*args)): what PeerShare.read and prefetch are handed.
 Fetch = Callable[..., "bytes | memoryview | None"]
+# Several whole extents fetched, each handed to the callback once, checked, or None
+# (ChunkPool.fetch_many): what prefetch_many is handed.
+FetchMany = Callable[[Sequence, Callable[[int, "bytes | memoryview | None"], None]], None]
 
 
 def extent_key(ds: int, ext: int) -> int:
@@ -229,6 +232,64 @@ class PeerShare:
         finally:
             with self._inproc:
                 self._fetching.discard(key)
+
+    def prefetch_many(self, keys: Sequence[int], fetch_many: FetchMany,
+                      reads: Sequence) -> list[int | None]:
+        """`prefetch` for several extents at once: those no slot holds and nobody else
+        fetches are claimed as `prefetch` claims one (this process's set, the fetch
+        lock, the in-flight note) and fetched together, `fetch_many(their reads,
+        on_fetched)` (pipelined to each owner: ChunkPool.fetch_many); each claim is
+        let go as soon as its extent is stored, so a reader waiting for it does not
+        wait for the rest of the batch. Per key what `prefetch` returns."""
+        results: list[int | None] = [0] * len(keys)
+        claimed = [i for i, key in enumerate(keys) if self._claim(key, results, i)]
+        held = [True] * len(claimed)
+
+        def on_fetched(j: int, whole: bytes | memoryview | None) -> None:
+            i = claimed[j]
+            if whole is not None:
+                results[i] = len(whole) if self.store(keys[i], whole) else 0
+            else:
+                results[i] = None
+            held[j] = False
+            self._unclaim(keys[i])
+
+        try:
+            if claimed:
+                fetch_many([reads[i] for i in claimed], on_fetched)
+        finally:
+            for j, i in enumerate(claimed):
+                if held[j]:
+                    self._unclaim(keys[i])
+        return results
+
+    def _claim(self, key: int, results: list[int | None], i: int) -> bool:
+        """prefetch_many: take the fetch of `key` (True), or set results[i] to what a
+        slot holds of it (left 0 when another thread or process fetches it)."""
+        held = self._slot_length(key)
+        if held:
+            results[i] = held
+            return False
+        with self._inproc:
+            if key in self._fetching:
+                return False
+            self._fetching.add(key)
+        if not self._try_lock(FETCH_LOCKS + key, exclusive=True):
+            with self._inproc:
+                self._fetching.discard(key)
+            return False
+        held = self._slot_length(key)  # its fetch ended between our look and the lock
+        if held:
+            results[i] = held
+            self._unclaim(key)
+            return False
+        self._in_flight[_spot(key, NOTES)] = key
+        return True
+
+    def _unclaim(self, key: int) -> None:
+        self._fetch_done(key)
+        with self._inproc:
+            self._fetching.discard(key)
 
     def _wait_for_fetch(self, key: int) -> bool:
         """Wait until the process fetching `key` is done (or died: its lock goes with it),

@@ -6,7 +6,7 @@ the stager's copy threads), and do their disk reads blocking and inline: a
 blocking round trip costs a few system calls and no event loop. Wire
 protocol: docs/PROTOCOL.md (dlfsd.pool.protocol decides the handshake; this
 only moves its messages); errors: dlfsd.pool.peer. One request in flight per
-connection.
+connection, except in `read_many` (below).
 
 A DATA reply is received whole into one buffer and its payload handed out as
 a view of that buffer when the frame starts with exactly the head expected
@@ -32,6 +32,23 @@ fails before any byte of the reply came is sent again, once, on a new
 connection, within the same timeout; a peer that is really gone then fails to
 connect.
 
+`read_many` pipelines: the READs of a batch leave in one send and their replies
+are taken in turn, each handed to the caller's callback while its bytes are in
+the receive buffer (the next reply overwrites them): a callback keeps the one
+buffer and the one copy a read costs today, where buffers per reply would cost
+a batch's bytes of memory and a copy more, or a receive straight into them
+could not check a reply's head first. Why pipeline: each READ
+alone costs both sides a wake-up (the server's loop, the reader's recv); a batch
+of N costs about one. A batch is cut into rounds of at most BATCH_READS requests
+and BATCH_BYTES bytes asked (a single larger read goes alone), each round with
+the deadline of one read: its replies are no more bytes than one read of
+MAX_READ. Its requests (82 bytes each, BATCH_READS of them: 1.3 KiB) go into
+the kernel at once even with the smallest send and receive buffers TCP allows
+(2.3 KiB get in then; tests/test_peer_pipeline.py), so the one send never waits
+for the server, which stops reading a connection while a reply of it waits to
+go out: the client always gets to reading the replies, no deadlock whatever the
+socket buffers.
+
 A client speaks protocol version 2 first; a server that refuses it (version
 1) is asked again, on a new connection, in version 1, which the client then
 keeps speaking to it: nothing is lost but REPORT. `report` sends a REPORT
@@ -44,14 +61,25 @@ import contextlib
 import socket
 import struct
 import time
+from collections.abc import Callable, Sequence
 
 from dlfsd.pool import protocol
-from dlfsd.pool.peer import PeerMiss, PeerRefused, PeerUnavailable, PeerUnreachable
+from dlfsd.pool.peer import PeerError, PeerMiss, PeerRefused, PeerUnavailable, PeerUnreachable
 from dlfsd.pool.protocol import LENGTH_PREFIX, Message, ProtocolError
 
 _PREFIX = LENGTH_PREFIX.size
 _SLACK = 0.05  # s a read may run over its timeout, to spare a clock-based call per frame
 _shared_frame: memoryview | None = None  # the receive buffer of this process's clients
+# read_many: requests sent together at most (their frames must fit a socket's smallest
+# send buffer, see the module's docstring), and bytes they ask for (one read's worth)
+BATCH_READS = 16
+BATCH_BYTES = protocol.MAX_READ
+
+#: One read of a batch: (dataset id, chunk, offset, length).
+Read = tuple[bytes, int, int, int]
+#: read_many's callback: (index in the batch, the bytes or the read's PeerMiss/PeerRefused).
+#: The bytes are a view of the receive buffer, valid during the call only.
+OnReply = Callable[[int, "bytes | memoryview | PeerError"], None]
 
 
 def _receive_buffer() -> memoryview:
@@ -138,6 +166,109 @@ class BlockingPeerClient:
             self.close()
             raise PeerUnavailable(f"peer {self.address} answered another request")
         return self._result(reply, dataset_id, chunk, offset, length)
+
+    def read_many(self, reads: Sequence[Read], on_reply: OnReply) -> None:
+        """Read several ranges pipelined (see the module's docstring): `on_reply(i,
+        result)` once per read, in the order the replies come (today's server: the
+        order of `reads`), with its bytes (a view valid during the call only) or its
+        PeerMiss / PeerRefused, each checked as `read` checks one.
+
+        PeerUnavailable for the connection (lost, timed out, a reply that breaks the
+        protocol): raised once the replies before it were handed out; the reads not
+        answered yet got no call. The connection is then closed; the next read opens
+        another. An exception of `on_reply` closes it too (replies are still on their
+        way) and propagates."""
+        start = 0
+        while start < len(reads):
+            end, asked = start + 1, reads[start][3]
+            while end < len(reads) and end - start < BATCH_READS \
+                    and asked + reads[end][3] <= BATCH_BYTES:
+                asked += reads[end][3]
+                end += 1
+            self._read_round(reads, start, end, on_reply)
+            start = end
+
+    def _read_round(self, reads: Sequence[Read], start: int, end: int,
+                    on_reply: OnReply) -> None:
+        """Send reads[start:end] in one go and hand out their replies, within one
+        `timeout` (a round asks for at most BATCH_BYTES)."""
+        sock = self._sock
+        reused = sock is not None
+        if sock is not None:
+            self._start_clock(sock)
+        else:
+            sock = self._connect()
+        pending: dict[int, int] = {}  # request id -> index in `reads`
+        frames = []
+        for index in range(start, end):
+            self._next_id = (self._next_id + 1) % protocol.MAX_REQUEST_ID
+            pending[self._next_id] = index
+            frames.append(protocol.read_frame(self._next_id, *reads[index]))
+        request = b"".join(frames)
+        try:
+            try:
+                self._replied = False
+                sock.sendall(request)
+                have = self._take_reply(sock, reads, pending, 0, on_reply)
+            except (ConnectionResetError, BrokenPipeError) as error:
+                if not reused or self._replied:
+                    raise
+                sock = self._reconnect(error)  # closed while idle: the whole round again
+                sock.sendall(request)
+                have = self._take_reply(sock, reads, pending, 0, on_reply)
+            while pending:
+                have = self._take_reply(sock, reads, pending, have, on_reply)
+            if have:
+                raise ProtocolError("the peer sent more than the replies asked for")
+        except (OSError, ProtocolError) as error:
+            self.close()
+            raise PeerUnavailable(f"peer {self.address}: {self._why(error)}") from None
+        except BaseException:
+            self.close()  # replies may still be on their way: the connection is spent
+            raise
+
+    def _take_reply(self, sock: socket.socket, reads: Sequence[Read], pending: dict[int, int],
+                    have: int, on_reply: OnReply) -> int:
+        """Receive the next reply of a round (`have` bytes of it are at the buffer's
+        start already) and hand it to `on_reply`; returns how many bytes of the replies
+        after it came with it (moved to the buffer's start). The fast path expects a
+        DATA for the oldest request pending, as `read` expects one for its request."""
+        request_id = next(iter(pending))
+        index = pending[request_id]
+        length = reads[index][3]
+        head = protocol.data_frame_head(request_id, length) if length <= protocol.MAX_READ \
+            else b""
+        expect = len(head) + length if head else 0
+        size, got = self._receive_next(sock, expect, have)
+        end = _PREFIX + size
+        if end == expect and self._frame[: len(head)] == head:
+            del pending[request_id]
+            on_reply(index, self._view[len(head) - _PREFIX : size])
+        else:
+            reply = protocol.decode_body(self._view[:size])
+            index = pending.pop(reply.get("id", -1), -1)
+            if index < 0:
+                raise ProtocolError("answered a request it was not sent")
+            on_reply(index, self._checked_reply(reply, *reads[index]))
+        rest = got - end
+        if rest:  # the next replies' first bytes (this one was shorter than hoped for)
+            self._frame[:rest] = bytes(self._frame[end:got])
+        return rest
+
+    def _checked_reply(self, reply: Message, dataset_id: bytes, chunk: int, offset: int,
+                       length: int) -> bytes | PeerError:
+        """A reply of a batch as `_result` takes one, its PeerMiss / PeerRefused
+        returned; a reply that breaks the connection raises ProtocolError."""
+        if reply["t"] not in (protocol.DATA, protocol.MISS, protocol.FAIL):
+            raise ProtocolError(f"sent {reply['t']} instead of a reply")
+        if reply["t"] == protocol.DATA and len(reply["data"]) != length:
+            raise ProtocolError(f"sent {len(reply['data'])} bytes of chunk {chunk}, "
+                                f"not {length}")
+        where = f"chunk {chunk} of dataset {dataset_id.hex()} on peer {self.address}"
+        try:
+            return reply_bytes(reply, where, offset, length)
+        except PeerError as error:
+            return error
 
     def _exchange(self, sock: socket.socket, request: bytes, expect: int) -> int:
         """Send a request and receive its reply's frame (`expect`: the size of the
@@ -315,6 +446,34 @@ class BlockingPeerClient:
             self._bound_by_deadline(sock, got, end)
             self._fill(sock, frame[got:end])
         return size
+
+    def _receive_next(self, sock: socket.socket, expect: int, have: int) -> tuple[int, int]:
+        """`_receive_frame` for a reply of a batch: `have` bytes of it are in the buffer
+        already, and bytes past its end are the next replies' (they stay, for the
+        caller). Returns (the body's size, the bytes in the buffer)."""
+        frame = self._frame
+        got = have
+        if got < _PREFIX and expect:
+            self._bound_by_deadline(sock, got, expect)  # the round's deadline, not a new one
+            n = sock.recv_into(frame[got:expect])
+            if not n:
+                raise ConnectionResetError("connection closed by the peer")
+            self._replied = True
+            got += n
+        if got < _PREFIX:
+            self._bound_by_deadline(sock, got, _PREFIX)
+            self._fill(sock, frame[got:_PREFIX])
+            got = _PREFIX
+        (size,) = LENGTH_PREFIX.unpack_from(frame)
+        if size > protocol.MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
+                                f"{protocol.MAX_FRAME}")
+        end = _PREFIX + size
+        if got < end:
+            self._bound_by_deadline(sock, got, end)
+            self._fill(sock, frame[got:end])
+            got = end
+        return size, got
 
     def _bound_by_deadline(self, sock: socket.socket, got: int, want: int) -> None:
         """Before a receive: if the read's time is running out, cut the kernel timeout

@@ -37,7 +37,8 @@ Peer clients are blocking (dlfsd.pool.peersync: the worker processes serve
 one request at a time); forked workers call `after_fork` and open their own.
 Another thread of a process (the look-ahead's fetch threads) gets clients of
 its own, with buffers of their own, so its fetches go in parallel with the
-other threads' rather than one at a time.
+other threads' rather than one at a time; `fetch_many` sends a thread's extents
+for one owner together, pipelined on its connection (BlockingPeerClient.read_many).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ REPORTED_BAD_SECONDS = 2.0  # the peer re-stages a reported copy at once: look a
 REPORTS_PER_SECOND, REPORT_BURST = 2.0, 5  # per process: a rotting disk costs peers little
 SLOW_SECONDS = 30.0  # a peer found slow (dlfsd.pool.slowpeers) is asked last this long
 _NO_MARK = (0.0, 0)
+
+# One extent for fetch_many: (ds, chunk, offset, length, expected checksum), as fetch takes it.
+PeerRead = tuple[int, int, int, int, int]
+# fetch_many's callback: (index of the read, its checked bytes or None), once per read.
+OnFetched = Callable[[int, "bytes | memoryview | None"], None]
 
 # Whether the stager will stage chunk (ds, chunk) soon (Stager.will_stage; set_stager).
 WillStage = Callable[[int, int], bool]
@@ -249,6 +255,73 @@ class ChunkPool:
                 reported = self._reports.take() and self._client(node).report(bad)
                 self._bad_copy(node, ds, chunk, reported)
         return None
+
+    def fetch_many(self, reads: Sequence[PeerRead], on_fetched: OnFetched) -> None:
+        """`fetch` for several extents: `on_fetched(i, data)` once per read, with its
+        checked bytes (a view valid during the call only) or None when no peer could
+        serve them. The reads that would go to the same owner go together, pipelined on
+        one connection (BlockingPeerClient.read_many); each read goes through its
+        owners in `fetch`'s order with `fetch`'s checks, marks and timing (a reply is
+        timed from the one before it: its own cost on the wire, not its wait in
+        line), and what an owner did not serve tries the read's next owner, batched
+        again with the others that go there."""
+        owners = [self._live_owners(ds, chunk) for ds, chunk, _, _, _ in reads]
+        todo = list(range(len(reads)))
+        while todo:
+            by_node: dict[int, list[int]] = {}
+            for index in todo:
+                node = next(owners[index], -1)
+                if node < 0:
+                    on_fetched(index, None)
+                else:
+                    by_node.setdefault(node, []).append(index)
+            todo = []
+            for node, batch in by_node.items():
+                todo += self._fetch_from(node, [reads[i] for i in batch], batch, on_fetched)
+
+    def _fetch_from(self, node: int, reads: list[PeerRead], indices: list[int],
+                    on_fetched: OnFetched) -> list[int]:
+        """One owner's part of fetch_many; returns the indices it did not serve."""
+        datasets = self.datasets
+        client = self._client(node)
+        unserved: list[int] = []
+        answered = [False] * len(reads)
+        clock = [time.monotonic()]
+
+        def on_reply(k: int, data: bytes | memoryview | PeerError) -> None:
+            answered[k] = True
+            ds, chunk, offset, length, expected = reads[k]
+            if isinstance(data, PeerError):
+                self._peer_failed(node, data)
+                unserved.append(indices[k])
+                clock[0] = time.monotonic()
+                return
+            took = time.monotonic() - clock[0]
+            if took > SLOW_FLOOR + length / SLOW_RATE or node in self._slow:
+                self._timed(node, took, length)
+            if self._bad_copies and self._bad_copies.get(
+                    (node, ds, chunk), _NO_MARK)[0] > time.monotonic():
+                # An extent of this chunk came bad earlier in the batch: as `fetch` would
+                # have, read the chunk elsewhere (and keep the mark: its copy is bad).
+                unserved.append(indices[k])
+            elif self._accept(node, ds, chunk, data, length, expected):
+                on_fetched(indices[k], data)
+            else:
+                if len(data) == length:  # a bad copy there: tell it
+                    bad = BadRange(datasets[ds].uuid, chunk, offset, length)
+                    reported = self._reports.take() and client.report(bad)
+                    self._bad_copy(node, ds, chunk, reported)
+                unserved.append(indices[k])
+            clock[0] = time.monotonic()
+
+        self.requests.waiting(WAIT_PEER, node)
+        try:
+            client.read_many([(datasets[ds].uuid, chunk, offset, length)
+                              for ds, chunk, offset, length, _ in reads], on_reply)
+        except PeerError as err:  # the connection: the reads it did not answer go on
+            self._peer_failed(node, err)
+            unserved += [i for i, done in zip(indices, answered, strict=True) if not done]
+        return unserved
 
     def _live_owners(self, ds: int, chunk: int) -> Iterator[int]:
         """The other owners of a chunk in placement order, skipping peers marked down

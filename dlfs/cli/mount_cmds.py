@@ -199,6 +199,10 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                         "read stream. The look-ahead starts at MIN and opens more, up to MAX, "
                         "while the readers catch up with it (default 8:32; N alone is "
                         "min(8,N):N; 8:8 keeps 8)")
+    g.add_argument("--lookahead-pipeline", choices=("on", "off"), default="on",
+                   help="send the peer extents of a fetch thread's samples to their owner "
+                        "together, pipelined on one connection (default on); off: one "
+                        "request at a time per connection")
     g.add_argument("--lookahead-stale", type=_seconds, default=MountConfig.lookahead_stale,
                    metavar="SECONDS",
                    help="forget an announced epoch nothing was read from for this long "
@@ -433,7 +437,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         trace_capacity=args.trace_capacity, lookahead=bool(args.lookahead[0]),
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
-        lookahead_stale=args.lookahead_stale, stall_seconds=args.stall_seconds,
+        lookahead_stale=args.lookahead_stale,
+        lookahead_pipeline=args.lookahead_pipeline == "on", stall_seconds=args.stall_seconds,
         request_timeout=args.request_timeout, passthrough=args.passthrough,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 

@@ -1,0 +1,208 @@
+"""The look-ahead fetching an announced epoch from a peer: one request at a time per
+connection vs pipelined (--lookahead-pipeline off / on, issue 33 item 1).
+
+Two daemons on loopback, --replicas 1 (a node's look-ahead never asks a co-owner
+for a chunk it owns itself), the holder with its share staged (in the page cache:
+hot), the reading daemon with --cache-limit 1 (it stages nothing). Per round and
+per setting, on a fresh pair of mounts: the samples whose chunks the holder owns
+are registered and announced in a shuffled order on the reading node
+(dlfs.order.client, what DLFSSampler does) with a window of all of them
+(--lookahead N:...), and nothing reads: the look-ahead fetches them from the
+holder into the node's PeerShare as fast as it can (its fetch threads at their
+least width, 8: no reader is close behind to widen it). Measured until its
+`samples_prefetched` reaches N: samples/s, and the CPU per sample of the holder's
+daemon (every process: the peer server's) and of the reading daemon (the
+look-ahead's threads). Settings alternate within each round, so the ratios
+compare the same machine state; min/median/max over --rounds.
+
+--read N: instead, N reader processes read the announced epoch at once
+(dlfs.demo.workload.shuffled_epoch, the order announced) while the look-ahead
+fetches ahead of them (its width then follows them): files/s of the epoch, the
+holder's CPU per sample, the reading node's (its daemon and the readers).
+
+--pin: the holder on --holder-cpu, the reading daemon on --reader-cpu (as
+pool_read.py --pin): each "node" has a CPU of its own.
+
+examples (from the repository root, as root):
+  .venv/bin/python bench/lookahead_peer.py --quick
+  .venv/bin/python bench/lookahead_peer.py --files 4000 --rounds 5 --pin
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import (
+    add_common_args,
+    children_cpu_seconds,
+    daemon_cpu_seconds,
+    formatter,
+    median,
+    populate,
+    print_table,
+    run_main,
+    size_arg,
+    workdir,
+)
+from _pool import free_ports, wait_staged, write_secret
+from pool_read import _PIN, mounted_on, pinned
+
+from dlfs.demo.sampledata import generate_tree
+from dlfs.demo.workload import shuffled_epoch
+from dlfs.order.client import connect
+
+SETTINGS = ("off", "on")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=formatter())
+    add_common_args(p, rounds=5)
+    p.add_argument("--files", type=int, default=4000, help="files (default 4000; --quick 400)")
+    p.add_argument("--file-size", type=size_arg, default=110 << 10,
+                   help="bytes per file (default 110K)")
+    p.add_argument("--mount-args", default="", help="extra `dlfs mount` arguments for both sides")
+    p.add_argument("--read", type=int, default=0, metavar="N",
+                   help="N reader processes read the announced epoch (default 0: none, "
+                        "the fill alone)")
+    p.add_argument("--pin", action="store_true", help="holder and reading node on a CPU each")
+    p.add_argument("--holder-cpu", type=int, default=1, help="with --pin (default 1)")
+    p.add_argument("--reader-cpu", type=int, default=0, help="with --pin (default 0)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.files = max(100, args.files // 10)
+    return args
+
+
+@contextlib.contextmanager
+def pair(work: Path, extra: list[str]):
+    """The holder (its share staged) and the reading node (stages nothing), R=1."""
+    ports = free_ports(2)
+    nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    secret = write_secret(work / "secret")
+    common = ["--nodes", nodes, "--replicas", "1", "--secret-file", str(secret), *extra]
+    with mounted_on(_PIN["holder"], work / "store", work / "mnt-holder",
+                    ["--cache-dir", str(work / "cache-holder"), "--node", "holder", *common],
+                    work / "holder.log") as holder, \
+         mounted_on(_PIN["reader"], work / "store", work / "mnt-reader",
+                    ["--cache-dir", str(work / "cache-reader"), "--node", "reader",
+                     "--cache-limit", "1", *common], work / "reader.log") as reader:
+        wait_staged(holder)
+        yield reader, holder
+
+
+def holders_files(work: Path, paths: list[str]) -> list[str]:
+    """The files whose chunks the holder owns (placement; the same on every mount)."""
+    with pair(work, ["--lookahead", "1"]) as (reader, _):
+        client = connect([str(reader / "ds" / p) for p in paths])
+        if client is None:
+            raise RuntimeError("the reading mount has no order socket")
+        loc = client.locality()
+        theirs = loc.chunk_node[loc.sample_chunk] != loc.node
+    return [p for p, t in zip(paths, theirs.tolist(), strict=True) if t]
+
+
+def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
+         extra: list[str], readers: int = 0) -> dict[str, float]:
+    """Announce `paths` on a fresh pair and time the look-ahead's fetch of all of
+    them from the holder (`readers`: the epoch read by that many processes)."""
+    window = ["--lookahead", f"{len(paths)}:{2 * nbytes}", "--lookahead-pipeline", setting]
+    with pair(work, [*extra, *window]) as (reader, holder):
+        client = connect([str(reader / "ds" / p) for p in paths])
+        if client is None:
+            raise RuntimeError("the reading mount has no order socket")
+        order = list(range(len(paths)))
+        random.Random(seed).shuffle(order)
+        cpu = (daemon_cpu_seconds(holder), daemon_cpu_seconds(reader))
+        started = time.perf_counter()
+        client.announce(seed, np.asarray(order))
+        if readers:
+            before = children_cpu_seconds()
+            with pinned(_PIN["reader"]):  # the reader processes are forked in here
+                r = shuffled_epoch([str(reader / "ds" / p) for p in paths], readers, seed=seed)
+            if r.bytes != nbytes:
+                raise RuntimeError(f"read {r.bytes} bytes, expected {nbytes}")
+            read_cpu = children_cpu_seconds() - before
+            counters = client.status()["counters"]
+            done = len(paths)
+        deadline = started + 300
+        while not readers:
+            counters = client.status()["counters"]
+            done = counters["samples_prefetched"] + counters["fetch_errors"]
+            if done >= len(paths) or time.perf_counter() > deadline:
+                break
+            time.sleep(0.005)
+        seconds = time.perf_counter() - started
+        spent = (daemon_cpu_seconds(holder) - cpu[0], daemon_cpu_seconds(reader) - cpu[1])
+        if readers:
+            spent = (spent[0], spent[1] + read_cpu)
+            hits = json.loads((reader / ".dlfs" / "stats.json").read_text())["mount"]["lookahead"]
+    if done < len(paths):
+        raise RuntimeError(f"{setting}: {done} of {len(paths)} samples in 300 s: {counters}")
+    n = len(paths)
+    result = {"rate": n / seconds, "holder_us": spent[0] * 1e6 / n,
+              "reader_us": spent[1] * 1e6 / n, "batches": counters["peer_batches"],
+              "peer_fetches": counters["peer_fetches"],
+              "from_peers": counters["bytes_prefetched_from_peers"] / nbytes}
+    node = "reading node" if readers else "reading daemon"
+    took = (f"  hits {hits['hits'] / max(1, hits['hits'] + hits['misses']):.0%}, width "
+            f"{counters['fetch_width']}") if readers else ""
+    print(f"  {setting:<3} {result['rate']:8,.0f} samples/s  holder {result['holder_us']:5.0f} "
+          f"us/sample  {node} {result['reader_us']:5.0f} us/sample{took}  "
+          f"({counters['peer_fetches']} peer fetches, {counters['peer_batches']} batches, "
+          f"{result['from_peers']:.2f}x the bytes from peers, fetch errors "
+          f"{counters['fetch_errors']})", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    extra = args.mount_args.split()
+    if args.pin:
+        _PIN.update(holder=args.holder_cpu, reader=args.reader_cpu)
+    with workdir(args.workdir, args.keep, "lookahead-peer") as work:
+        summary = generate_tree(work / "src", args.files, args.file_size, seed=1)
+        paths = [str(p.relative_to(work / "src")) for p in summary.paths]
+        took = populate(work / "src", work / "store", "ds", ["--no-fsync", "--chunk-size", "16M"])
+        print(f"{args.files:,} files, {summary.bytes / (1 << 20):,.1f} MiB; populate {took:.1f} s"
+              + (f"; holder on CPU {args.holder_cpu}, reading node on CPU {args.reader_cpu}"
+                 if args.pin else ""))
+        theirs = holders_files(work, paths)
+        nbytes = sum((work / "src" / p).stat().st_size for p in theirs)
+        print(f"{len(theirs):,} of them ({nbytes / (1 << 20):,.1f} MiB) in the holder's chunks: "
+              "announced on the reading node")
+        results: dict[str, list[dict[str, float]]] = {s: [] for s in SETTINGS}
+        for rnd in range(args.rounds):
+            print(f"round {rnd + 1}/{args.rounds}")
+            for setting in SETTINGS if rnd % 2 == 0 else SETTINGS[::-1]:
+                results[setting].append(fill(work, theirs, nbytes, setting, rnd, extra,
+                                             args.read))
+        report(results, args.rounds, args.read)
+    return 0
+
+
+def report(results: dict[str, list[dict[str, float]]], rounds: int, readers: int) -> None:
+    rows = []
+    node = "reading node (daemon + readers)" if readers else "reading daemon"
+    for key, label in (("rate", "samples/s"), ("holder_us", "holder CPU us/sample"),
+                       ("reader_us", f"{node} CPU us/sample")):
+        off = [r[key] for r in results["off"]]
+        on = [r[key] for r in results["on"]]
+        ratios = [b / a for a, b in zip(off, on, strict=True)]
+        rows.append((label, f"{median(off):,.0f}", f"{median(on):,.0f}", _spread(ratios)))
+    print_table(("", "off (median)", "on (median)", "on/off per round min/median/max"), rows,
+                title=f"look-ahead {'ahead of ' + str(readers) + ' readers' if readers else 'fill'}"
+                      f" from one peer, {rounds} rounds")
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}/{median(values):.2f}/{max(values):.2f}"
+
+
+if __name__ == "__main__":
+    run_main(main)
