@@ -296,9 +296,7 @@ class ChunkPool:
                 unserved.append(indices[k])
                 clock[0] = time.monotonic()
                 return
-            took = time.monotonic() - clock[0]
-            if took > SLOW_FLOOR + length / SLOW_RATE or node in self._slow:
-                self._timed(node, took, length)
+            self._timed(node, time.monotonic() - clock[0], length)
             if self._bad_copies and self._bad_copies.get(
                     (node, ds, chunk), _NO_MARK)[0] > time.monotonic():
                 # An extent of this chunk came bad earlier in the batch: as `fetch` would
