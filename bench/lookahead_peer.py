@@ -20,6 +20,9 @@ compare the same machine state; min/median/max over --rounds.
 fetches ahead of them (its width then follows them): files/s of the epoch, the
 holder's CPU per sample, the reading node's (its daemon and the readers).
 
+--net: the two daemons in network namespaces of their own, each link shaped to
+10 Gbit/s (tests/netsim.py; what pool_read.py --net models).
+
 --pin: the holder on --holder-cpu, the reading daemon on --reader-cpu (as
 pool_read.py --pin): each "node" has a CPU of its own.
 
@@ -34,6 +37,7 @@ import argparse
 import contextlib
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -50,8 +54,8 @@ from _common import (
     size_arg,
     workdir,
 )
-from _pool import free_ports, wait_staged, write_secret
-from pool_read import _PIN, mounted_on, pinned
+from _pool import wait_staged, write_secret
+from pool_read import _PIN, enter_network, in_node, mounted_on, node_addresses, pinned
 
 from dlfs.demo.sampledata import generate_tree
 from dlfs.demo.workload import shuffled_epoch
@@ -71,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="N reader processes read the announced epoch (default 0: none, "
                         "the fill alone)")
     p.add_argument("--pin", action="store_true", help="holder and reading node on a CPU each")
+    p.add_argument("--net", action="store_true",
+                   help="the two daemons in network namespaces joined by a bridge, each link "
+                        "shaped to 10 Gbit/s (tests/netsim.py; as pool_read.py --net)")
     p.add_argument("--holder-cpu", type=int, default=1, help="with --pin (default 1)")
     p.add_argument("--reader-cpu", type=int, default=0, help="with --pin (default 0)")
     args = p.parse_args(argv)
@@ -82,18 +89,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @contextlib.contextmanager
 def pair(work: Path, extra: list[str]):
     """The holder (its share staged) and the reading node (stages nothing), R=1."""
-    ports = free_ports(2)
-    nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    nodes = node_addresses()
     secret = write_secret(work / "secret")
     common = ["--nodes", nodes, "--replicas", "1", "--secret-file", str(secret), *extra]
     with mounted_on(_PIN["holder"], work / "store", work / "mnt-holder",
                     ["--cache-dir", str(work / "cache-holder"), "--node", "holder", *common],
-                    work / "holder.log") as holder, \
+                    work / "holder.log", node=1) as holder, \
          mounted_on(_PIN["reader"], work / "store", work / "mnt-reader",
                     ["--cache-dir", str(work / "cache-reader"), "--node", "reader",
                      "--cache-limit", "1", *common], work / "reader.log") as reader:
         wait_staged(holder)
-        yield reader, holder
+        with in_node(0):  # the order socket is abstract: reachable from its namespace only
+            yield reader, holder
 
 
 def holders_files(work: Path, paths: list[str]) -> list[str]:
@@ -165,6 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     extra = args.mount_args.split()
     if args.pin:
         _PIN.update(holder=args.holder_cpu, reader=args.reader_cpu)
+    with contextlib.ExitStack() as stack:
+        if args.net:
+            why = enter_network(stack)
+            if why:
+                print(f"--net: {why}", file=sys.stderr)
+                return 2
+        return _run(args, extra)
+
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
     with workdir(args.workdir, args.keep, "lookahead-peer") as work:
         summary = generate_tree(work / "src", args.files, args.file_size, seed=1)
         paths = [str(p.relative_to(work / "src")) for p in summary.paths]

@@ -178,12 +178,7 @@ def local_side(store: Path, work: Path, extra: list[str]):
 
 @contextlib.contextmanager
 def remote_side(store: Path, work: Path, extra: list[str], holder_extra: list[str]):
-    if _NET:
-        net = _NET[0]
-        nodes = f"reader={net.address(0)}:7470,holder={net.address(1)}:7470"
-    else:
-        ports = free_ports(2)
-        nodes = f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
+    nodes = node_addresses()
     _HOLDER.update(host=nodes.split("holder=")[1].rsplit(":", 1)[0],
                    port=int(nodes.rsplit(":", 1)[1]))
     secret = write_secret(work / "secret")
@@ -319,19 +314,39 @@ def main(argv: list[str] | None = None) -> int:
         _PIN.update(holder=args.holder_cpu, reader=args.reader_cpu)
     with contextlib.ExitStack() as stack:
         if args.net:
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-            import netsim
-
-            if netsim.unavailable():
-                print(f"--net: {netsim.unavailable()}", file=sys.stderr)
+            why = enter_network(stack)
+            if why:
+                print(f"--net: {why}", file=sys.stderr)
                 return 2
-            net = stack.enter_context(netsim.Network(2))
-            for i in range(2):
-                net.shape(i, "10gbit")
-            _NET.append(net)
-            # what netsim makes of the profile here, delay left out where netem is missing
-            print(f"remote side over network namespaces, links: {netsim.modeled('10gbit')}")
         return _run(args, extra)
+
+
+def enter_network(stack: contextlib.ExitStack) -> str | None:
+    """--net: two nodes in network namespaces of their own (tests/netsim.py), each link
+    shaped "10gbit", until `stack` closes; mounts then go in with in_node. Returns why
+    that cannot be done here, None once done."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import netsim
+
+    if netsim.unavailable():
+        return netsim.unavailable()
+    net = stack.enter_context(netsim.Network(2))
+    for i in range(2):
+        net.shape(i, "10gbit")
+    _NET.append(net)
+    # what netsim makes of the profile here, delay left out where netem is missing
+    print(f"remote side over network namespaces, links: {netsim.modeled('10gbit')}")
+    return None
+
+
+def node_addresses() -> str:
+    """`--nodes` for the reader (node 0) and the holder (node 1): in their namespaces
+    with --net, else on loopback."""
+    if _NET:
+        net = _NET[0]
+        return f"reader={net.address(0)}:7470,holder={net.address(1)}:7470"
+    ports = free_ports(2)
+    return f"reader=127.0.0.1:{ports[0]},holder=127.0.0.1:{ports[1]}"
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
