@@ -20,6 +20,12 @@ compare the same machine state; min/median/max over --rounds.
 fetches ahead of them (its width then follows them): files/s of the epoch, the
 holder's CPU per sample, the reading node's (its daemon and the readers).
 
+--local (with --read N): each round also reads the announced epoch on a local mount
+(one daemon, its own cache dir, every chunk staged, look-ahead on, the same window),
+so that remote/local is printed per round for both settings: what a job that
+announces its order (DLFSSampler) gets from a peer against what it gets from its
+own NVMe, as pool_read.py --pin measures it for reads in no announced order.
+
 --net: the two daemons in network namespaces of their own, each link shaped to
 10 Gbit/s (tests/netsim.py; what pool_read.py --net models).
 
@@ -62,6 +68,7 @@ from dlfs.demo.workload import shuffled_epoch
 from dlfs.order.client import connect
 
 SETTINGS = ("off", "on")
+LOCAL = "local"  # --local: the reference set-up
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="N reader processes read the announced epoch (default 0: none, "
                         "the fill alone)")
     p.add_argument("--pin", action="store_true", help="holder and reading node on a CPU each")
+    p.add_argument("--local", action="store_true",
+                   help="with --read N: also read the announced epoch from a local mount "
+                        "and print remote/local per round")
     p.add_argument("--net", action="store_true",
                    help="the two daemons in network namespaces joined by a bridge, each link "
                         "shaped to 10 Gbit/s (tests/netsim.py; as pool_read.py --net)")
@@ -83,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.files = max(100, args.files // 10)
+    if args.local and not args.read:
+        p.error("--local compares readers' epochs: give --read N too")
     return args
 
 
@@ -103,6 +115,17 @@ def pair(work: Path, extra: list[str]):
             yield reader, holder
 
 
+@contextlib.contextmanager
+def local(work: Path, extra: list[str]):
+    """--local: one daemon with every chunk staged on its own cache dir (no holder)."""
+    with mounted_on(_PIN["reader"], work / "store", work / "mnt-local",
+                    ["--cache-dir", str(work / "cache-local"), *extra],
+                    work / "local.log") as mount:
+        wait_staged(mount)
+        with in_node(0):
+            yield mount, None
+
+
 def holders_files(work: Path, paths: list[str]) -> list[str]:
     """The files whose chunks the holder owns (placement; the same on every mount)."""
     with pair(work, ["--lookahead", "1"]) as (reader, _):
@@ -118,14 +141,16 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
          extra: list[str], readers: int = 0) -> dict[str, float]:
     """Announce `paths` on a fresh pair and time the look-ahead's fetch of all of
     them from the holder (`readers`: the epoch read by that many processes)."""
-    window = ["--lookahead", f"{len(paths)}:{2 * nbytes}", "--lookahead-pipeline", setting]
-    with pair(work, [*extra, *window]) as (reader, holder):
+    window = ["--lookahead", f"{len(paths)}:{2 * nbytes}"]
+    mounts = local(work, [*extra, *window]) if setting == LOCAL else \
+        pair(work, [*extra, *window, "--lookahead-pipeline", setting])
+    with mounts as (reader, holder):
         client = connect([str(reader / "ds" / p) for p in paths])
         if client is None:
             raise RuntimeError("the reading mount has no order socket")
         order = list(range(len(paths)))
         random.Random(seed).shuffle(order)
-        cpu = (daemon_cpu_seconds(holder), daemon_cpu_seconds(reader))
+        cpu = (daemon_cpu_seconds(holder) if holder else 0.0, daemon_cpu_seconds(reader))
         started = time.perf_counter()
         client.announce(seed, np.asarray(order))
         if readers:
@@ -145,7 +170,8 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
                 break
             time.sleep(0.005)
         seconds = time.perf_counter() - started
-        spent = (daemon_cpu_seconds(holder) - cpu[0], daemon_cpu_seconds(reader) - cpu[1])
+        spent = ((daemon_cpu_seconds(holder) if holder else 0.0) - cpu[0],
+                 daemon_cpu_seconds(reader) - cpu[1])
         if readers:
             spent = (spent[0], spent[1] + read_cpu)
             hits = json.loads((reader / ".dlfs" / "stats.json").read_text())["mount"]["lookahead"]
@@ -159,7 +185,7 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
     node = "reading node" if readers else "reading daemon"
     took = (f"  hits {hits['hits'] / max(1, hits['hits'] + hits['misses']):.0%}, width "
             f"{counters['fetch_width']}") if readers else ""
-    print(f"  {setting:<3} {result['rate']:8,.0f} samples/s  holder {result['holder_us']:5.0f} "
+    print(f"  {setting:<5} {result['rate']:8,.0f} samples/s  holder {result['holder_us']:5.0f} "
           f"us/sample  {node} {result['reader_us']:5.0f} us/sample{took}  "
           f"({counters['peer_fetches']} peer fetches, {counters['peer_batches']} batches, "
           f"{result['from_peers']:.2f}x the bytes from peers, fetch errors "
@@ -193,10 +219,11 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         nbytes = sum((work / "src" / p).stat().st_size for p in theirs)
         print(f"{len(theirs):,} of them ({nbytes / (1 << 20):,.1f} MiB) in the holder's chunks: "
               "announced on the reading node")
-        results: dict[str, list[dict[str, float]]] = {s: [] for s in SETTINGS}
+        settings = (*SETTINGS, LOCAL) if args.local else SETTINGS
+        results: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
         for rnd in range(args.rounds):
             print(f"round {rnd + 1}/{args.rounds}")
-            for setting in SETTINGS if rnd % 2 == 0 else SETTINGS[::-1]:
+            for setting in settings if rnd % 2 == 0 else settings[::-1]:
                 results[setting].append(fill(work, theirs, nbytes, setting, rnd, extra,
                                              args.read))
         report(results, args.rounds, args.read)
@@ -212,6 +239,12 @@ def report(results: dict[str, list[dict[str, float]]], rounds: int, readers: int
         on = [r[key] for r in results["on"]]
         ratios = [b / a for a, b in zip(off, on, strict=True)]
         rows.append((label, f"{median(off):,.0f}", f"{median(on):,.0f}", _spread(ratios)))
+    if LOCAL in results:
+        here = [r["rate"] for r in results[LOCAL]]
+        for setting in SETTINGS:
+            ratios = [r["rate"] / h for r, h in zip(results[setting], here, strict=True)]
+            rows.append((f"remote/local files/s, {setting}", "", "", _spread(ratios)))
+        rows.append(("local files/s (median)", "", "", f"{median(here):,.0f}"))
     print_table(("", "off (median)", "on (median)", "on/off per round min/median/max"), rows,
                 title=f"look-ahead {'ahead of ' + str(readers) + ' readers' if readers else 'fill'}"
                       f" from one peer, {rounds} rounds")

@@ -249,6 +249,44 @@ def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
     assert fetches["shared_reads"] > 0, fetches  # readers took peer bytes fetched ahead
 
 
+def test_a_window_larger_than_the_peer_share_fetches_each_extent_once(
+        mounted, tmp_path, dlfs_cli):
+    """Two nodes, R=1, 1 MiB chunks, a window of 2000 samples but 32 MiB, so the node's
+    PeerShare has 96 slots (64 MiB of the readers' own + 32 MiB, a 1 MiB slot each)
+    for the ~300 samples of the other node's chunks. One slow reader in the announced
+    order: the look-ahead must not fetch past what the slots keep. It used to: its
+    unread extents were evicted by its own later ones and the reader fetched them
+    again (407 fetches for 271 samples here; 4,261 for 2,384 samples in
+    bench/lookahead_peer.py --read 8)."""
+    from test_pool import Cluster, fresh_status, pool_source_tree, wait_staged
+
+    source = pool_source_tree(tmp_path / "src")
+    from conftest import populate_store
+
+    store = populate_store(source, tmp_path / "store", "ds", "1M", "--no-fsync")
+    pool = Cluster(mounted, store, tmp_path, 2, extra=("--lookahead", "2000:32M"))
+    holder, mount = pool.mounts
+    wait_staged(dlfs_cli, holder)
+    wait_staged(dlfs_cli, mount)
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    paths = [str(mount.path / "ds" / p.relative_to(source)) for p in files]
+    client = connect(paths)
+    locality = client.locality()
+    theirs = locality.chunk_node[locality.sample_chunk] != locality.node
+    slots = fresh_status(dlfs_cli, mount)["peer_fetch"]["slots"]
+    assert theirs.sum() > 2 * slots, (int(theirs.sum()), slots)
+    order = np.random.default_rng(5).permutation(len(paths))
+    client.announce(0, order)
+    for i in order:
+        data = open(paths[i], "rb").read()  # noqa: SIM115
+        assert hashlib.sha256(data).digest() == hashlib.sha256(files[i].read_bytes()).digest()
+    fetches = fresh_status(dlfs_cli, mount)["peer_fetch"]
+    peer_samples = int(theirs.sum())
+    assert fetches["fetches"] <= peer_samples * 1.05, (fetches, peer_samples)
+    assert fetches["shared_reads"] >= peer_samples * 0.8, (fetches, peer_samples)
+    assert stats(mount)["lookahead"]["fetch_errors"] == 0
+
+
 def test_reads_of_staged_chunks_fetched_ahead_count_as_hits(mounted, la_store, tmp_path):
     """With a node cache the look-ahead asks staged copies into the page cache; the
     readers' reads of them are hits (they were all counted as misses before)."""

@@ -298,3 +298,28 @@ def test_threads_of_one_process_prefetch_each_extent_once_and_never_tear_a_slot(
             assert data is None or data == bytes([key % 251]) * (64 << 10)
     finally:
         share.close()
+
+
+def test_extents_fetched_ahead_stay_until_read_and_room_says_how_many_more_fit():
+    """What the look-ahead prefetches pins its slot until a reader copies out of it:
+    later stores, its own or the readers', never evict it (they fail instead), and
+    ahead_room counts down to 0 as the slots fill, then up again as readers take them."""
+    size = 64 << 10
+    share = PeerShare(size, wait=5.0, budget=4 * MIN_SLOTS * size)  # 32 slots
+    try:
+        readers_part = share.slots - share.ahead_room()
+        assert 0 < readers_part < share.slots
+        keys = [extent_key(0, i) for i in range(share.slots)]
+        for n, key in enumerate(keys):
+            assert share.prefetch(key, lambda k: bytes([k % 251]) * size, key) == size
+            assert share.ahead_room() == share.slots - readers_part - n - 1
+        assert share.ahead_room() == -readers_part  # every slot pinned
+        late = extent_key(1, 0)
+        assert share.prefetch(late, lambda: b"x" * size) == 0  # no slot: left to readers
+        assert not share.store(late, b"x" * size)  # nor for a reader's own fetch
+        for key in keys:  # none was evicted
+            assert share.copy_out(key, 0, 16, lasting=True) == bytes([key % 251]) * 16
+        assert share.ahead_room() == share.slots - readers_part  # read: unpinned
+        assert share.store(late, b"x" * size)
+    finally:
+        share.close()

@@ -202,6 +202,7 @@ class LookAhead:
         entries = sum(int(r.directory.arrays["mode"].size) for r in namespace.readers)
         self.memory_limit = max(MIN_HELD_BYTES, HELD_BYTES_PER_ENTRY * entries)
         self._inflight = 0
+        self._samples_in_hand = 0  # samples of the batches submitted and not done yet
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._executor: ThreadPoolExecutor  # the fetch threads: made by start, with _thread
@@ -439,8 +440,9 @@ class LookAhead:
         batch: list[tuple[int, int]] = []
         width = self.width.now
         held, held_bytes = self._outstanding(s)
+        room = self._peer_room()
         while (s.next < s.rows.size and held < self.samples and held_bytes < self.nbytes
-               and s.next - s.low < MAX_SPAN * self.samples):
+               and s.next - s.low < MAX_SPAN * self.samples and room > 0):
             if self._inflight >= width:
                 # close behind: the readers are taking samples and less than half a
                 # window is fetched ahead of them (before they read at all, no hurry)
@@ -454,6 +456,7 @@ class LookAhead:
                 continue
             batch.append((int(s.ds[pos]), int(s.rows[pos])))
             held += 1
+            room -= 1
             held_bytes += int(s.ends[pos + 1] - s.ends[pos])
             # Near the readers one sample per task (they are needed first, in parallel);
             # further ahead a few per task: a task per sample costs the control process
@@ -465,6 +468,17 @@ class LookAhead:
             self._submit(batch)
             submitted = True
         return submitted
+
+    def _peer_room(self) -> int:
+        """How many more samples the window may take on: where peers serve, each may
+        pin a PeerShare slot until a reader takes it, so no more than the slots left
+        (less the samples fetch threads have in hand); unbounded without peers. Every
+        sample counts, wherever it comes from: a sample's source is the fetch thread's
+        to find out, and local and store samples pin nothing, so they only make the
+        bound cautious while the slots are full of unread peer extents."""
+        if self.pool is None or self.pool.share is None:
+            return 1 << 62
+        return self._share.ahead_room() - self._samples_in_hand
 
     def _outstanding(self, s: _Stream) -> tuple[int, int]:
         """Samples (and their bytes) in [low, next) no reader has taken yet: what the
@@ -501,6 +515,7 @@ class LookAhead:
     def _submit(self, batch: list[tuple[int, int]]) -> None:
         with self._lock:
             self._inflight += 1
+            self._samples_in_hand += len(batch)
         self._executor.submit(self._fetch_batch, batch)
 
     # -- the fetch threads -----------------------------------------------------------
@@ -516,6 +531,7 @@ class LookAhead:
             spent = time.monotonic() - started
             with self._lock:
                 self._inflight -= 1
+                self._samples_in_hand -= len(batch)
                 self.width.note_fetches(len(batch), spent)
                 self._lock.notify_all()
 
