@@ -251,12 +251,12 @@ def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
 
 def test_a_window_larger_than_the_peer_share_fetches_each_extent_once(
         mounted, tmp_path, dlfs_cli):
-    """Two nodes, R=1, 1 MiB chunks, a window of 2000 samples but 32 MiB, so the node's
-    PeerShare has 96 slots (64 MiB of the readers' own + 32 MiB, a 1 MiB slot each)
+    """Two nodes, R=1, 1 MiB chunks, a window of 2000 samples but 8 MiB, so the node's
+    PeerShare has 72 slots (64 MiB of the readers' own + 8 MiB, a 1 MiB slot each)
     for the ~300 samples of the other node's chunks. One slow reader in the announced
     order: the look-ahead must not fetch past what the slots keep. It used to: its
     unread extents were evicted by its own later ones and the reader fetched them
-    again (407 fetches for 271 samples here; 4,261 for 2,384 samples in
+    again (328 and 635 fetches for 207 and 383 samples here; 4,261 for 2,384 in
     bench/lookahead_peer.py --read 8)."""
     from test_pool import Cluster, fresh_status, pool_source_tree, wait_staged
 
@@ -264,7 +264,7 @@ def test_a_window_larger_than_the_peer_share_fetches_each_extent_once(
     from conftest import populate_store
 
     store = populate_store(source, tmp_path / "store", "ds", "1M", "--no-fsync")
-    pool = Cluster(mounted, store, tmp_path, 2, extra=("--lookahead", "2000:32M"))
+    pool = Cluster(mounted, store, tmp_path, 2, extra=("--lookahead", "2000:8M"))
     holder, mount = pool.mounts
     wait_staged(dlfs_cli, holder)
     wait_staged(dlfs_cli, mount)
@@ -274,7 +274,8 @@ def test_a_window_larger_than_the_peer_share_fetches_each_extent_once(
     locality = client.locality()
     theirs = locality.chunk_node[locality.sample_chunk] != locality.node
     slots = fresh_status(dlfs_cli, mount)["peer_fetch"]["slots"]
-    assert theirs.sum() > 2 * slots, (int(theirs.sum()), slots)
+    # ~300 expected; 72 or fewer only if the other node owns at most 1 of ~15 chunks
+    assert theirs.sum() > slots, (int(theirs.sum()), slots)
     order = np.random.default_rng(5).permutation(len(paths))
     client.announce(0, order)
     for i in order:
