@@ -323,3 +323,20 @@ def test_extents_fetched_ahead_stay_until_read_and_room_says_how_many_more_fit()
         assert share.store(late, b"x" * size)
     finally:
         share.close()
+
+
+def test_an_extent_fetched_ahead_and_never_read_frees_its_slot_after_its_pin():
+    """A stream abandoned mid-window leaves unread extents: their slots come back once
+    the pin runs out (AHEAD_PIN_SECONDS; shortened here to 0.2 s for the test)."""
+    size = 64 << 10
+    share = PeerShare(size, wait=5.0, budget=MIN_SLOTS * size)
+    share._pin_ns = 200_000_000
+    try:
+        for i in range(share.slots):
+            assert share.prefetch(extent_key(0, i), lambda: b"a" * size) == size
+        assert not share.store(extent_key(1, 0), b"b" * size)  # all pinned
+        time.sleep(0.3)
+        assert share.ahead_room() > 0
+        assert share.store(extent_key(1, 0), b"b" * size)
+    finally:
+        share.close()

@@ -76,9 +76,13 @@ NOTES = 1024  # "wanted" and "failed" notes, by key hash; a collision loses one
 FETCH_LOCKS = 1 << 20  # lock offsets from here on: one fetch lock per extent key
 FAILED_NOTE_NS = 1_000_000_000  # a failed fetch sends waiters to the store for 1 s
 POLL = 0.0002  # seconds between tries of a fetch lock another process holds
-# An extent fetched ahead and never read (its sample skipped, its epoch dropped) frees
-# its slot after this: the look-ahead's stale-stream time (dlfsd.core.lookahead).
-AHEAD_PIN_SECONDS = 60.0
+# An extent fetched ahead and never read (its sample skipped, its stream abandoned) frees
+# its slot after this. Readers take what is fetched ahead within a fraction of a second
+# (the window holds no more than the slots); pinned slots left by an abandoned stream
+# hold the next stream's window back until they expire, so not the look-ahead's 60 s
+# stale time: 15 s. Readers slower than room / 15 s (64 slots: ~4 samples/s) may find
+# an extent evicted and fetch it again, which at that pace costs little.
+AHEAD_PIN_SECONDS = 15.0
 _BUSY = (errno.EACCES, errno.EAGAIN)
 
 COUNTERS = ("fetches", "fetched_bytes", "shared_reads", "shared_bytes", "waits",
