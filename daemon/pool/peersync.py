@@ -435,16 +435,22 @@ class BlockingPeerClient:
         if got < _PREFIX:
             self._fill(sock, frame[got:_PREFIX])
             got = _PREFIX
-        (size,) = LENGTH_PREFIX.unpack_from(frame)
+        size = self._frame_body(sock, got)
+        if got > _PREFIX + size:
+            raise ProtocolError("the peer sent more than the one reply asked for")
+        return size
+
+    def _frame_body(self, sock: socket.socket, got: int) -> int:
+        """The frame whose prefix and `got` bytes in all are in the buffer: checks its
+        size and receives the rest of its body (no further); returns the body's size."""
+        (size,) = LENGTH_PREFIX.unpack_from(self._frame)
         if size > protocol.MAX_FRAME:
             raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
                                 f"{protocol.MAX_FRAME}")
         end = _PREFIX + size
-        if got > end:
-            raise ProtocolError("the peer sent more than the one reply asked for")
         if got < end:
             self._bound_by_deadline(sock, got, end)
-            self._fill(sock, frame[got:end])
+            self._fill(sock, self._frame[got:end])
         return size
 
     def _receive_next(self, sock: socket.socket, expect: int, have: int) -> tuple[int, int]:
@@ -464,16 +470,8 @@ class BlockingPeerClient:
             self._bound_by_deadline(sock, got, _PREFIX)
             self._fill(sock, frame[got:_PREFIX])
             got = _PREFIX
-        (size,) = LENGTH_PREFIX.unpack_from(frame)
-        if size > protocol.MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds the limit of "
-                                f"{protocol.MAX_FRAME}")
-        end = _PREFIX + size
-        if got < end:
-            self._bound_by_deadline(sock, got, end)
-            self._fill(sock, frame[got:end])
-            got = end
-        return size, got
+        size = self._frame_body(sock, got)
+        return size, max(got, _PREFIX + size)
 
     def _bound_by_deadline(self, sock: socket.socket, got: int, want: int) -> None:
         """Before a receive: if the read's time is running out, cut the kernel timeout
