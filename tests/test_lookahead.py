@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,44 @@ def test_in_a_pool_extents_no_peer_has_staged_are_read_ahead_from_the_store(
     assert counters["mount"]["lookahead"]["hits"] > 0
 
 
+@dataclass
+class PeerPool:
+    """Two staged nodes, R=1, and the announcing one's view of the source's files."""
+
+    mount: object  # the announcing node's Mount
+    files: list[Path]  # the source's files
+    paths: list[str]  # the same files under the mount
+    client: object  # an OrderClient with them registered
+    theirs: np.ndarray  # per file: its chunk is the other node's
+
+
+def peer_pool(mounted, tmp_path, dlfs_cli, chunk_size: str, *extra: str) -> PeerPool:
+    """pool_source_tree populated with `chunk_size` chunks, mounted on two nodes (R=1)
+    with `extra`, both shares staged, every file registered on the second node."""
+    from conftest import populate_store
+    from test_pool import Cluster, pool_source_tree, wait_staged
+
+    source = pool_source_tree(tmp_path / "src")
+    store = populate_store(source, tmp_path / "store", "ds", chunk_size, "--no-fsync")
+    holder, mount = Cluster(mounted, store, tmp_path, 2, extra=extra).mounts
+    wait_staged(dlfs_cli, holder)
+    wait_staged(dlfs_cli, mount)
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    paths = [str(mount.path / "ds" / p.relative_to(source)) for p in files]
+    client = connect(paths)
+    locality = client.locality()
+    theirs = locality.chunk_node[locality.sample_chunk] != locality.node
+    return PeerPool(mount, files, paths, client, theirs)
+
+
+def read_in_order(pool: PeerPool, order: np.ndarray) -> None:
+    """Read every file through the mount in `order`, each byte compared with the source."""
+    for i in order:
+        data = open(pool.paths[i], "rb").read()  # noqa: SIM115
+        assert hashlib.sha256(data).digest() == \
+            hashlib.sha256(pool.files[i].read_bytes()).digest()
+
+
 @pytest.mark.parametrize("pipeline", ["on", "off"])
 def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
         mounted, tmp_path, dlfs_cli, pipeline):
@@ -215,31 +254,18 @@ def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
     PeerShare), the readers take them from there (look-ahead hits, shared reads) and
     every byte is the source's. With --lookahead-pipeline on (the default) a fetch
     thread's peer extents went out together (peer_batches); off, one at a time."""
-    from test_pool import Cluster, fresh_status, pool_source_tree, wait_staged
+    from test_pool import fresh_status
 
-    source = pool_source_tree(tmp_path / "src")
-    from conftest import populate_store
-
-    store = populate_store(source, tmp_path / "store", "ds", "256K", "--no-fsync")
-    pool = Cluster(mounted, store, tmp_path, 2, extra=("--lookahead-pipeline", pipeline))
-    holder, mount = pool.mounts
-    wait_staged(dlfs_cli, holder)
-    wait_staged(dlfs_cli, mount)
-    files = sorted(p for p in source.rglob("*") if p.is_file())
-    paths = [str(mount.path / "ds" / p.relative_to(source)) for p in files]
-    client = connect(paths)
-    locality = client.locality()
-    theirs = locality.chunk_node[locality.sample_chunk] != locality.node
+    pool = peer_pool(mounted, tmp_path, dlfs_cli, "256K", "--lookahead-pipeline", pipeline)
+    client, theirs, mount = pool.client, pool.theirs, pool.mount
     assert theirs.any() and (~theirs).any(), "both nodes must own some of the samples"
-    order = np.random.default_rng(3).permutation(len(paths))
+    order = np.random.default_rng(3).permutation(len(pool.paths))
     client.announce(0, order)
     ahead = min(int(theirs.sum()), 16)
     assert wait_for(lambda: client.status()["counters"]["bytes_prefetched_from_peers"] > 0
                     and client.status()["counters"]["peer_fetches"] >= ahead, 60), \
         client.status()
-    for i in order:
-        data = open(paths[i], "rb").read()  # noqa: SIM115
-        assert hashlib.sha256(data).digest() == hashlib.sha256(files[i].read_bytes()).digest()
+    read_in_order(pool, order)
     counters = stats(mount)
     assert counters["lookahead"]["fetch_errors"] == 0
     assert counters["mount"]["lookahead"]["hits"] > 0
@@ -258,29 +284,16 @@ def test_a_window_larger_than_the_peer_share_fetches_each_extent_once(
     unread extents were evicted by its own later ones and the reader fetched them
     again (328 and 635 fetches for 207 and 383 samples here; 4,261 for 2,384 in
     bench/lookahead_peer.py --read 8)."""
-    from test_pool import Cluster, fresh_status, pool_source_tree, wait_staged
+    from test_pool import fresh_status
 
-    source = pool_source_tree(tmp_path / "src")
-    from conftest import populate_store
-
-    store = populate_store(source, tmp_path / "store", "ds", "1M", "--no-fsync")
-    pool = Cluster(mounted, store, tmp_path, 2, extra=("--lookahead", "2000:8M"))
-    holder, mount = pool.mounts
-    wait_staged(dlfs_cli, holder)
-    wait_staged(dlfs_cli, mount)
-    files = sorted(p for p in source.rglob("*") if p.is_file())
-    paths = [str(mount.path / "ds" / p.relative_to(source)) for p in files]
-    client = connect(paths)
-    locality = client.locality()
-    theirs = locality.chunk_node[locality.sample_chunk] != locality.node
+    pool = peer_pool(mounted, tmp_path, dlfs_cli, "1M", "--lookahead", "2000:8M")
+    mount, theirs = pool.mount, pool.theirs
     slots = fresh_status(dlfs_cli, mount)["peer_fetch"]["slots"]
     # ~300 expected; 72 or fewer only if the other node owns at most 1 of ~15 chunks
     assert theirs.sum() > slots, (int(theirs.sum()), slots)
-    order = np.random.default_rng(5).permutation(len(paths))
-    client.announce(0, order)
-    for i in order:
-        data = open(paths[i], "rb").read()  # noqa: SIM115
-        assert hashlib.sha256(data).digest() == hashlib.sha256(files[i].read_bytes()).digest()
+    order = np.random.default_rng(5).permutation(len(pool.paths))
+    pool.client.announce(0, order)
+    read_in_order(pool, order)
     fetches = fresh_status(dlfs_cli, mount)["peer_fetch"]
     peer_samples = int(theirs.sum())
     assert fetches["fetches"] <= peer_samples * 1.05, (fetches, peer_samples)

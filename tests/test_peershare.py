@@ -7,6 +7,7 @@ memory and its record locks are the real thing, in several real processes.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import signal
@@ -61,9 +62,10 @@ def exit_code(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def kill_mid_fetch(share: PeerShare) -> None:
-    """A process that fetches KEY (holding its fetch lock and in-flight note) is
-    SIGKILLed in the middle of its fetch."""
+@contextlib.contextmanager
+def fetching_elsewhere(share: PeerShare):
+    """A process that fetches KEY (holding its fetch lock and in-flight note) from a
+    peer that never answers, for the length of the block; SIGKILLed after it."""
     started = Calls()
 
     def stuck_peer():
@@ -73,9 +75,16 @@ def kill_mid_fetch(share: PeerShare) -> None:
     pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
     try:
         assert until(lambda: started.value == 1)
+        yield
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def kill_mid_fetch(share: PeerShare) -> None:
+    """A process that fetches KEY is SIGKILLed in the middle of its fetch."""
+    with fetching_elsewhere(share):
+        pass
 
 
 @pytest.fixture
@@ -185,20 +194,9 @@ def test_a_fetcher_killed_mid_fetch_holds_up_nobody(share):
 
 def test_a_fetcher_that_hangs_is_waited_for_a_bounded_time(share):
     share.wait = 0.3
-    started = Calls()
-
-    def stuck_peer():
-        started.add()
-        time.sleep(3600)
-
-    pid = fork(lambda: share.read(KEY, 0, 10, True, stuck_peer) is not None)
-    try:
-        assert until(lambda: started.value == 1)
+    with fetching_elsewhere(share):
         assert share.read(KEY, 100, 10, True, lambda: EXTENT) == EXTENT[100:110]
         assert share.counters()["wait_timeouts"] == 1
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
 
 
 def test_a_failed_fetch_sends_its_waiters_elsewhere_at_once(share):
