@@ -5,7 +5,8 @@ Two daemons on loopback, --replicas 1 (a node's look-ahead never asks a co-owner
 for a chunk it owns itself), the holder with its share staged (in the page cache:
 hot), the reading daemon with --cache-limit 1 (it stages nothing). Per round and
 per setting, on a fresh pair of mounts: the samples whose chunks the holder owns
-are registered and announced in a shuffled order on the reading node
+(at most FILL_SAMPLES: what PeerShare keeps ahead of readers that never come) are
+registered and announced in a shuffled order on the reading node
 (dlfs.order.client, what DLFSSampler does) with a window of all of them
 (--lookahead N:...), and nothing reads: the look-ahead fetches them from the
 holder into the node's PeerShare as fast as it can (its fetch threads at their
@@ -43,7 +44,6 @@ import argparse
 import contextlib
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -61,14 +61,18 @@ from _common import (
     workdir,
 )
 from _pool import wait_staged, write_secret
-from pool_read import _PIN, enter_network, in_node, mounted_on, node_addresses, pinned
+from pool_read import _PIN, in_node, mounted_on, node_addresses, pinned, pinned_and_networked
 
 from dlfs.demo.sampledata import generate_tree
 from dlfs.demo.workload import shuffled_epoch
 from dlfs.order.client import connect
+from dlfs.store.format import MAX_EXTENT_SIZE
 
 SETTINGS = ("off", "on")
 LOCAL = "local"  # --local: the reference set-up
+# Samples a fill announces at most: the look-ahead fetches no more ahead than PeerShare
+# keeps (MAX_SLOTS 1024, less the readers' 16 slots of 4 MiB).
+FILL_SAMPLES = 1000
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -141,7 +145,11 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
          extra: list[str], readers: int = 0) -> dict[str, float]:
     """Announce `paths` on a fresh pair and time the look-ahead's fetch of all of
     them from the holder (`readers`: the epoch read by that many processes)."""
-    window = ["--lookahead", f"{len(paths)}:{2 * nbytes}"]
+    # Without readers nothing is taken, so what is fetched ahead stays pinned: a window of
+    # N samples at a slot each (the 16M chunks' extents: MAX_EXTENT_SIZE) makes room for
+    # all N (at most FILL_SAMPLES, the share's slots less the readers' own part).
+    room = 2 * nbytes if readers else len(paths) * MAX_EXTENT_SIZE
+    window = ["--lookahead", f"{len(paths)}:{room}"]
     mounts = local(work, [*extra, *window]) if setting == LOCAL else \
         pair(work, [*extra, *window, "--lookahead-pipeline", setting])
     with mounts as (reader, holder):
@@ -194,17 +202,7 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    extra = args.mount_args.split()
-    if args.pin:
-        _PIN.update(holder=args.holder_cpu, reader=args.reader_cpu)
-    with contextlib.ExitStack() as stack:
-        if args.net:
-            why = enter_network(stack)
-            if why:
-                print(f"--net: {why}", file=sys.stderr)
-                return 2
-        return _run(args, extra)
+    return pinned_and_networked(parse_args(argv), _run)
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -226,6 +224,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             for setting in settings if rnd % 2 == 0 else settings[::-1]:
                 results[setting].append(fill(work, theirs, nbytes, setting, rnd, extra,
                                              args.read))
+        if not args.read:
+            theirs = theirs[:FILL_SAMPLES]
         report(results, args.rounds, args.read)
     return 0
 
@@ -237,7 +237,8 @@ def report(results: dict[str, list[dict[str, float]]], rounds: int, readers: int
                        ("reader_us", f"{node} CPU us/sample")):
         off = [r[key] for r in results["off"]]
         on = [r[key] for r in results["on"]]
-        ratios = [b / a for a, b in zip(off, on, strict=True)]
+        # a tiny --quick fill may take 0 CPU ticks
+        ratios = [b / a if a else float("nan") for a, b in zip(off, on, strict=True)]
         rows.append((label, f"{median(off):,.0f}", f"{median(on):,.0f}", _spread(ratios)))
     if LOCAL in results:
         here = [r["rate"] for r in results[LOCAL]]

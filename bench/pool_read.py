@@ -68,6 +68,7 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from _common import (
@@ -308,8 +309,13 @@ def _cpu(reader: Path, holder: Path | None) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    extra = args.mount_args.split()
+    return pinned_and_networked(parse_args(argv), _run)
+
+
+def pinned_and_networked(args: argparse.Namespace,
+                         run: Callable[[argparse.Namespace, list[str]], int]) -> int:
+    """What this bench and lookahead_peer.py do before measuring: --pin's CPUs, --net's
+    namespaces (removed after), then run(args, --mount-args split)."""
     if args.pin:
         _PIN.update(holder=args.holder_cpu, reader=args.reader_cpu)
     with contextlib.ExitStack() as stack:
@@ -318,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 print(f"--net: {why}", file=sys.stderr)
                 return 2
-        return _run(args, extra)
+        return run(args, args.mount_args.split())
 
 
 def enter_network(stack: contextlib.ExitStack) -> str | None:
