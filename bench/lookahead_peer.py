@@ -60,7 +60,7 @@ from _common import (
     size_arg,
     workdir,
 )
-from _pool import wait_staged, write_secret
+from _pool import status, wait_staged, write_secret
 from pool_read import _PIN, in_node, mounted_on, node_addresses, pinned, pinned_and_networked
 
 from dlfs.demo.sampledata import generate_tree
@@ -183,6 +183,8 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
         if readers:
             spent = (spent[0], spent[1] + read_cpu)
             hits = json.loads((reader / ".dlfs" / "stats.json").read_text())["mount"]["lookahead"]
+        time.sleep(1.2)  # the status file is rewritten every second (STATUS_INTERVAL)
+        share = status(reader).get("peer_fetch") or {}
     if done < len(paths):
         raise RuntimeError(f"{setting}: {done} of {len(paths)} samples in 300 s: {counters}")
     n = len(paths)
@@ -197,7 +199,11 @@ def fill(work: Path, paths: list[str], nbytes: int, setting: str, seed: int,
           f"us/sample  {node} {result['reader_us']:5.0f} us/sample{took}  "
           f"({counters['peer_fetches']} peer fetches, {counters['peer_batches']} batches, "
           f"{result['from_peers']:.2f}x the bytes from peers, fetch errors "
-          f"{counters['fetch_errors']})", flush=True)
+          f"{counters['fetch_errors']}; node: {share.get('fetches', 0)} fetches, "
+          f"{share.get('shared_reads', 0)} shared reads, {share.get('waits', 0)} waits "
+          f"of {share.get('wait_us', 0) / 1e3:,.0f} ms in all, "
+          f"{share.get('whole_waits_cut', 0)} cut short, "
+          f"{share.get('wait_timeouts', 0)} timed out)", flush=True)
     return result
 
 
@@ -214,6 +220,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
               + (f"; holder on CPU {args.holder_cpu}, reading node on CPU {args.reader_cpu}"
                  if args.pin else ""))
         theirs = holders_files(work, paths)
+        if not args.read:  # a fill keeps every sample it fetches pinned: no more than fit
+            theirs = theirs[:FILL_SAMPLES]
         nbytes = sum((work / "src" / p).stat().st_size for p in theirs)
         print(f"{len(theirs):,} of them ({nbytes / (1 << 20):,.1f} MiB) in the holder's chunks: "
               "announced on the reading node")
@@ -224,8 +232,6 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             for setting in settings if rnd % 2 == 0 else settings[::-1]:
                 results[setting].append(fill(work, theirs, nbytes, setting, rnd, extra,
                                              args.read))
-        if not args.read:
-            theirs = theirs[:FILL_SAMPLES]
         report(results, args.rounds, args.read)
     return 0
 
