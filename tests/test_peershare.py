@@ -155,7 +155,9 @@ def test_whole_extent_reads_nobody_is_fetching_take_no_lock_and_wait_for_nobody(
 
 def test_a_whole_extent_read_waits_for_a_fetch_in_flight_and_shares_it(share):
     """Another process holds the fetch (a partial reader, the look-ahead) and has noted
-    it: the whole-extent reader waits for that one fetch and copies from its slot."""
+    it: the whole-extent reader waits for that one fetch and copies from its slot
+    (here the fetch lands within a whole read's wait, made long for the test)."""
+    share.whole_wait = 5.0
     calls = Calls()
 
     def peer():
@@ -168,6 +170,23 @@ def test_a_whole_extent_read_waits_for_a_fetch_in_flight_and_shares_it(share):
     got = share.read(KEY, 0, len(EXTENT), True, lambda: None, whole=True)
     assert got == EXTENT and exit_code(pid) == 0
     assert calls.value == 1 and share.counters()["shared_reads"] == 1
+
+
+def test_a_whole_extent_read_waits_briefly_then_fetches_itself(share):
+    """A fetch in flight that takes longer than a fetch of our own would (the
+    look-ahead's, queued behind others) holds a small file's read up for `whole_wait`
+    only, not for the fetch's own bound; the bytes it fetched itself are kept, so the
+    late fetch does not take a second slot."""
+    share.whole_wait = 0.05
+    with fetching_elsewhere(share):
+        started = time.monotonic()
+        got = share.read(KEY, 0, len(EXTENT), True, lambda: EXTENT, whole=True)
+        took = time.monotonic() - started
+        assert got == EXTENT and 0.05 <= took < 5.0  # share.wait is 30 s
+        counts = share.counters()
+        assert counts["whole_waits_cut"] == 1 and counts["wait_timeouts"] == 0
+        assert share.copy_slot(KEY) >= 0
+        assert not share.store(KEY, EXTENT, ahead=True)  # the late fetch: no slot
 
 
 def test_a_note_left_by_a_dead_fetcher_costs_a_whole_read_no_wait(share):

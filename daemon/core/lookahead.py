@@ -591,9 +591,10 @@ class LookAhead:
                 self.counters[PEER_FETCHES] += len(later)
                 self.counters[PEER_BATCHES] += 1
             results = self._share.prefetch_many([extent_key(e.ds, e.ext) for e in later],
-                                                self._pool.fetch_many, reads)
+                                                self._pool.fetch_many, reads,
+                                                lambda i, got: self._landed(later[i], got))
         for e, got in zip(later, results, strict=True):
-            got = self._peer_fetched(e.ds, e.ext, e.chunk, got)
+            got = self._peer_fetched(e.ds, e.ext, e.chunk, got, marked=len(later) > 1)
             if got is None:
                 offset = CHUNK_HEADER_SIZE + int(e.reader.ext_offsets[e.ext])
                 got = self._from_store(e.reader, e.ds, e.ext, e.chunk, offset,
@@ -674,13 +675,22 @@ class LookAhead:
             int(reader.ext_offsets[e.ext]), int(reader.ext_lengths[e.ext]),
             int(reader.ext_checksums[e.ext]))
 
-    def _peer_fetched(self, ds: int, ext: int, chunk: int, fetched: int | None) -> int | None:
-        """Note what a prefetch of an extent brought (see _from_peer); returns it."""
+    def _landed(self, e: _PeerExtent, fetched: int | None) -> None:
+        """An extent of a pipelined batch is in its slot: mark it for the reader that
+        takes it (a hit) now, not when the whole batch is in."""
+        if fetched:
+            self._states[e.ds][e.ext] |= PEER_AHEAD
+
+    def _peer_fetched(self, ds: int, ext: int, chunk: int, fetched: int | None,
+                      marked: bool = False) -> int | None:
+        """Note what a prefetch of an extent brought (see _from_peer); returns it.
+        `marked`: PEER_AHEAD was set as it landed (_landed)."""
         if fetched is None:  # its owner stages it now (a MISS asks it to): ask again later
             self._not_on_peers[(ds, chunk)] = time.monotonic() + NOT_ON_PEERS_SECONDS
             return None
         if fetched:
-            self._states[ds][ext] |= PEER_AHEAD
+            if not marked:
+                self._states[ds][ext] |= PEER_AHEAD
             with self._lock:
                 self.counters[PEER_BYTES] += fetched
         else:

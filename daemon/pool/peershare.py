@@ -75,7 +75,20 @@ INDEX = 4096  # direct-mapped index entries (key -> slot); a collision is a miss
 NOTES = 1024  # "wanted" and "failed" notes, by key hash; a collision loses one
 FETCH_LOCKS = 1 << 20  # lock offsets from here on: one fetch lock per extent key
 FAILED_NOTE_NS = 1_000_000_000  # a failed fetch sends waiters to the store for 1 s
-POLL = 0.0002  # seconds between tries of a fetch lock another process holds
+# Seconds between tries of a fetch lock another process holds: the first tries come
+# soon (a 110 KiB extent from a peer lands in ~0.1 ms, and a sleep overshoots by ~50 us),
+# then each gap doubles up to POLL: a long wait (a large extent, a slow peer) costs a
+# try per 0.2 ms, a short one is not made 0.2 ms long.
+FIRST_POLL = 0.00002
+POLL = 0.0002
+# How long a read of a whole extent (a small file) waits for another's fetch of it
+# before it fetches the extent itself. A fetch that lands in time is shared; one that
+# takes longer is queued behind others (the look-ahead's pipelined rounds, its fetch
+# threads contending in one process), and a fetch of our own then costs the node less
+# than the rest of the wait: the look-ahead must never make a reader slower than
+# reading alone (a 16-core node, 8 readers: the waits held an announced epoch to a
+# third of the rate without them, bench/lookahead_peer.py --read 8).
+WHOLE_WAIT = 0.002
 # An extent fetched ahead and never read (its sample skipped, its stream abandoned) frees
 # its slot after this. Readers take what is fetched ahead within a fraction of a second
 # (the window holds no more than the slots); pinned slots left by an abandoned stream
@@ -86,9 +99,11 @@ AHEAD_PIN_SECONDS = 15.0
 _BUSY = (errno.EACCES, errno.EAGAIN)
 
 COUNTERS = ("fetches", "fetched_bytes", "shared_reads", "shared_bytes", "waits",
-            "wait_timeouts", "stored")
+            "wait_timeouts", "stored", "wait_us", "whole_waits_cut")
+# wait_us: time waiting, all waits; whole_waits_cut: whole-extent reads that stopped
+# waiting after `whole_wait` and fetched the extent themselves
 (_FETCHES, _FETCHED_BYTES, _SHARED_READS, _SHARED_BYTES, _WAITS, _WAIT_TIMEOUTS,
- _STORED) = range(len(COUNTERS))
+ _STORED, _WAIT_US, _WHOLE_WAITS_CUT) = range(len(COUNTERS))
 
 
 # A whole extent fetched from an owner peer, checked, or None (ChunkPool.fetch, called
@@ -97,6 +112,9 @@ Fetch = Callable[..., "bytes | memoryview | None"]
 # Several whole extents fetched, each handed to the callback once, checked, or None
 # (ChunkPool.fetch_many): what prefetch_many is handed.
 FetchMany = Callable[[Sequence, Callable[[int, "bytes | memoryview | None"], None]], None]
+# Told by prefetch_many of each extent as it lands: (its place in the batch, what
+# `prefetch` would return for it).
+Landed = Callable[[int, "int | None"], None]
 
 
 def extent_key(ds: int, ext: int) -> int:
@@ -114,9 +132,11 @@ class PeerShare:
     """Whole peer extents and in-flight peer fetches, shared by forked processes."""
 
     def __init__(self, slot_size: int, wait: float, processes: int = 1,
-                 budget: int = SHARE_BYTES) -> None:
+                 budget: int = SHARE_BYTES, whole_wait: float = WHOLE_WAIT) -> None:
         """`slot_size`: the largest extent of the mount; `wait`: seconds a process
-        waits for another's fetch before fetching itself (a fetch's own bound)."""
+        waits for another's fetch before fetching itself (a fetch's own bound);
+        `whole_wait`: the same for a read of a whole extent (WHOLE_WAIT)."""
+        self.whole_wait = min(wait, whole_wait)
         self.slot_size = max(1, slot_size)
         self.slots = max(MIN_SLOTS, min(MAX_SLOTS, budget // self.slot_size))
         # the part of the slots the readers keep for themselves (what SHARE_BYTES gives)
@@ -178,7 +198,7 @@ class PeerShare:
             return self._read_whole(key, lasting, fetch, args)
         holding = self._try_lock(FETCH_LOCKS + key, exclusive=True)
         if not holding:  # another process fetches it: wait, then take our part
-            holding = self._wait_for_fetch(key)
+            holding = self._wait_for_fetch(key, self.whole_wait if whole else self.wait)
             data = self.copy_out(key, rel, length, lasting)
             if data is not None or (holding and self._failed_recently(key)):
                 self._release_fetch(key, holding)
@@ -255,13 +275,15 @@ class PeerShare:
                 self._fetching.discard(key)
 
     def prefetch_many(self, keys: Sequence[int], fetch_many: FetchMany,
-                      reads: Sequence) -> list[int | None]:
+                      reads: Sequence, landed: Landed | None = None) -> list[int | None]:
         """`prefetch` for several extents at once: those no slot holds and nobody else
         fetches are claimed as `prefetch` claims one (this process's set, the fetch
         lock, the in-flight note) and fetched together, `fetch_many(their reads,
         on_fetched)` (pipelined to each owner: ChunkPool.fetch_many); each claim is
-        let go as soon as its extent is stored, so a reader waiting for it does not
-        wait for the rest of the batch. Per key what `prefetch` returns."""
+        let go as soon as its extent is stored (after `landed(i, result)`, so what the
+        caller notes of it is there before a waiting reader reads it), so a reader
+        waiting for it does not wait for the rest of the batch. Per key what
+        `prefetch` returns."""
         results: list[int | None] = [0] * len(keys)
         claimed = [i for i, key in enumerate(keys) if self._claim(key, results, i)]
         held = [True] * len(claimed)
@@ -272,6 +294,8 @@ class PeerShare:
                 results[i] = len(whole) if self.store(keys[i], whole, ahead=True) else 0
             else:
                 results[i] = None
+            if landed is not None:
+                landed(i, results[i])
             held[j] = False
             self._unclaim(keys[i])
 
@@ -312,18 +336,25 @@ class PeerShare:
         with self._inproc:
             self._fetching.discard(key)
 
-    def _wait_for_fetch(self, key: int) -> bool:
+    def _wait_for_fetch(self, key: int, bound: float) -> bool:
         """Wait until the process fetching `key` is done (or died: its lock goes with it),
-        at most `wait` seconds; True if we hold the fetch lock now."""
+        at most `bound` seconds; True if we hold the fetch lock now."""
         self._wanted[_spot(key, NOTES)] = key  # keep the bytes for us, even a whole-extent read
         self.count(_WAITS)
-        deadline = time.monotonic() + self.wait
-        while time.monotonic() < deadline:
-            time.sleep(POLL)
-            if self._try_lock(FETCH_LOCKS + key, exclusive=True):
-                return True
-        self.count(_WAIT_TIMEOUTS)  # stuck (stopped?) fetcher: fetch it ourselves
-        return False
+        started = time.monotonic()
+        deadline, pause = started + bound, FIRST_POLL
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(POLL, 2 * pause)
+                if self._try_lock(FETCH_LOCKS + key, exclusive=True):
+                    return True
+            # a stuck (stopped?) fetcher, or for a whole extent one that takes longer than
+            # a fetch of our own: fetch it ourselves (kept for the others: our note)
+            self.count(_WAIT_TIMEOUTS if bound >= self.wait else _WHOLE_WAITS_CUT)
+            return False
+        finally:
+            self.count(_WAIT_US, int((time.monotonic() - started) * 1e6))
 
     def _release_fetch(self, key: int, holding: bool) -> None:
         if holding:
