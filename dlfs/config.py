@@ -85,8 +85,9 @@ class MountConfig:
     # fetches at once, (MIN, MAX): the width follows the readers (one paced store stream each)
     lookahead_streams: tuple[int, int] = (8, 32)
     lookahead_stale: float = 60.0  # seconds without a read before an announcement is dropped
-    # a fetch thread's peer extents go out together, pipelined per owner (off: one at a time)
-    lookahead_pipeline: bool = True
+    # a fetch thread's peer extents go out together, pipelined per owner (off, the default:
+    # one at a time; readers faster than the look-ahead waited for whole rounds)
+    lookahead_pipeline: bool = False
 
     # -- the checkpoint tier (dlfsd.ckpt, docs/CKPT.md): needs cache_dir --
     ckpt_store: str | None = None  # store directory MOUNTPOINT/ckpt/ drains to (None: no tier)

@@ -252,8 +252,8 @@ def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
     """Two nodes, R=1, the other node's share staged: the announcing node fetches the
     samples of the other node's chunks from it before its readers ask (into its
     PeerShare), the readers take them from there (look-ahead hits, shared reads) and
-    every byte is the source's. With --lookahead-pipeline on (the default) a fetch
-    thread's peer extents went out together (peer_batches); off, one at a time."""
+    every byte is the source's. With --lookahead-pipeline on a fetch thread's peer
+    extents went out together (peer_batches); off (the default), one at a time."""
     from test_pool import fresh_status
 
     pool = peer_pool(mounted, tmp_path, dlfs_cli, "256K", "--lookahead-pipeline", pipeline)

@@ -27,9 +27,10 @@ Per extent:
   chunk next. Staged nowhere: the readers would go to the store anyway, so it
   is read ahead as below. Each fetch thread has peer clients of its own
   (ChunkPool), so these fetches go in parallel, one per thread; within a
-  thread's batch of samples, the peer extents go out together (`peer_pipeline`,
-  on by default: ChunkPool.fetch_many pipelines those of one owner on one
-  connection, counted in `peer_batches`), the per-extent way for the rest;
+  thread's batch of samples, the peer extents go out together with
+  `peer_pipeline` (ChunkPool.fetch_many pipelines those of one owner on one
+  connection, counted in `peer_batches`; off by default: readers that outrun
+  the look-ahead wait on its rounds), the per-extent way for the rest;
 - otherwise the store: the whole extent is read (one paced stream per thread
   with a throttled store) and checked against its checksum; the extent is
   then marked STORE_OK | AHEAD in the readers' shared state, so the reader
@@ -166,7 +167,7 @@ class LookAhead:
     def __init__(self, namespace: Namespace, pool: AheadPool | None = None, samples: int = 256,
                  nbytes: int = 256 << 20, streams: tuple[int, int] = (8, 32),
                  store_rate: int = 0, stale_seconds: float = STALE_SECONDS,
-                 peer_pipeline: bool = True) -> None:
+                 peer_pipeline: bool = False) -> None:
         """`peer_pipeline`: a fetch thread's peer extents go out together (see the
         module's docstring); off: one prefetch each, the way before."""
         self.ns = namespace
