@@ -44,13 +44,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serve-us", type=float, default=140.0,
                    help="holder daemon's CPU us per sample served (measured: same run; 170 "
                         "before the protocol's fast paths, 275 with one loop before issue 33)")
-    p.add_argument("--serve-cores", type=float, default=1.4,
+    p.add_argument("--serve-cores", type=float, default=4.0,
                    help="cores the peer server keeps busy: its `--peer-procs` processes, "
                         "as far as the node gives them cores (auto: half the daemon's, "
-                        "4 of the 8 assumed here). Default 1.4: what 2 processes served "
-                        "over 1 on this VM's 2 cores, shared with the clients "
-                        "(bench/peer_serve.py --procs 1,2,4 --holder-cpus 0-1 --reader-cpus "
-                        "0-1); more cores are not measured yet")
+                        "4 of the 8 assumed here). Default 4: on a 16-core machine 4 "
+                        "processes on 8 cores served 4.44x what one did, 8 served 7.21x "
+                        "(bench/peer_serve.py --procs 1,2,4,8 --holder-cpus 0-7 "
+                        "--reader-cpus 8-15 --clients 16; 1.4 on this VM's 2 cores)")
     p.add_argument("--placement-ns", type=float, default=55.0,
                    help="owners() ns per (chunk, node) cell at mount (measured)")
     p.add_argument("--manifest-bytes", type=float, default=73.0,
