@@ -53,6 +53,12 @@ from trees import TEST_CHUNK_SIZE, EdgeTree, describe_tree, make_edge_tree
 _VENV_DLFS = Path(sys.executable).with_name("dlfs")
 DLFS = [str(_VENV_DLFS)] if _VENV_DLFS.exists() else [sys.executable, "-m", "dlfs.cli.main"]
 
+# A suite started in the background of a script (`cmd &`, nohup) inherits SIGINT
+# ignored, and so would every process it starts: `dlfs` would not see the Ctrl-C the
+# interrupt tests send it. A handler of our own is reset to the default across exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Mountpoints a live Mounter is responsible for; daemons of others are leftovers.
 _ACTIVE_MOUNTPOINTS: set[str] = set()
 
