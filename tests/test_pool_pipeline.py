@@ -149,3 +149,33 @@ def test_prefetch_many_fills_the_share_and_lets_every_claim_go(dataset, tmp_path
         finally:
             reader.close()
             pool.close()
+
+
+def test_prefetch_many_tells_of_each_extent_in_its_slot_before_letting_it_go(
+        dataset, tmp_path):
+    """The look-ahead marks an extent for its reader (PEER_AHEAD: a hit) when it lands:
+    `landed` is told while the extent's claim still holds waiting readers back, with
+    its bytes already in their slot, each extent once, in the order the replies come."""
+    ds, _ = dataset
+    reads = extent_reads(ds)[:12]
+    keys = [extent_key(0, e) for e in range(len(reads))]
+    with holder_of_every_chunk(ds, secrets.token_bytes(32), tmp_path / "b") as (
+            holder, _, port):
+        pool, reader = reading_node(ds, pool_secret(holder), port, tmp_path / "a")
+        share = pool.share
+        assert share is not None
+        told: list[int] = []
+
+        def landed(i: int, got: int | None) -> None:
+            assert got == reads[i][3]
+            assert keys[i] in share._fetching  # still claimed: a waiter still waits
+            assert share.copy_out(keys[i], 0, got, True) == staged_bytes(holder, reads[i])
+            told.append(i)
+
+        try:
+            share.prefetch_many(keys, pool.fetch_many, reads, landed)
+            assert told == list(range(len(reads)))
+            assert not share._fetching
+        finally:
+            reader.close()
+            pool.close()
