@@ -70,6 +70,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from dlfs.store.format import checksum
+from dlfsd.base.buffers import lazy_buffer
 from dlfsd.base.nowait import HAVE_NOWAIT, read_cached_into
 from dlfsd.base.throttle import TokenBucket
 from dlfsd.pool import protocol
@@ -246,7 +247,7 @@ class PeerLoopServer:
         self._open_connections = open_connections or self._open_in_shards
         self._conns: dict[socket.socket, _Conn] = {}
         self._inbuf = bytearray(_RECV)  # one loop thread: one receive buffer for all
-        self._readbuf = memoryview(bytearray(protocol.MAX_READ))  # and one read buffer
+        self._readbuf = lazy_buffer(protocol.MAX_READ)  # and one read buffer
         self._nowait = HAVE_NOWAIT
         self._sendfile = sendfile and HAVE_NOWAIT and hasattr(os, "sendfile")
         self._probe = bytearray(1)  # the one-byte reads that say a range is cached

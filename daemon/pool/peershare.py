@@ -64,6 +64,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dlfsd.base.buffers import lazy_buffer
 from dlfsd.base.slots import ProcessSlot
 
 #: Bytes of whole extents kept for the node (they were 64 MiB per worker process), besides
@@ -465,7 +466,7 @@ class PeerShare:
 
     def _scratch_view(self) -> memoryview:
         if self._scratch is None:  # made in the process that uses it, after the fork
-            self._scratch = memoryview(bytearray(self.slot_size))
+            self._scratch = lazy_buffer(self.slot_size)
         return self._scratch
 
     # -- locks ---------------------------------------------------------------------------

@@ -63,6 +63,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
+from dlfsd.base.buffers import lazy_buffer
 from dlfsd.pool import protocol
 from dlfsd.pool.peer import PeerError, PeerMiss, PeerRefused, PeerUnavailable, PeerUnreachable
 from dlfsd.pool.protocol import LENGTH_PREFIX, Message, ProtocolError
@@ -93,7 +94,7 @@ def _receive_buffer() -> memoryview:
 
 
 def _new_buffer() -> memoryview:
-    return memoryview(bytearray(_PREFIX + protocol.MAX_FRAME))
+    return lazy_buffer(_PREFIX + protocol.MAX_FRAME)
 
 
 class BlockingPeerClient:
