@@ -338,7 +338,8 @@ def _order_service(config: MountConfig, namespace: Namespace, pool) -> OrderServ
         return None
     lookahead = LookAhead(namespace, pool, config.lookahead_samples, config.lookahead_bytes,
                           config.lookahead_streams, config.store_bandwidth,
-                          config.lookahead_stale, config.lookahead_pipeline)
+                          config.lookahead_stale, config.lookahead_pipeline,
+                          config.lookahead_peers)
     namespace.observe.add_section("lookahead", lookahead.counter_dict)
     return OrderService(config.mountpoint, lookahead, config.uid)
 

@@ -88,6 +88,9 @@ class MountConfig:
     # a fetch thread's peer extents go out together, pipelined per owner (off, the default:
     # one at a time; readers faster than the look-ahead waited for whole rounds)
     lookahead_pipeline: bool = False
+    # fetch peers' extents ahead into PeerShare (off: the readers fetch them themselves;
+    # the look-ahead still stages, reads the store and asks the page cache ahead)
+    lookahead_peers: bool = True
 
     # -- the checkpoint tier (dlfsd.ckpt, docs/CKPT.md): needs cache_dir --
     ckpt_store: str | None = None  # store directory MOUNTPOINT/ckpt/ drains to (None: no tier)

@@ -275,6 +275,31 @@ def test_in_a_pool_extents_staged_on_a_peer_are_fetched_ahead_into_the_node(
     assert fetches["shared_reads"] > 0, fetches  # readers took peer bytes fetched ahead
 
 
+def test_with_lookahead_peers_off_the_readers_fetch_what_only_peers_hold(
+        mounted, tmp_path, dlfs_cli):
+    """--lookahead-peers off: the look-ahead leaves the samples of the other node's
+    chunks to the readers (no peer fetch of its own, each counted as left to them),
+    still asks the page cache for this node's staged samples (hits), and every byte
+    read is the source's, fetched from the peer by the readers."""
+    from test_pool import fresh_status
+
+    pool = peer_pool(mounted, tmp_path, dlfs_cli, "256K", "--lookahead-peers", "off")
+    client, theirs, mount = pool.client, pool.theirs, pool.mount
+    assert theirs.any() and (~theirs).any(), "both nodes must own some of the samples"
+    order = np.random.default_rng(4).permutation(len(pool.paths))
+    client.announce(0, order)
+    window = min(len(order), 256)  # the default --lookahead: it waits for the readers
+    assert wait_for(lambda: client.status()["counters"]["samples_prefetched"] >= window,
+                    60), client.status()
+    read_in_order(pool, order)
+    counters = stats(mount)["lookahead"]
+    assert counters["peer_fetches"] == 0 and counters["bytes_prefetched_from_peers"] == 0
+    assert counters["extents_left_to_peers"] >= int(theirs.sum()), counters
+    assert stats(mount)["mount"]["lookahead"]["hits"] > 0  # its own staged samples
+    fetches = fresh_status(dlfs_cli, mount)["peer_fetch"]
+    assert fetches["fetches"] >= int(theirs.sum()), fetches  # the readers', each once
+
+
 def test_a_window_larger_than_the_peer_share_fetches_each_extent_once(
         mounted, tmp_path, dlfs_cli):
     """Two nodes, R=1, 1 MiB chunks, a window of 2000 samples but 8 MiB, so the node's

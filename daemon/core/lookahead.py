@@ -167,11 +167,14 @@ class LookAhead:
     def __init__(self, namespace: Namespace, pool: AheadPool | None = None, samples: int = 256,
                  nbytes: int = 256 << 20, streams: tuple[int, int] = (8, 32),
                  store_rate: int = 0, stale_seconds: float = STALE_SECONDS,
-                 peer_pipeline: bool = False) -> None:
+                 peer_pipeline: bool = False, peer_ahead: bool = True) -> None:
         """`peer_pipeline`: a fetch thread's peer extents go out together (see the
-        module's docstring); off: one prefetch each, the way before."""
+        module's docstring); off: one prefetch each, the way before. `peer_ahead`
+        False: extents only peers hold are left to the readers (`--lookahead-peers
+        off`: where the node's CPU, not the peer's latency, is the bound)."""
         self.ns = namespace
         self.peer_pipeline = peer_pipeline
+        self.peer_ahead = peer_ahead
         self.pool = pool
         # What a fetch from a peer uses, kept only where there are peers (as the
         # reader keeps it: a plan has TRY_PEER only then).
@@ -628,6 +631,9 @@ class LookAhead:
             return length
         if plan & DEMAND:
             self._demand(source, chunk)
+        if plan & TRY_PEER and not self.peer_ahead:
+            self._count(SKIPPED_PEER)  # the readers fetch it from its owner
+            return 0
         if plan & TRY_PEER and later is not None \
                 and self._not_on_peers.get((ds, chunk), 0.0) <= time.monotonic():
             later.append(_PeerExtent(sample, reader, ds, ext, chunk))

@@ -208,6 +208,15 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                         "files/s there with 8 readers as fast as they can). On where the "
                         "peers' CPU is short and the readers paced (GPU-bound training); "
                         "default off: one request at a time per connection")
+    g.add_argument("--lookahead-peers", choices=("on", "off"),
+                   default="on" if MountConfig.lookahead_peers else "off",
+                   help="fetch the announced samples that only peers hold ahead of the "
+                        "readers (default on): hides a slow peer's or network's latency, "
+                        "but the node's CPU pays for each twice (the fetch, then the "
+                        "reader's copy). off: the readers fetch them themselves; staging, "
+                        "store read-ahead and page-cache hints go on. Where the reading "
+                        "node's CPU is the bound and peers answer fast, off read an "
+                        "announced epoch 1.5x faster (0.80 of a local one against 0.53)")
     g.add_argument("--lookahead-stale", type=_seconds, default=MountConfig.lookahead_stale,
                    metavar="SECONDS",
                    help="forget an announced epoch nothing was read from for this long "
@@ -443,7 +452,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
         lookahead_stale=args.lookahead_stale,
-        lookahead_pipeline=args.lookahead_pipeline == "on", stall_seconds=args.stall_seconds,
+        lookahead_pipeline=args.lookahead_pipeline == "on",
+        lookahead_peers=args.lookahead_peers == "on", stall_seconds=args.stall_seconds,
         request_timeout=args.request_timeout, passthrough=args.passthrough,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
