@@ -36,6 +36,8 @@ pool_read.py --pin): each "node" has a CPU of its own.
 examples (from the repository root, as root):
   .venv/bin/python bench/lookahead_peer.py --quick
   .venv/bin/python bench/lookahead_peer.py --files 4000 --rounds 5 --pin
+  .venv/bin/python bench/lookahead_peer.py --read 8 --local --pin --rounds 3 \
+      --mount-args "--lookahead-peers off"   # the readers fetch from the peer themselves
 """
 
 from __future__ import annotations
