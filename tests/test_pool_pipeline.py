@@ -6,6 +6,7 @@ cannot serve ends as None (no other owner here), never as wrong bytes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -40,6 +41,20 @@ def pool_secret(holder) -> bytes:
     return holder.view.secret
 
 
+@contextlib.contextmanager
+def holder_and_reader(ds, tmp_path):
+    """The holder of every chunk (node b, its server) and the reading node's pool (node
+    a), closed after the block: (holder, server, pool)."""
+    with holder_of_every_chunk(ds, secrets.token_bytes(32), tmp_path / "b") as (
+            holder, server, port):
+        pool, reader = reading_node(ds, pool_secret(holder), port, tmp_path / "a")
+        try:
+            yield holder, server, pool
+        finally:
+            reader.close()
+            pool.close()
+
+
 def fetch_all(pool, reads) -> dict[int, bytes | None]:
     got: dict[int, bytes | None] = {}
 
@@ -55,19 +70,13 @@ def fetch_all(pool, reads) -> dict[int, bytes | None]:
 def test_fetch_many_returns_each_extent_checked_over_one_connection(dataset, tmp_path):
     ds, _ = dataset
     reads = extent_reads(ds)
-    with holder_of_every_chunk(ds, secrets.token_bytes(32), tmp_path / "b") as (
-            holder, server, port):
-        pool, reader = reading_node(ds, pool_secret(holder), port, tmp_path / "a")
-        try:
-            got = fetch_all(pool, reads)
-            assert got == {i: staged_bytes(holder, r) for i, r in enumerate(reads)}
-            counts = server.counters()
-            assert counts["reads_served"] == len(reads) > BATCH_READS  # more than one round
-            assert counts["connections_accepted"] == 1
-            assert pool.fetch_counters()["fetches"] == len(reads)
-        finally:
-            reader.close()
-            pool.close()
+    with holder_and_reader(ds, tmp_path) as (holder, server, pool):
+        got = fetch_all(pool, reads)
+        assert got == {i: staged_bytes(holder, r) for i, r in enumerate(reads)}
+        counts = server.counters()
+        assert counts["reads_served"] == len(reads) > BATCH_READS  # more than one round
+        assert counts["connections_accepted"] == 1
+        assert pool.fetch_counters()["fetches"] == len(reads)
 
 
 def test_what_the_owner_misses_or_sends_bad_is_none_and_the_rest_arrives(dataset, tmp_path):
@@ -82,43 +91,31 @@ def test_what_the_owner_misses_or_sends_bad_is_none_and_the_rest_arrives(dataset
     missing, bad_chunk = chunks[1], chunks[2]
     bad = next(i for i, r in enumerate(reads) if r[1] == bad_chunk)
     reads[bad] = (*reads[bad][:4], reads[bad][4] ^ 1)  # what the manifest says differs
-    with holder_of_every_chunk(ds, secrets.token_bytes(32), tmp_path / "b") as (
-            holder, server, port):
+    with holder_and_reader(ds, tmp_path) as (holder, server, pool):
         holder.caches[0].evict(missing)
-        pool, reader = reading_node(ds, pool_secret(holder), port, tmp_path / "a")
-        try:
-            got = fetch_all(pool, reads)
-            for i, read in enumerate(reads):
-                if read[1] in (missing, bad_chunk):  # the bad one's chunk: read elsewhere
-                    assert got[i] is None, i
-                else:
-                    assert got[i] == staged_bytes(holder, read), i
-            assert server.counters()["reads_missed"] == sum(r[1] == missing for r in reads)
-            assert server.counters()["connections_accepted"] == 1
-            assert pool._node_down[HOLDER] <= time.monotonic()  # a miss is no failure
-            assert (HOLDER, 0, bad_chunk) in pool._bad_copies
-        finally:
-            reader.close()
-            pool.close()
+        got = fetch_all(pool, reads)
+        for i, read in enumerate(reads):
+            if read[1] in (missing, bad_chunk):  # the bad one's chunk: read elsewhere
+                assert got[i] is None, i
+            else:
+                assert got[i] == staged_bytes(holder, read), i
+        assert server.counters()["reads_missed"] == sum(r[1] == missing for r in reads)
+        assert server.counters()["connections_accepted"] == 1
+        assert pool._node_down[HOLDER] <= time.monotonic()  # a miss is no failure
+        assert (HOLDER, 0, bad_chunk) in pool._bad_copies
 
 
 def test_a_peer_gone_fails_the_batch_to_none_and_marks_it_down(dataset, tmp_path):
     ds, _ = dataset
     reads = extent_reads(ds)[:5]
-    with holder_of_every_chunk(ds, secrets.token_bytes(32), tmp_path / "b") as (
-            holder, server, port):
-        pool, reader = reading_node(ds, pool_secret(holder), port, tmp_path / "a")
+    with holder_and_reader(ds, tmp_path) as (_, server, pool):
         pool.peer_timeout = 1.0
-        try:
-            assert all(v is not None for v in fetch_all(pool, reads).values())
-            server.stop()
-            started = time.monotonic()
-            assert fetch_all(pool, reads) == dict.fromkeys(range(len(reads)))
-            assert time.monotonic() - started < 5.0
-            assert pool._node_down[HOLDER] > time.monotonic()
-        finally:
-            reader.close()
-            pool.close()
+        assert all(v is not None for v in fetch_all(pool, reads).values())
+        server.stop()
+        started = time.monotonic()
+        assert fetch_all(pool, reads) == dict.fromkeys(range(len(reads)))
+        assert time.monotonic() - started < 5.0
+        assert pool._node_down[HOLDER] > time.monotonic()
 
 
 def test_prefetch_many_fills_the_share_and_lets_every_claim_go(dataset, tmp_path):
@@ -126,29 +123,23 @@ def test_prefetch_many_fills_the_share_and_lets_every_claim_go(dataset, tmp_path
     d = ds.directory
     reads = extent_reads(ds)[:12]
     keys = [extent_key(0, e) for e in range(len(reads))]
-    with holder_of_every_chunk(ds, secrets.token_bytes(32), tmp_path / "b") as (
-            holder, server, port):
-        pool, reader = reading_node(ds, pool_secret(holder), port, tmp_path / "a")
+    with holder_and_reader(ds, tmp_path) as (holder, server, pool):
         share = pool.share
         assert share is not None
-        try:
-            lengths = [r[3] for r in reads]
-            assert share.prefetch_many(keys, pool.fetch_many, reads) == lengths
-            for key, read in zip(keys, reads, strict=True):
-                assert share.copy_out(key, 0, read[3], True) == staged_bytes(holder, read)
-            served = server.counters()["reads_served"]
-            assert share.prefetch_many(keys, pool.fetch_many, reads) == lengths  # held
-            assert server.counters()["reads_served"] == served == len(reads)
-            assert not share._fetching and bool((share._in_flight == -1).all())
-            holder.caches[0].evict(int(d.ext_chunk_view[len(reads)]))
-            more = extent_reads(ds)[len(reads):len(reads) + 4]
-            got = share.prefetch_many([extent_key(0, len(reads) + i) for i in range(4)],
-                                      pool.fetch_many, more)
-            assert got[0] is None  # its chunk is gone there: read elsewhere
-            assert not share._fetching and bool((share._in_flight == -1).all())
-        finally:
-            reader.close()
-            pool.close()
+        lengths = [r[3] for r in reads]
+        assert share.prefetch_many(keys, pool.fetch_many, reads) == lengths
+        for key, read in zip(keys, reads, strict=True):
+            assert share.copy_out(key, 0, read[3], True) == staged_bytes(holder, read)
+        served = server.counters()["reads_served"]
+        assert share.prefetch_many(keys, pool.fetch_many, reads) == lengths  # held
+        assert server.counters()["reads_served"] == served == len(reads)
+        assert not share._fetching and bool((share._in_flight == -1).all())
+        holder.caches[0].evict(int(d.ext_chunk_view[len(reads)]))
+        more = extent_reads(ds)[len(reads):len(reads) + 4]
+        got = share.prefetch_many([extent_key(0, len(reads) + i) for i in range(4)],
+                                  pool.fetch_many, more)
+        assert got[0] is None  # its chunk is gone there: read elsewhere
+        assert not share._fetching and bool((share._in_flight == -1).all())
 
 
 def test_prefetch_many_tells_of_each_extent_in_its_slot_before_letting_it_go(
@@ -159,9 +150,7 @@ def test_prefetch_many_tells_of_each_extent_in_its_slot_before_letting_it_go(
     ds, _ = dataset
     reads = extent_reads(ds)[:12]
     keys = [extent_key(0, e) for e in range(len(reads))]
-    with holder_of_every_chunk(ds, secrets.token_bytes(32), tmp_path / "b") as (
-            holder, _, port):
-        pool, reader = reading_node(ds, pool_secret(holder), port, tmp_path / "a")
+    with holder_and_reader(ds, tmp_path) as (holder, _, pool):
         share = pool.share
         assert share is not None
         told: list[int] = []
@@ -172,10 +161,6 @@ def test_prefetch_many_tells_of_each_extent_in_its_slot_before_letting_it_go(
             assert share.copy_out(keys[i], 0, got, True) == staged_bytes(holder, reads[i])
             told.append(i)
 
-        try:
-            share.prefetch_many(keys, pool.fetch_many, reads, landed)
-            assert told == list(range(len(reads)))
-            assert not share._fetching
-        finally:
-            reader.close()
-            pool.close()
+        share.prefetch_many(keys, pool.fetch_many, reads, landed)
+        assert told == list(range(len(reads)))
+        assert not share._fetching
