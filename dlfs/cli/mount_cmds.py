@@ -199,8 +199,8 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                         "read stream. The look-ahead starts at MIN and opens more, up to MAX, "
                         "while the readers catch up with it (default 8:32; N alone is "
                         "min(8,N):N; 8:8 keeps 8)")
-    g.add_argument("--lookahead-pipeline", choices=("on", "off"),
-                   default="on" if MountConfig.lookahead_pipeline else "off",
+    g.add_argument("--lookahead-pipeline", type=_on_off, metavar="{on,off}",
+                   default=MountConfig.lookahead_pipeline,
                    help="send the peer extents of a fetch thread's samples to their owner "
                         "together, pipelined on one connection: less CPU on the peers that "
                         "serve them (half per sample while it keeps ahead, 16 cores), but "
@@ -208,8 +208,8 @@ def _add_lookahead_flags(p: argparse.ArgumentParser) -> None:
                         "files/s there with 8 readers as fast as they can). On where the "
                         "peers' CPU is short and the readers paced (GPU-bound training); "
                         "default off: one request at a time per connection")
-    g.add_argument("--lookahead-peers", choices=("on", "off"),
-                   default="on" if MountConfig.lookahead_peers else "off",
+    g.add_argument("--lookahead-peers", type=_on_off, metavar="{on,off}",
+                   default=MountConfig.lookahead_peers,
                    help="fetch the announced samples that only peers hold ahead of the "
                         "readers (default on): hides a slow peer's or network's latency, "
                         "but the node's CPU pays for each twice (the fetch, then the "
@@ -238,6 +238,13 @@ def _stall_seconds(text: str) -> float:
         if float(text) == 0:
             return 0.0
     return _seconds(text)
+
+
+def _on_off(text: str) -> bool:
+    """A switch's value: on or off (the flag's default comes from MountConfig)."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
 
 
 def _streams(text: str) -> tuple[int, int]:
@@ -453,8 +460,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         lookahead_samples=args.lookahead[0] or MountConfig.lookahead_samples,
         lookahead_bytes=args.lookahead[1], lookahead_streams=args.lookahead_streams,
         lookahead_stale=args.lookahead_stale,
-        lookahead_pipeline=args.lookahead_pipeline == "on",
-        lookahead_peers=args.lookahead_peers == "on", stall_seconds=args.stall_seconds,
+        lookahead_pipeline=args.lookahead_pipeline, lookahead_peers=args.lookahead_peers,
+        stall_seconds=args.stall_seconds,
         request_timeout=args.request_timeout, passthrough=args.passthrough,
         summary_file=os.path.abspath(args.summary_file) if args.summary_file else None)
 
